@@ -1,0 +1,53 @@
+"""verl-qerl: QeRL (NVFP4 + LoRA + Adaptive Quantization Noise) as a verl plugin and vLLM backend."""
+
+from setuptools import find_packages, setup
+
+# The CUDA kernels are built ahead of time when a CUDA torch and nvcc are present, and JIT-built
+# (ninja) on first use otherwise; see verl_qerl/kernels.
+ext_modules: list = []
+cmdclass: dict = {}
+try:  # pragma: no cover - depends on the build machine
+    from verl_qerl.kernels.build import setup_ext_modules
+
+    ext_modules, cmdclass = setup_ext_modules()
+except Exception:  # noqa: BLE001 - no torch / no CUDA / no kernels package yet: pure-Python install
+    ext_modules, cmdclass = [], {}
+
+setup(
+    name="verl-qerl",
+    version="0.1.0",
+    description="QeRL for verl: NVFP4 frozen base weights, LoRA, Adaptive Quantization Noise, FP4xBF16 kernels",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["verl_qerl", "verl_qerl.*"]),
+    package_data={"verl_qerl": ["py.typed"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.9",
+        "transformers>=5.9",
+        "safetensors>=0.4",
+        "tqdm",
+    ],
+    extras_require={
+        # What the CPU test suite needs on top (compressed-tensors is the format oracle).
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "hypothesis>=6",
+            "compressed-tensors==0.17.0",
+            "peft>=0.21",
+            "ruff",
+        ],
+        "train": ["peft>=0.21"],
+        # The GPU stack users run: verl 0.9.1 with its vLLM extra (vLLM 0.24.0, torch 2.11.0).
+        "gpu": ["verl[vllm]==0.9.1", "peft>=0.21", "bitsandbytes>=0.45"],
+    },
+    entry_points={
+        "console_scripts": [
+            "qerl-quantize = verl_qerl.cli.quantize:main",
+        ],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

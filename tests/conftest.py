@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny local checkpoints (no hub), GPU-test skipping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory):
+    """A random-weight tiny Qwen2 checkpoint folder (bf16, one shard)."""
+    from verl_qerl.testing.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "bf16")
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4(tiny_bf16, tmp_path_factory):
+    """``qerl-quantize`` of :func:`tiny_bf16` (compressed-tensors NVFP4A16)."""
+    from verl_qerl.convert import quantize_checkpoint
+
+    dst = tmp_path_factory.mktemp("tiny") / "nvfp4"
+    quantize_checkpoint(tiny_bf16, dst)
+    return dst

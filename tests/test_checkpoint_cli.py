@@ -1,0 +1,306 @@
+"""Checkpoint I/O and the ``qerl-quantize`` CLI on tiny local models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from verl_qerl.convert import fused_group, quantize_checkpoint
+from verl_qerl.nvfp4 import NVFP4FormatError, quantize
+from verl_qerl.nvfp4.checkpoint import (
+    FORMAT_BF16,
+    FORMAT_CT,
+    FORMAT_MODELOPT,
+    CheckpointError,
+    CheckpointReader,
+)
+from verl_qerl.testing.tiny import make_tiny_model
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _all_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "verl_qerl.cli.quantize", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_output_loads_in_compressed_tensors_and_matches_our_dequant(tiny_bf16, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    dst = tmp_path / "q"
+    res = run_cli(str(tiny_bf16), str(dst))
+    assert res.returncode == 0, res.stderr
+    assert "14 Linear layers in NVFP4" in res.stdout
+    reader = CheckpointReader(dst)
+    assert reader.format == FORMAT_CT
+    # the real compressed-tensors integration loads and decompresses it ...
+    model = AutoModelForCausalLM.from_pretrained(
+        dst, quantization_config=CompressedTensorsConfig(dequantize=True), dtype=torch.bfloat16
+    )
+    params = dict(model.named_parameters())
+    modules = reader.nvfp4_modules()
+    assert sorted(modules) == sorted(f"model.layers.{i}.{blk}.{p}" for i in range(2) for p in PROJ
+                                     for blk in (["self_attn"] if p[0] in "qkvo" else ["mlp"]))
+    for module in modules:  # ... to exactly our dequantized weights
+        ours = reader.read_nvfp4(module).dequantize(torch.bfloat16)
+        assert torch.equal(params[f"{module}.weight"].detach(), ours), module
+    # lm_head and embeddings kept in bf16, identical to the source
+    src = _all_tensors(tiny_bf16)
+    out = _all_tensors(dst)
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], src[name])
+    # tokenizer and generation config copied; quantization_config present; ignore names lm_head
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        assert (dst / f).read_bytes() == (tiny_bf16 / f).read_bytes(), f
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "nvfp4-pack-quantized" and qc["ignore"] == ["lm_head"]
+    assert oct(dst.stat().st_mode & 0o777) != oct(0o700)
+
+
+def test_fused_layers_share_the_global_scale(tiny_nvfp4):
+    reader = CheckpointReader(tiny_nvfp4)
+    by_group: dict[str, set[float]] = {}
+    for module in reader.nvfp4_modules():
+        gs = float(reader.read_nvfp4(module).global_scale)
+        by_group.setdefault(fused_group(module), set()).add(gs)
+    assert any(k.endswith("qkv_proj") for k in by_group) and any(k.endswith("gate_up_proj") for k in by_group)
+    assert all(len(v) == 1 for v in by_group.values()), by_group
+
+
+def test_quantized_equals_in_memory_quantize(tiny_bf16, tiny_nvfp4):
+    src = _all_tensors(tiny_bf16)
+    reader = CheckpointReader(tiny_nvfp4)
+    for module in reader.nvfp4_modules():
+        stored = reader.read_nvfp4(module)
+        again = quantize(src[f"{module}.weight"], stored.global_scale)
+        assert torch.equal(again.packed, stored.packed)
+        assert torch.equal(again.scale.view(torch.uint8), stored.scale.view(torch.uint8))
+
+
+def test_multi_shard_source_and_ignore_patterns(tmp_path):
+    src = make_tiny_model(tmp_path / "src", arch="llama", num_hidden_layers=3)
+    # re-shard the single file into three shards + index, as big hub checkpoints are
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(3):
+        part = {n: tensors[n] for n in names[i::3]}
+        save_file(part, src / f"model-0000{i + 1}-of-00003.safetensors", metadata={"format": "pt"})
+        weight_map.update({n: f"model-0000{i + 1}-of-00003.safetensors" for n in part})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    dst = tmp_path / "dst"
+    report = quantize_checkpoint(src, dst, ignore=["down_proj", "re:model\\.layers\\.2\\..*"])
+    reader = CheckpointReader(dst)
+    assert len(reader.shards) == 3 and (dst / "model.safetensors.index.json").is_file()
+    mods = set(reader.nvfp4_modules())
+    assert not any(m.endswith("down_proj") or m.startswith("model.layers.2.") for m in mods)
+    assert len(mods) == len(report.quantized) == 2 * 6
+    assert reader.get("model.layers.2.self_attn.q_proj.weight").dtype == torch.bfloat16
+    # fused groups spanning shards still share one scale
+    gs = {float(reader.read_nvfp4(f"model.layers.0.self_attn.{p}").global_scale) for p in ("q_proj", "k_proj",
+                                                                                               "v_proj")}
+    assert len(gs) == 1
+
+
+def test_refuses_to_overwrite_and_force_replaces(tiny_bf16, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    keep = dst / "precious.txt"
+    keep.write_text("mine")
+    res = run_cli(str(tiny_bf16), str(dst))
+    assert res.returncode == 2 and "exists and is not empty" in res.stderr and "--force" in res.stderr
+    assert keep.read_text() == "mine" and sorted(p.name for p in dst.iterdir()) == ["precious.txt"]
+    res = run_cli(str(tiny_bf16), str(dst), "--force")
+    assert res.returncode == 0, res.stderr
+    assert not keep.exists() and CheckpointReader(dst).format == FORMAT_CT
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dst")]  # no temp folders left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli(str(tiny_bf16), str(empty)).returncode == 0
+
+
+def test_failure_midway_writes_nothing(tiny_bf16, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    dst = tmp_path / "dst"
+    res = run_cli(str(src), str(dst))
+    assert res.returncode == 2
+    assert "model.layers.1.mlp.up_proj.weight: contains 1 NaN/Inf" in res.stderr
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_bad_sources_are_named(tiny_bf16, tiny_nvfp4, tmp_path):
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(tiny_nvfp4, tmp_path / "x")
+    with pytest.raises(CheckpointError, match="config.json"):
+        quantize_checkpoint(tmp_path, tmp_path / "y")
+    # unsupported architecture
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_bf16, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="model_type='gpt2' is not supported"):
+        quantize_checkpoint(odd, tmp_path / "z")
+    # pytorch .bin weights only
+    binonly = tmp_path / "bin"
+    binonly.mkdir()
+    shutil.copy(tiny_bf16 / "config.json", binonly)
+    torch.save({}, binonly / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="convert to safetensors"):
+        quantize_checkpoint(binonly, tmp_path / "w")
+
+
+def _rewrite(folder: Path, fn) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_reader_errors_name_the_tensor(tiny_nvfp4, tmp_path):
+    mod = "model.layers.0.self_attn.o_proj"
+    missing = tmp_path / "missing"
+    shutil.copytree(tiny_nvfp4, missing)
+    _rewrite(missing, lambda t: t.pop(f"{mod}.weight_scale"))
+    with pytest.raises(CheckpointError, match=rf"lacks tensor '{mod}\.weight_scale'"):
+        CheckpointReader(missing).read_nvfp4(mod)
+
+    misshaped = tmp_path / "misshaped"
+    shutil.copytree(tiny_nvfp4, misshaped)
+    _rewrite(misshaped, lambda t: t.__setitem__(f"{mod}.weight_scale", t[f"{mod}.weight_scale"][:, :4].contiguous()))
+    with pytest.raises(NVFP4FormatError, match=rf"{mod}\.weight_scale: shape \(128, 4\) does not fit"):
+        CheckpointReader(misshaped).read_nvfp4(mod)
+
+    group32 = tmp_path / "group32"
+    shutil.copytree(tiny_nvfp4, group32)
+    cfg = json.loads((group32 / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    (group32 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="group_size=32; NVFP4 needs 16"):
+        CheckpointReader(group32)
+
+    reader = CheckpointReader(tiny_nvfp4)
+    with pytest.raises(NVFP4FormatError, match="model expects"):
+        from verl_qerl.nvfp4.checkpoint import validate_nvfp4
+
+        q = reader.read_nvfp4(mod)
+        validate_nvfp4(mod, q.packed, q.scale, q.global_scale, expected_shape=(128, 256))
+    with pytest.raises(CheckpointError, match="'nope.weight' is missing"):
+        reader.get("nope.weight")
+
+
+@pytest.mark.parametrize("where", ["config", "hf_quant_config"])
+def test_modelopt_layout_reads_to_the_same_weights(tiny_nvfp4, tmp_path, where):
+    ct = CheckpointReader(tiny_nvfp4)
+    out = {}
+    for name in ct.names():
+        if not name.endswith(("weight_packed", "weight_scale", "weight_global_scale")):
+            out[name] = ct.get(name)
+    for module in ct.nvfp4_modules():
+        q = ct.read_nvfp4(module)
+        out[f"{module}.weight"] = q.packed
+        out[f"{module}.weight_scale"] = q.scale
+        out[f"{module}.weight_scale_2"] = torch.reciprocal(q.global_scale).reshape(())  # a multiplier
+        out[f"{module}.input_scale"] = torch.ones(())  # W4A4 checkpoints carry these; ignored for W4A16
+    mo = tmp_path / "modelopt"
+    mo.mkdir()
+    save_file(out, mo / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tiny_nvfp4 / "config.json").read_text())
+    del cfg["quantization_config"]
+    modelopt_qc = {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    if where == "config":
+        cfg["quantization_config"] = {"quant_method": "modelopt", **modelopt_qc}
+    else:
+        (mo / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                              "quantization": modelopt_qc}))
+    (mo / "config.json").write_text(json.dumps(cfg))
+    reader = CheckpointReader(mo)
+    assert reader.format == FORMAT_MODELOPT
+    assert sorted(reader.nvfp4_modules()) == sorted(ct.nvfp4_modules())
+    for module in ct.nvfp4_modules():
+        a = ct.read_nvfp4(module).dequantize(torch.float32)
+        b = reader.read_nvfp4(module).dequantize(torch.float32)
+        torch.testing.assert_close(b, a, rtol=2e-7, atol=0)  # 1/(1/g) may differ from g in the last bit
+
+
+def test_reader_on_bf16(tiny_bf16):
+    reader = CheckpointReader(tiny_bf16)
+    assert reader.format == FORMAT_BF16 and reader.nvfp4_modules() == []
+    dtype, shape = reader.metadata("model.embed_tokens.weight")
+    assert dtype == torch.bfloat16 and shape == (512, 128)
+
+
+def _write_big_sharded_model(src: Path, h: int = 1024, i: int = 4096, layers: int = 8) -> int:
+    src.mkdir()
+    cfg = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=h, intermediate_size=i,
+               num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, vocab_size=256,
+               tie_word_embeddings=False, torch_dtype="bfloat16", max_position_embeddings=512)
+    (src / "config.json").write_text(json.dumps(cfg))
+    weight_map, total = {}, 0
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(layers):
+        t: dict[str, torch.Tensor] = {}
+        p = f"model.layers.{layer}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t[p + f"self_attn.{n}.weight"] = torch.randn(h, h, generator=gen).to(torch.bfloat16)
+        for n in ("q_proj", "k_proj", "v_proj"):
+            t[p + f"self_attn.{n}.bias"] = torch.zeros(h, dtype=torch.bfloat16)
+        t[p + "mlp.gate_proj.weight"] = torch.randn(i, h, generator=gen).to(torch.bfloat16)
+        t[p + "mlp.up_proj.weight"] = torch.randn(i, h, generator=gen).to(torch.bfloat16)
+        t[p + "mlp.down_proj.weight"] = torch.randn(h, i, generator=gen).to(torch.bfloat16)
+        t[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if layer == 0:
+            t["model.embed_tokens.weight"] = torch.randn(256, h, generator=gen).to(torch.bfloat16)
+            t["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+            t["lm_head.weight"] = torch.randn(256, h, generator=gen).to(torch.bfloat16)
+        name = f"model-{layer:05d}.safetensors"
+        save_file(t, src / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in t})
+        total += sum(v.numel() * 2 for v in t.values())
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return total
+
+
+@pytest.mark.slow
+def test_peak_memory_is_about_one_shard_not_the_model(tmp_path):
+    """Convert a ~220 MB 8-shard checkpoint in a fresh process; its peak RSS growth must stay far below that."""
+    model_bytes = _write_big_sharded_model(tmp_path / "src")
+    script = r"""
+import json, resource, sys
+import verl_qerl.convert as c
+cfg = json.load(open(sys.argv[1] + "/config.json"))
+c.linear_module_names(cfg)  # import transformers and build the meta model before measuring
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+c.quantize_checkpoint(sys.argv[1], sys.argv[2])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"growth": peak - base}))
+"""
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path / "src"), str(tmp_path / "dst")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    growth = json.loads(res.stdout.strip().splitlines()[-1])["growth"]
+    shard = model_bytes / 8
+    # one bf16 shard in (~27 MB), its quantized copy out, fp32 working copies of one 8 MB weight: a few
+    # shards' worth at most, far below the model (a whole-model load would grow by >= model_bytes)
+    assert growth < 4 * shard, (growth, shard, model_bytes)
+    assert growth < 0.5 * model_bytes

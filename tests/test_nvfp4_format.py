@@ -1,0 +1,238 @@
+"""The NVFP4 number format: bit-exact against compressed-tensors, and its properties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_qerl.nvfp4 import (
+    E2M1_MAGNITUDES,
+    NVFP4FormatError,
+    cast_to_e2m1_codes,
+    dequantize,
+    fused_global_scale,
+    pack_fp4,
+    quantize,
+    unpack_fp4,
+)
+
+ct = pytest.importorskip("compressed_tensors")
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
+from compressed_tensors.quantization import preset_name_to_scheme  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam  # noqa: E402
+
+SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
+GRID = torch.tensor(E2M1_MAGNITUDES)
+
+
+def ct_compress(weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """What llm-compressor's min-max NVFP4A16 flow produces, through compressed-tensors' own functions."""
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    gs = generate_gparam(w.min(), w.max()) if global_scale is None else global_scale
+    groups = w.reshape(n, k // 16, 16)
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), SCHEME.weights, global_scale=gs)
+    return NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, SCHEME)
+
+
+def ct_decompress(packed, scale, gs) -> torch.Tensor:
+    state = {"weight_packed": packed, "weight_scale": scale, "weight_global_scale": gs}
+    return NVFP4PackedCompressor.decompress(state, SCHEME)["weight"]
+
+
+def assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(16, 16), (48, 32), (64, 128), (96, 2048), (7, 160)])
+def test_bit_exact_with_compressed_tensors(shape, dtype):
+    gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
+    for trial in range(4):
+        std = float(torch.rand((), generator=gen) * 2 + 1e-3)
+        w = (torch.randn(shape, generator=gen) * std).to(dtype)
+        if trial == 1:
+            w[0, :16] = 0  # an all-zero block
+        if trial == 2:
+            w[:, 3] *= 50  # outliers
+        ref = ct_compress(w)
+        ours = quantize(w)
+        assert_same_bytes(ours.packed, ref["weight_packed"])
+        assert_same_bytes(ours.scale, ref["weight_scale"])
+        assert_same_bytes(ours.global_scale, ref["weight_global_scale"])
+        # compressed-tensors' decompressor reproduces our dequantized weights exactly
+        theirs = ct_decompress(ours.packed, ours.scale, ours.global_scale)
+        assert torch.equal(theirs, ours.dequantize(theirs.dtype))
+
+
+def test_fused_global_scale_matches_compressed_tensors_rule():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(64, 128, generator=gen) * s for s in (0.02, 0.05, 0.01))
+    shared = fused_global_scale([q, k, v])
+    # llm-compressor's fused rule: the minimum of the parts' compressed-tensors global scales
+    parts = [generate_gparam(t.min(), t.max()) for t in (q, k, v)]
+    assert_same_bytes(shared, torch.stack(parts).amin(0))
+    assert torch.equal(shared, parts[1])  # k has the largest amax
+    for part in (q, k, v):
+        ref = ct_compress(part, shared)
+        ours = quantize(part, shared)
+        assert_same_bytes(ours.packed, ref["weight_packed"])
+        assert_same_bytes(ours.scale, ref["weight_scale"])
+        assert torch.equal(ours.global_scale, shared)
+
+
+def test_every_grid_value_round_trips_exactly():
+    # Blocks made of grid values times a power of two, each block holding a +-6 so amax_b = 6 * 2^e.
+    # With global scale 1, the block scale is exactly 2^e and every value must come back bit-exact.
+    values = torch.cat([GRID, -GRID])
+    for e in range(-6, 7):
+        blocks = []
+        for shift in range(16):
+            blk = values.roll(shift)
+            blk[shift % 16] = 6.0 if shift % 2 else -6.0
+            blocks.append(blk)
+        w = torch.stack(blocks) * 2.0**e
+        q = quantize(w, global_scale=torch.ones(1))
+        assert torch.equal(q.dequantize(torch.float32), w), e
+        assert torch.equal(q.scale.float(), torch.full((16, 1), 2.0**e))
+
+
+def test_codes_of_grid_and_ties():
+    for i, m in enumerate(E2M1_MAGNITUDES):
+        assert int(cast_to_e2m1_codes(torch.tensor([m]))) == i
+        assert int(cast_to_e2m1_codes(torch.tensor([-m]))) == i | 8
+    ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+    for x, want in ties.items():
+        for sign in (1, -1):
+            code = int(cast_to_e2m1_codes(torch.tensor([sign * x])))
+            assert E2M1_MAGNITUDES[code & 7] == want, (sign * x, code)
+            assert (code >> 3) == (sign < 0)
+    # just off the ties, round to nearest
+    eps = 1e-4
+    for x, _ in ties.items():
+        lo = E2M1_MAGNITUDES[int(cast_to_e2m1_codes(torch.tensor([x - eps]))) & 7]
+        hi = E2M1_MAGNITUDES[int(cast_to_e2m1_codes(torch.tensor([x + eps]))) & 7]
+        assert lo < x < hi
+    assert int(cast_to_e2m1_codes(torch.tensor([100.0]))) == 7  # saturates
+
+
+def _nearest_grid_error(scaled: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """How much further the chosen value is than the nearest grid value (0 for round-to-nearest)."""
+    grid = torch.cat([GRID, -GRID]).to(torch.float64)
+    best = (scaled.unsqueeze(-1) - grid).abs().amin(-1)
+    return (scaled - got).abs() - best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    kb=st.integers(1, 6),
+    log_std=st.floats(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_round_to_nearest_and_error_bound_per_block(n, kb, log_std, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, kb * 16, generator=gen, dtype=torch.float64) * 2.0**log_std).to(dtype)
+    q = quantize(w)
+    deq = q.dequantize(torch.float64)
+    assert torch.isfinite(deq).all()
+    eff = (q.scale.to(torch.float64) / q.global_scale.double()).repeat_interleave(16, 1)
+    scaled = (w.double() / eff).clamp(-6, 6)
+    got = deq / eff
+    # round to nearest (tolerance: the quantizer divides in fp32, this check in fp64)
+    assert (_nearest_grid_error(scaled, got) <= 1e-5).all()
+    # per-block bound: at most half the widest grid gap (1.0 between 4 and 6) plus the clamp overshoot
+    assert ((w.double() - deq).abs() <= eff * (1.0 + 1e-6) + 1e-300).all()
+    # and no worse than 1/8 of the block's amax-derived step in the relative sense for the largest values
+    amax_b = w.double().abs().reshape(n, kb, 16).amax(-1)
+    assert ((w.double() - deq).abs().reshape(n, kb, 16).amax(-1) <= amax_b / 6 * 1.07 + 1e-300).all()
+
+
+def test_zeros_denormals_and_huge_values():
+    z = torch.zeros(4, 32)
+    q = quantize(z)
+    assert float(q.global_scale) == 1.0
+    assert torch.equal(q.scale.float(), torch.full((4, 2), 0.125))
+    assert torch.equal(q.packed, torch.zeros(4, 16, dtype=torch.uint8))
+    assert torch.equal(q.dequantize(torch.float32), z)
+
+    tiny = torch.full((2, 16), 1e-40)  # fp32 subnormals
+    tiny[0, 0] = -1e-40
+    qt = quantize(tiny)
+    assert torch.isfinite(qt.dequantize(torch.float32)).all()
+    assert torch.isfinite(qt.global_scale).all()
+
+    mixed = torch.randn(2, 32)
+    mixed[0, 5] = 1e-30  # far below the block's step: must become +0
+    mixed[0, 6] = -1e-30  # ... or -0 (code 8), as compressed-tensors does
+    codes = unpack_fp4(quantize(mixed).packed)
+    assert int(codes[0, 5]) == 0 and int(codes[0, 6]) == 8
+
+    huge = torch.randn(3, 48) * 1e37
+    qh = quantize(huge)
+    deq = qh.dequantize(torch.float32)
+    assert torch.isfinite(deq).all()
+    rel = (deq.double() - huge.double()).norm() / huge.double().norm()
+    assert rel < 0.15
+
+
+def test_bf16_input_equals_its_fp32_upcast():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    a, b = quantize(w), quantize(w.float())
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+
+
+def test_pack_unpack_layout_and_inverse():
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_fp4(codes)
+    assert packed.shape == (5, 32)
+    assert torch.equal(packed[:, 0], codes[:, 0] | (codes[:, 1] << 4))  # even element in the low nibble
+    assert torch.equal(unpack_fp4(packed), codes)
+
+
+def test_dequantize_any_float_dtype_and_uint8_scale_view():
+    q = quantize(torch.randn(16, 64))
+    ref = q.dequantize(torch.float64)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize(q.packed, q.scale, q.global_scale, dt), ref.to(torch.float32).to(dt))
+    assert torch.equal(dequantize(q.packed, q.scale.view(torch.uint8), q.global_scale, torch.float32),
+                       ref.float())
+
+
+@pytest.mark.parametrize(
+    "weight, match",
+    [
+        (torch.randn(8, 24), r"K=24 is not a multiple of the NVFP4 block size 16"),
+        (torch.randn(8, 8), r"K=8"),
+        (torch.randint(0, 5, (8, 32)), r"dtype torch.int64"),
+        (torch.randn(32), r"2-D"),
+        (torch.randn(2, 8, 32), r"2-D"),
+        (torch.ones(4, 32).to(torch.float8_e4m3fn), r"float8_e4m3fn"),
+    ],
+)
+def test_bad_input_is_refused_with_the_name(weight, match):
+    with pytest.raises(NVFP4FormatError, match=match) as err:
+        quantize(weight, name="model.layers.0.mlp.down_proj.weight")
+    assert "model.layers.0.mlp.down_proj.weight" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_inf_refused(bad):
+    w = torch.randn(4, 32)
+    w[1, 7] = bad
+    with pytest.raises(NVFP4FormatError, match=r"lm\.x\.weight: contains 1 NaN/Inf"):
+        quantize(w, name="lm.x.weight")
+
+
+def test_shape_mismatch_in_dequantize_and_pack():
+    q = quantize(torch.randn(8, 64))
+    with pytest.raises(NVFP4FormatError, match="block scale shape"):
+        dequantize(q.packed, q.scale[:, :2], q.global_scale)
+    with pytest.raises(NVFP4FormatError, match="even K"):
+        pack_fp4(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(NVFP4FormatError, match="uint8"):
+        unpack_fp4(torch.zeros(2, 3, dtype=torch.int32))

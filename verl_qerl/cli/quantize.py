@@ -1,0 +1,48 @@
+"""``qerl-quantize SRC DST``: a BF16 Hugging Face checkpoint folder -> an NVFP4 checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="qerl-quantize",
+        description="Quantize the Linear layers of a local BF16 Qwen2/Qwen2.5/Llama checkpoint to NVFP4 "
+        "(compressed-tensors NVFP4A16 layout, loadable by vLLM and by verl-qerl). lm_head and the "
+        "embeddings stay in BF16. Tokenizer and generation config are copied.",
+    )
+    parser.add_argument("src", help="source checkpoint folder (config.json + *.safetensors)")
+    parser.add_argument("dst", help="destination folder (must not exist or be empty, unless --force)")
+    parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
+                        help="keep matching modules in BF16: an exact module name, a dotted suffix "
+                        "(e.g. 'down_proj') or 're:<regex>'; repeatable. lm_head is always kept.")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
+    args = parser.parse_args(argv)
+
+    from .. import convert
+
+    def progress(iterable, total, desc):
+        return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
+
+    t0 = time.perf_counter()
+    try:
+        report = convert.quantize_checkpoint(args.src, args.dst, ignore=args.ignore, force=args.force,
+                                             progress=progress)
+    except (FileExistsError, ValueError) as err:
+        print(f"qerl-quantize: error: {err}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    ratio = report.bytes_out / max(report.bytes_in, 1)
+    print(f"qerl-quantize: wrote {report.dst}: {len(report.quantized)} Linear layers in NVFP4, "
+          f"{len(report.kept)} tensors kept; {report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB "
+          f"({ratio:.2f}x) in {dt:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The NVFP4 number format as pure torch functions, and its checkpoint layouts."""
+
+from .format import BLOCK_SIZE, E2M1_MAGNITUDES, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, e2m1_values
+from .quantize import (
+    NVFP4FormatError,
+    NVFP4Weight,
+    cast_to_e2m1_codes,
+    compute_block_scales,
+    compute_global_scale,
+    dequantize,
+    fused_global_scale,
+    global_scale_from_amax,
+    pack_fp4,
+    quantize,
+    quantize_dequantize,
+    unpack_fp4,
+)
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAGNITUDES",
+    "FP4_MAX",
+    "FP8_E4M3_MAX",
+    "SCALE_DTYPE",
+    "NVFP4FormatError",
+    "NVFP4Weight",
+    "cast_to_e2m1_codes",
+    "compute_block_scales",
+    "compute_global_scale",
+    "dequantize",
+    "e2m1_values",
+    "fused_global_scale",
+    "global_scale_from_amax",
+    "pack_fp4",
+    "quantize",
+    "quantize_dequantize",
+    "unpack_fp4",
+]

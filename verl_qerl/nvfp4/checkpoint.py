@@ -1,0 +1,292 @@
+"""Read and write NVFP4 checkpoints (Hugging Face folders of safetensors shards).
+
+Written layout: compressed-tensors NVFP4A16 (``<module>.weight_packed`` uint8 [N, K/2],
+``<module>.weight_scale`` float8_e4m3fn [N, K/16], ``<module>.weight_global_scale`` fp32 [1], the
+divisor), with a ``quantization_config`` in config.json that vLLM's stock compressed-tensors loader
+and llm-compressor accept. Read layouts: that one, and ModelOpt NVFP4 (``<module>.weight`` uint8,
+``weight_scale`` E4M3, ``weight_scale_2`` fp32 *multiplier*). Tensors are read lazily one at a
+time through ``safetensors.safe_open`` so nothing holds a whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .format import (
+    BLOCK_SIZE,
+    CT_WEIGHT_GLOBAL_SCALE,
+    CT_WEIGHT_PACKED,
+    CT_WEIGHT_SCALE,
+    MODELOPT_WEIGHT,
+    MODELOPT_WEIGHT_SCALE,
+    MODELOPT_WEIGHT_SCALE_2,
+    SCALE_DTYPE,
+)
+from .quantize import NVFP4FormatError, NVFP4Weight
+
+CT_FORMAT = "nvfp4-pack-quantized"
+FORMAT_BF16 = "unquantized"
+FORMAT_CT = "compressed-tensors"
+FORMAT_MODELOPT = "modelopt"
+
+#: The compressed-tensors version whose config schema we write (the one vLLM 0.24/0.32 pin).
+CT_CONFIG_VERSION = "0.17.0"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read as asked; the message names the file or tensor."""
+
+
+def ct_quantization_config(ignore: Iterable[str] = ("lm_head",)) -> dict:
+    """The ``quantization_config`` block of an NVFP4A16 compressed-tensors checkpoint."""
+    weights = {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": BLOCK_SIZE,
+        "num_bits": 4,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "tensor_group",
+        "symmetric": True,
+        "type": "float",
+    }
+    return {
+        "config_groups": {
+            "group_0": {
+                "format": CT_FORMAT,
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": weights,
+            }
+        },
+        "format": CT_FORMAT,
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "version": CT_CONFIG_VERSION,
+    }
+
+
+def ct_tensors(module: str, weight: NVFP4Weight) -> dict[str, torch.Tensor]:
+    """The three tensors compressed-tensors stores for one quantized Linear named ``module``."""
+    return {
+        f"{module}.{CT_WEIGHT_PACKED}": weight.packed.contiguous(),
+        f"{module}.{CT_WEIGHT_SCALE}": weight.scale.contiguous(),
+        f"{module}.{CT_WEIGHT_GLOBAL_SCALE}": weight.global_scale.reshape(1).to(torch.float32).contiguous(),
+    }
+
+
+def matches_pattern(module: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors' ignore/target rule: an exact module name, a dotted suffix, or ``re:<regex>``."""
+    for pat in patterns:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], module):
+                return True
+        elif module == pat or module.endswith("." + pat):
+            return True
+    return False
+
+
+def detect_format(config: dict, folder: Path | None = None) -> str:
+    """Which weight layout a checkpoint's config.json (and hf_quant_config.json) declares."""
+    qc = config.get("quantization_config") or config.get("compression_config")
+    if qc is None and folder is not None and (folder / "hf_quant_config.json").is_file():
+        qc = json.loads((folder / "hf_quant_config.json").read_text())
+        qc = {"quant_method": "modelopt", **qc.get("quantization", qc)}
+    if not qc:
+        return FORMAT_BF16
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        fmts = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+        if CT_FORMAT not in fmts:
+            raise CheckpointError(f"compressed-tensors checkpoint with format(s) {sorted(map(str, fmts))}; "
+                                  f"only {CT_FORMAT!r} (NVFP4) is supported")
+        for name, group in (qc.get("config_groups") or {}).items():
+            gs = (group.get("weights") or {}).get("group_size")
+            if gs not in (None, BLOCK_SIZE):
+                raise CheckpointError(f"quantization_config.config_groups.{name}.weights.group_size={gs}; "
+                                      f"NVFP4 needs {BLOCK_SIZE}")
+        return FORMAT_CT
+    if method == "modelopt" or "quant_algo" in qc:
+        algo = str(qc.get("quant_algo", "")).upper()
+        if "FP4" not in algo:
+            raise CheckpointError(f"ModelOpt checkpoint with quant_algo={algo!r}; only NVFP4 is supported")
+        gs = qc.get("group_size")
+        if gs not in (None, BLOCK_SIZE):
+            raise CheckpointError(f"ModelOpt quantization group_size={gs}; NVFP4 needs {BLOCK_SIZE}")
+        return FORMAT_MODELOPT
+    if method in ("qerl_nvfp4",):
+        return FORMAT_CT
+    raise CheckpointError(f"unsupported quantization_config.quant_method {method!r} (expected compressed-tensors "
+                          "NVFP4, ModelOpt NVFP4, or an unquantized checkpoint)")
+
+
+def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
+    """Module patterns a quantized checkpoint left unquantized."""
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    if not qc and folder is not None and (folder / "hf_quant_config.json").is_file():
+        qc = json.loads((folder / "hf_quant_config.json").read_text()).get("quantization", {})
+    return list(qc.get("ignore") or qc.get("exclude_modules") or [])
+
+
+@dataclass
+class CheckpointReader:
+    """Lazy, name-indexed access to the safetensors shards of a Hugging Face checkpoint folder."""
+
+    folder: Path
+    config: dict = field(init=False)
+    format: str = field(init=False)
+    _where: dict[str, str] = field(init=False, repr=False)
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: not a directory")
+        cfg_path = self.folder / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint folder)")
+        self.config = json.loads(cfg_path.read_text())
+        self.format = detect_format(self.config, self.folder)
+        self._where = self._index()
+
+    def _index(self) -> dict[str, str]:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map'")
+            for shard in sorted(set(weight_map.values())):
+                if not (self.folder / shard).is_file():
+                    raise CheckpointError(f"{index}: names shard {shard!r}, which is missing")
+            return dict(weight_map)
+        shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        if not shards:
+            bins = sorted(p.name for p in self.folder.glob("*.bin"))
+            hint = f" (found {bins}: convert to safetensors first)" if bins else ""
+            raise CheckpointError(f"{self.folder}: no *.safetensors weights{hint}")
+        where = {}
+        for shard in shards:
+            with safe_open(self.folder / shard, framework="pt") as f:
+                for name in f.keys():
+                    where[name] = shard
+        return where
+
+    @property
+    def shards(self) -> list[str]:
+        return sorted(set(self._where.values()))
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shard_names(self, shard: str) -> list[str]:
+        return [n for n, s in self._where.items() if s == shard]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
+        with safe_open(self.folder / self._where[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def metadata(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape of a tensor without reading its data."""
+        if name not in self._where:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
+        with safe_open(self.folder / self._where[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
+            return dtype, tuple(sl.get_shape())
+
+    def iter_shard(self, shard: str) -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(self.folder / shard, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+    def nvfp4_modules(self) -> list[str]:
+        """Names of the modules stored as NVFP4 in this checkpoint."""
+        if self.format == FORMAT_CT:
+            suffix = "." + CT_WEIGHT_PACKED
+            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
+        if self.format == FORMAT_MODELOPT:
+            suffix = "." + MODELOPT_WEIGHT_SCALE_2
+            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
+        return []
+
+    def read_nvfp4(self, module: str) -> NVFP4Weight:
+        """One quantized layer, validated, as compressed-tensors tensors (divisor global scale)."""
+        if self.format == FORMAT_CT:
+            names = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
+        elif self.format == FORMAT_MODELOPT:
+            names = (MODELOPT_WEIGHT, MODELOPT_WEIGHT_SCALE, MODELOPT_WEIGHT_SCALE_2)
+        else:
+            raise CheckpointError(f"{self.folder}: not an NVFP4 checkpoint (format {self.format})")
+        for n in names:
+            if f"{module}.{n}" not in self._where:
+                raise CheckpointError(f"{self.folder}: module {module!r} lacks tensor '{module}.{n}'")
+        packed, scale, third = (self.get(f"{module}.{n}") for n in names)
+        if self.format == FORMAT_MODELOPT:
+            global_scale = torch.reciprocal(third.to(torch.float32).reshape(1))
+        else:
+            global_scale = third.to(torch.float32).reshape(-1)
+        return validate_nvfp4(module, packed, scale, global_scale)
+
+
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+}
+
+
+def validate_nvfp4(
+    module: str,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    expected_shape: tuple[int, int] | None = None,
+) -> NVFP4Weight:
+    """Check dtypes and shapes of one layer's NVFP4 tensors; errors name the tensor."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise NVFP4FormatError(f"{module}: packed weight must be uint8 [N, K/2], got {packed.dtype} "
+                               f"{tuple(packed.shape)}")
+    if scale.dtype == torch.uint8:
+        scale = scale.view(SCALE_DTYPE)
+    if scale.dtype != SCALE_DTYPE:
+        raise NVFP4FormatError(f"{module}.weight_scale: must be float8_e4m3fn, got {scale.dtype}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if tuple(scale.shape) != (n, k // BLOCK_SIZE):
+        group = k // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else "?"
+        raise NVFP4FormatError(f"{module}.weight_scale: shape {tuple(scale.shape)} does not fit packed weight "
+                               f"[{n}, {k}/2] with block size {BLOCK_SIZE} (implied group size {group})")
+    if global_scale.numel() != 1:
+        raise NVFP4FormatError(f"{module}: global scale must hold one value, got shape {tuple(global_scale.shape)}")
+    g = float(global_scale.reshape(()))
+    if not (g > 0 and g < float("inf")):
+        raise NVFP4FormatError(f"{module}: global scale must be finite and > 0, got {g}")
+    if expected_shape is not None and (n, k) != tuple(expected_shape):
+        raise NVFP4FormatError(f"{module}: checkpoint weight is [{n}, {k}] but the model expects "
+                               f"{list(expected_shape)}")
+    return NVFP4Weight(packed, scale, global_scale.to(torch.float32).reshape(1))

@@ -1,0 +1,45 @@
+"""Constants of the NVFP4 number format (compressed-tensors ``nvfp4-pack-quantized`` layout).
+
+NVFP4 stores each weight as a 4-bit E2M1 float (1 sign, 2 exponent, 1 mantissa bit), one
+FP8-E4M3 scale per 16 consecutive input-dimension (K) elements of a row, and one FP32 scale
+per tensor. The per-tensor scale is stored as a *divisor*, ``448 * 6 / amax`` (compressed-tensors'
+convention), so the dequantized value is ``e2m1 * e4m3_scale / global_scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Magnitudes of the eight non-negative E2M1 codes; code bit 3 is the sign.
+E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+#: Largest E2M1 magnitude.
+FP4_MAX = 6.0
+
+#: Largest finite float8_e4m3fn value.
+FP8_E4M3_MAX = 448.0
+
+#: Elements of K that share one E4M3 block scale.
+BLOCK_SIZE = 16
+
+#: What compressed-tensors writes in place of a block scale that rounds to zero (FP8 eps).
+ZERO_BLOCK_SCALE = 0.125
+
+#: Module-name suffixes of the tensors a compressed-tensors NVFP4 layer stores.
+CT_WEIGHT_PACKED = "weight_packed"
+CT_WEIGHT_SCALE = "weight_scale"
+CT_WEIGHT_GLOBAL_SCALE = "weight_global_scale"
+
+#: ModelOpt NVFP4 names: ``weight`` (packed uint8), ``weight_scale`` (E4M3), ``weight_scale_2``
+#: (FP32 *multiplier*, the reciprocal of compressed-tensors' divisor).
+MODELOPT_WEIGHT = "weight"
+MODELOPT_WEIGHT_SCALE = "weight_scale"
+MODELOPT_WEIGHT_SCALE_2 = "weight_scale_2"
+
+SCALE_DTYPE = torch.float8_e4m3fn
+
+
+def e2m1_values(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 values indexed by a 4-bit code (0..7 positive, 8..15 the same magnitudes negated)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)
+    return torch.cat([mags, -mags])
