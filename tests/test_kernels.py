@@ -1,0 +1,210 @@
+"""CPU tests of verl_qerl.kernels: layout round trips, fallbacks vs a float64 oracle, fake impls.
+
+The float64 oracle is written here from the format's definition (not imported from the package),
+so a shared mistake in the package's references cannot hide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_qerl import kernels
+from verl_qerl.kernels import layout, reference
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def oracle_weight(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """W[n, k] = e2m1(code) * float(scale[n, k // 16]) / g, in float64, element by element rules."""
+    lo = (packed & 0xF).long()
+    hi = (packed >> 4).long()
+    codes = torch.stack([lo, hi], -1).reshape(packed.shape[0], -1)
+    mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
+    val = torch.where((codes & 8) != 0, -mag, mag)
+    s = scale.view(torch.float8_e4m3fn).to(torch.float64) if scale.dtype == torch.uint8 else scale.to(torch.float64)
+    return val * s.repeat_interleave(16, 1) / float(gs.reshape(()).double())
+
+
+def random_nvfp4(n: int, k: int, seed: int, zero_blocks: bool = False):
+    """Random codes (all 16 values), random positive E4M3 scales incl. subnormals, random g."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    sbytes = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen)  # no NaN, no sign
+    if zero_blocks:
+        sbytes[0, 0] = 0
+        sbytes[-1, -1] = 0
+    gs = torch.tensor([2688.0 / (0.05 + torch.rand(1, generator=gen).item())], dtype=torch.float32)
+    return packed, sbytes.view(torch.float8_e4m3fn), gs
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (128, 128), (48, 192), (272, 384)])
+def test_repack_roundtrip(n: int, k: int) -> None:
+    packed, scale, _ = random_nvfp4(n, k, seed=n + k)
+    rw = kernels.repack(packed, scale)
+    n_pad = (n + 127) // 128 * 128
+    assert rw.qweight.shape == (n_pad // 16, k // 64, 512) and rw.qweight.dtype == torch.uint8
+    assert rw.qscale.shape == (n_pad // 16, k // 64, 64) and rw.qscale.dtype == torch.uint8
+    codes = reference.unpack_codes(packed)
+    assert torch.equal(layout.unrepack_codes(rw.qweight, n), codes)
+    assert torch.equal(layout.unrepack_scales(rw.qscale, n), scale.to(torch.float32))
+    # padding rows decode to zero codes
+    pad_codes = layout.unrepack_codes(rw.qweight, n_pad)[n:]
+    assert int(pad_codes.count_nonzero()) == 0
+
+
+def test_repack_bit_placement_is_a_permutation() -> None:
+    """Every bit of a word is used by exactly one (register, half, code bit)."""
+    bits = sorted(layout._SRC[r][h][b] for r in range(4) for h in range(2) for b in range(4))
+    assert bits == list(range(32))
+
+
+def test_scale_encoding_all_e4m3() -> None:
+    """All finite non-negative E4M3 values (subnormals included) survive the byte re-encoding."""
+    raw = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN in e4m3fn
+    f = raw.view(torch.float8_e4m3fn).to(torch.float32)
+    enc = layout.encode_scale_bytes(raw)
+    assert torch.equal(layout.decode_scale_bytes(enc), f)
+    assert int(enc[0]) == 0 and bool((enc[1:] > 0).all())
+
+
+def test_zero_scale_blocks_decode_to_zero() -> None:
+    packed, scale, gs = random_nvfp4(128, 128, seed=3, zero_blocks=True)
+    rw = kernels.repack(packed, scale)
+    w = reference.dequantize_repacked_ref(rw.qweight, rw.qscale, gs, 128, torch.float32)
+    assert float(w[0, :16].abs().sum()) == 0.0 and float(w[-1, -16:].abs().sum()) == 0.0
+    assert torch.equal(w, reference.dequantize_ref(packed, scale, gs, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_matches_oracle(dtype: torch.dtype) -> None:
+    packed, scale, gs = random_nvfp4(64, 256, seed=7)
+    w = kernels.dequantize(packed, scale, gs, dtype)
+    assert w.dtype == dtype and w.shape == (64, 256)
+    ref = oracle_weight(packed, scale, gs)
+    # one rounding of the fp32 product: within half an ulp of the output dtype (relative)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}[dtype]
+    nz = ref != 0
+    floor = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # subnormal spacing
+    assert bool(((w.double() - ref).abs() <= tol * ref.abs() + floor).all())
+    assert bool((w.double()[~nz] == 0).all())
+    # uint8 view of the scales is accepted and gives the same bits
+    assert torch.equal(kernels.dequantize(packed, scale.view(torch.uint8), gs, dtype), w)
+
+
+def test_dequantize_repacked_equals_dequantize() -> None:
+    packed, scale, gs = random_nvfp4(144, 320, seed=11)
+    rw = kernels.repack(packed, scale)
+    a = kernels.dequantize_repacked(rw, gs, 144, torch.bfloat16)
+    b = kernels.dequantize(packed, scale, gs, torch.bfloat16)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_fallback_matches_f64(m: int, with_bias: bool) -> None:
+    n, k = 96, 256
+    packed, scale, gs = random_nvfp4(n, k, seed=m)
+    gen = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    ref = reference.linear_f64(x, packed, scale, gs, bias)
+    ref_oracle = x.double() @ oracle_weight(packed, scale, gs).T + (bias.double() if with_bias else 0)
+    assert rel_err(ref, ref_oracle) < 1e-12
+    out32 = kernels.linear(x, packed, scale, gs, bias)
+    assert out32.shape == (m, n) and rel_err(out32, ref) < 1e-5
+    xb = x.to(torch.bfloat16)
+    refb = reference.linear_f64(xb, packed, scale, gs, bias)
+    outb = kernels.linear(xb, packed, scale, gs, bias)
+    assert outb.dtype == torch.bfloat16 and rel_err(outb, refb) < 1e-2
+    rw = kernels.repack(packed, scale)
+    outk = kernels.linear(xb, packed, scale, gs, bias, kernel_weight=rw)
+    assert rel_err(outk, refb) < 1e-2
+    outk2 = kernels.linear(xb.view(1, m, k), None, None, gs, bias, kernel_weight=rw, n=n)
+    assert outk2.shape == (1, m, n)
+
+
+def test_ops_cpu_and_shapes() -> None:
+    n, k = 80, 128
+    packed, scale, gs = random_nvfp4(n, k, seed=5)
+    qw, qs = torch.ops.qerl.nvfp4_repack(packed, scale.view(torch.uint8))
+    assert qw.shape == (8, 2, 512) and qs.shape == (8, 2, 64)
+    x = torch.randn(3, k).to(torch.bfloat16)
+    out = torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, None, n, 0)
+    ref = reference.linear_f64(x, packed, scale, gs)
+    assert out.shape == (3, n) and out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
+    w = torch.ops.qerl.nvfp4_dequant(packed, scale.view(torch.uint8), gs, torch.float32)
+    assert torch.equal(w, reference.dequantize_ref(packed, scale, gs, torch.float32))
+
+
+def test_autograd_through_gemm_op() -> None:
+    n, k = 32, 128
+    packed, scale, gs = random_nvfp4(n, k, seed=9)
+    qw, qs = kernels.repack(packed, scale)
+    x = torch.randn(4, k, dtype=torch.float32, requires_grad=True)
+    bias = torch.randn(n, requires_grad=True)
+    out = torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, bias, n, 0)
+    g = torch.randn_like(out)
+    out.backward(g)
+    w = oracle_weight(packed, scale, gs)
+    assert rel_err(x.grad, g.double() @ w) < 1e-5
+    assert torch.allclose(bias.grad, g.sum(0))
+
+
+def test_layout_refuses_bad_shapes() -> None:
+    packed, scale, _ = random_nvfp4(24, 64, seed=1)
+    with pytest.raises(kernels.LayoutError, match="N=24"):
+        kernels.repack(packed, scale)
+    packed, scale, _ = random_nvfp4(32, 48, seed=1)
+    with pytest.raises(kernels.LayoutError, match="K=48"):
+        kernels.repack(packed, scale)
+
+
+def test_import_does_not_touch_cuda() -> None:
+    assert kernels.gemm_supported(256, torch.bfloat16) and not kernels.gemm_supported(192, torch.bfloat16)
+    assert not kernels.gemm_supported(256, torch.float16)
+    if not torch.cuda.is_available():
+        assert kernels.cuda_available() is False
+        assert "cuda" in kernels.cuda_unavailable_reason().lower()
+
+
+def test_fake_impls_under_compile() -> None:
+    """torch.compile(fullgraph=True) traces the ops through their fake impls (CPU backend)."""
+    n, k = 64, 128
+    packed, scale, gs = random_nvfp4(n, k, seed=21)
+    qw, qs = kernels.repack(packed, scale)
+    bias = torch.randn(n).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, bias, n, 0)
+        w = torch.ops.qerl.nvfp4_dequant_repacked(qw, qs, gs, n, torch.bfloat16)
+        return y + (x @ w.T) * 0.5
+
+    x = torch.randn(5, k).to(torch.bfloat16)
+    try:
+        cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+        out = cf(x)
+    except Exception as ex:  # pragma: no cover - only if this torch cannot compile at all here
+        pytest.skip(f"torch.compile unavailable here: {ex}")
+    assert out.shape == (5, n) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), f(x).float(), rtol=2e-2, atol=2e-2)
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx = torch.empty(7, k, dtype=torch.bfloat16)
+        fqw = torch.empty(tuple(qw.shape), dtype=torch.uint8)
+        fqs = torch.empty(tuple(qs.shape), dtype=torch.uint8)
+        fgs = torch.empty(1)
+        y = torch.ops.qerl.nvfp4_gemm(fx, fqw, fqs, fgs, None, n, 0)
+        assert y.shape == (7, n) and y.dtype == torch.bfloat16
+        w = torch.ops.qerl.nvfp4_dequant(torch.empty(n, k // 2, dtype=torch.uint8),
+                                         torch.empty(n, k // 16, dtype=torch.uint8), fgs, torch.float16)
+        assert w.shape == (n, k) and w.dtype == torch.float16
+        a, b = torch.ops.qerl.nvfp4_repack(torch.empty(n, k // 2, dtype=torch.uint8),
+                                           torch.empty(n, k // 16, dtype=torch.uint8))
+        assert a.shape == (1 * 128 // 16, k // 64, 512) and b.shape == (8, k // 64, 64)

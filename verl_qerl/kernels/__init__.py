@@ -1,0 +1,205 @@
+"""NVFP4 kernels: FP4xBF16 GEMM and NVFP4 -> BF16 dequantize, as torch ops with torch fallbacks.
+
+Public API (all of it works on CPU through the torch references):
+
+* :func:`repack` -- compressed-tensors NVFP4 -> the GEMM kernel's tile layout (run once at load);
+* :func:`linear` -- ``x @ W.T + bias`` for a frozen NVFP4 weight; on CUDA with the extension it
+  dispatches by M inside the op (fused GEMM for small M, dequantize + cuBLAS for large M);
+* :func:`dequantize` / :func:`dequantize_repacked` -- NVFP4 -> dense weight;
+* :func:`cuda_available` / :func:`cuda_unavailable_reason` / :func:`load_extension`.
+
+Importing this package never touches CUDA and never compiles: the extension is built (JIT, ninja,
+cached) or imported (ahead-of-time ``verl_qerl._C``) on the first CUDA use, or by an explicit
+:func:`load_extension`. Call :func:`load_extension` (or :func:`repack` on a CUDA tensor) before
+``torch.ops.qerl.*`` is called directly on CUDA tensors or captured in a CUDA graph: the CUDA
+kernels register when the library loads, and the split-K semaphores are allocated then.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import layout, ops, reference
+from .layout import K_TILE, N_PAD, LayoutError, RepackedWeight
+
+__all__ = [
+    "K_TILE",
+    "N_PAD",
+    "LayoutError",
+    "RepackedWeight",
+    "cuda_available",
+    "cuda_unavailable_reason",
+    "dequantize",
+    "dequantize_repacked",
+    "gemm_supported",
+    "linear",
+    "load_extension",
+    "repack",
+]
+
+log = logging.getLogger(__name__)
+
+#: The GEMM kernel needs K to be a multiple of its pipeline stage (2 tiles of 64).
+GEMM_K_MULTIPLE = 128
+
+
+class _State:
+    lock = threading.Lock()
+    tried = False
+    ext = None
+    reason = "not loaded yet (call load_extension())"
+
+
+def load_extension(verbose: bool = False) -> bool:
+    """Build (JIT, cached) or import the CUDA extension once; True when its kernels are registered.
+
+    Never raises: on failure the torch references are registered as the ops' CUDA kernels and
+    :func:`cuda_unavailable_reason` says why. Set ``VERL_QERL_DISABLE_CUDA_KERNELS=1`` to skip.
+    """
+    if _State.tried:
+        return _State.ext is not None
+    with _State.lock:
+        if _State.tried:
+            return _State.ext is not None
+        try:
+            if os.environ.get("VERL_QERL_DISABLE_CUDA_KERNELS", "0") not in ("", "0"):
+                raise RuntimeError("disabled by VERL_QERL_DISABLE_CUDA_KERNELS")
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch.cuda.is_available() is False")
+            if torch.version.cuda is None:
+                raise RuntimeError(f"torch {torch.__version__} is not a CUDA build")
+            from . import build
+
+            ext = build.load(verbose=verbose)
+            ext.init_workspace(torch.cuda.current_device())
+            _State.ext = ext
+            _State.reason = ""
+        except Exception as ex:  # noqa: BLE001 - any failure means "use the fallback"
+            _State.reason = f"{type(ex).__name__}: {ex}"
+            log.warning("verl_qerl.kernels: CUDA extension unavailable, using torch fallbacks (%s)", ex)
+            if torch.cuda.is_available():
+                ops.register_cuda_fallbacks()
+        _State.tried = True
+    return _State.ext is not None
+
+
+def cuda_available() -> bool:
+    """True when the CUDA kernels can run here (builds/loads the extension on first call)."""
+    return load_extension()
+
+
+def cuda_unavailable_reason() -> str:
+    """Why :func:`cuda_available` is False ('' when it is True, or 'not loaded yet')."""
+    return _State.reason
+
+
+def _ext_ready(device: torch.device) -> bool:
+    """Extension usable for tensors on ``device``; never loads while torch.compile traces."""
+    if device.type != "cuda":
+        return False
+    if torch.compiler.is_compiling():
+        return _State.ext is not None
+    if not load_extension():
+        return False
+    if not torch.cuda.is_current_stream_capturing():
+        _State.ext.init_workspace(device.index if device.index is not None else torch.cuda.current_device())
+    return True
+
+
+def gemm_supported(k: int, dtype: torch.dtype) -> bool:
+    """Whether the fused GEMM handles activations of this K and dtype (else dequant + matmul)."""
+    return dtype == torch.bfloat16 and k % GEMM_K_MULTIPLE == 0
+
+
+def repack(packed: torch.Tensor, scale: torch.Tensor) -> RepackedWeight:
+    """compressed-tensors NVFP4 -> the GEMM's tile layout (``RepackedWeight(qweight, qscale)``).
+
+    Runs in torch on the tensors' device. N must be a multiple of 16 and K of 64 (else
+    :class:`LayoutError`); N is zero-padded to a multiple of 128. Keep the result as buffers and
+    pass it to :func:`linear` as ``kernel_weight``. On CUDA this also loads the extension, so that
+    later calls can be graph-captured.
+    """
+    if packed.is_cuda:
+        _ext_ready(packed.device)
+    qweight, qscale = torch.ops.qerl.nvfp4_repack(packed, layout.scale_as_uint8(scale))
+    return RepackedWeight(qweight, qscale)
+
+
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """NVFP4 (compressed-tensors layout) -> [N, K] ``dtype``; bit-identical to the torch reference."""
+    expect_scale = (packed.shape[0], packed.shape[1] // 8) if packed.dim() == 2 else None
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or tuple(scale.shape) != expect_scale:
+        raise LayoutError(
+            f"dequantize: expected packed uint8 [N, K/2] and scale [N, K/16], got {packed.dtype} "
+            f"{tuple(packed.shape)} and {tuple(scale.shape)}"
+        )
+    if _ext_ready(packed.device):
+        return torch.ops.qerl.nvfp4_dequant(packed, layout.scale_as_uint8(scale), global_scale, dtype)
+    return reference.dequantize_ref(packed, scale, global_scale, dtype)
+
+
+def dequantize_repacked(
+    kernel_weight: RepackedWeight, global_scale: torch.Tensor, n: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dense [n, K] weight from the kernel layout (for large-M paths that keep only that layout)."""
+    qweight, qscale = kernel_weight
+    if _ext_ready(qweight.device):
+        return torch.ops.qerl.nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype)
+    return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel_weight: RepackedWeight | None = None,
+    n: int | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for an NVFP4 weight W [N, K]; x is [..., K] (bf16, fp16 or fp32).
+
+    Paths, in order:
+
+    1. CUDA, extension loaded, ``kernel_weight`` given, x bf16, K % 128 == 0: the
+       ``qerl::nvfp4_gemm`` op, which picks the fused GEMM (M <= its tuned threshold) or
+       dequantize + cuBLAS inside the op (no Python branch on M, so no torch.compile guard);
+    2. CUDA, extension loaded: ``qerl::nvfp4_dequant`` to x's dtype, then ``F.linear``;
+    3. anywhere else: the torch reference (dequantize, ``F.linear``).
+
+    ``packed``/``scale`` may be None when ``kernel_weight`` is given (then ``n`` = N is needed if
+    ``packed`` is None, since the kernel layout pads N).
+    """
+    if packed is not None:
+        n_out = packed.shape[0]
+    elif n is not None:
+        n_out = n
+    else:
+        raise ValueError("linear: give packed (or n together with kernel_weight)")
+    k = x.shape[-1]
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    ready = _ext_ready(x.device)
+    if ready and kernel_weight is not None and gemm_supported(k, x.dtype):
+        x2 = x.reshape(-1, k)
+        out = torch.ops.qerl.nvfp4_gemm(
+            x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, 0
+        )
+        return out.reshape(*x.shape[:-1], n_out)
+    if packed is None or scale is None:
+        if kernel_weight is None:
+            raise ValueError("linear: give packed and scale, or kernel_weight")
+        w = dequantize_repacked(kernel_weight, global_scale, n_out, x.dtype)
+        return F.linear(x, w, bias)
+    if ready:
+        w = torch.ops.qerl.nvfp4_dequant(packed, layout.scale_as_uint8(scale), global_scale, x.dtype)
+        return F.linear(x, w, bias)
+    return ops.linear_reference(x, packed, scale, global_scale, bias)

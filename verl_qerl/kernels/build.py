@@ -1,0 +1,95 @@
+"""Building and loading the CUDA extension (``cuda/`` sources).
+
+Two routes, one set of sources:
+
+* ahead of time: ``setup.py`` adds :func:`cuda_extension` (a ``CUDAExtension`` named
+  ``verl_qerl._C``) when a CUDA torch and ``nvcc`` are present;
+* just in time: :func:`load` builds the same sources with ninja on first use through
+  ``torch.utils.cpp_extension.load`` and caches the result (``TORCH_EXTENSIONS_DIR``, else
+  ``~/.cache/torch_extensions``); torch rebuilds only when a source changes.
+
+Loading the library registers the CUDA kernels of the ``qerl::*`` ops (``TORCH_LIBRARY_IMPL`` in
+``cuda/qerl_torch.cpp``); the schemas, CPU fallbacks and fake impls live in Python (``ops.py``), so
+nothing here runs at import and a machine without CUDA never compiles anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+#: Kernel sources, torch-free (compiled alone by .ci/compile_cuda.sh).
+CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_dequant.cu")
+#: The thin torch binding.
+CPP_SOURCES = ("qerl_torch.cpp",)
+JIT_NAME = "qerl_nvfp4_jit"
+NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
+CXX_FLAGS = ("-O3", "-std=c++17")
+
+
+def source_dir() -> Path:
+    """Where the ``.cu``/``.cpp`` sources are: ``$VERL_QERL_CUDA_SRC``, the package's ``csrc``
+    (a wheel that ships them) or the repository's ``cuda/`` (a source checkout / editable install)."""
+    env = os.environ.get("VERL_QERL_CUDA_SRC")
+    candidates = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent
+    candidates += [here / "csrc", here.parent.parent / "cuda"]
+    for c in candidates:
+        if (c / CU_SOURCES[0]).is_file():
+            return c
+    raise FileNotFoundError(
+        "verl_qerl.kernels: CUDA sources not found (looked in "
+        + ", ".join(str(c) for c in candidates)
+        + "); set VERL_QERL_CUDA_SRC to the repository's cuda/ folder"
+    )
+
+
+def sources(root: Path | None = None) -> list[str]:
+    """Absolute paths of all sources of the extension."""
+    root = root or source_dir()
+    return [str(root / s) for s in CPP_SOURCES + CU_SOURCES]
+
+
+def cuda_extension(name: str = "verl_qerl._C", root: str | os.PathLike[str] | None = None) -> Any:
+    """A ``torch.utils.cpp_extension.CUDAExtension`` for ``setup.py`` (ahead-of-time build).
+
+    ``root`` is the folder holding the sources; paths are made relative to the current directory
+    when possible, because setuptools wants relative source paths.
+    """
+    from torch.utils.cpp_extension import CUDAExtension
+
+    src_root = Path(root) if root is not None else source_dir()
+    srcs = []
+    for s in sources(src_root):
+        try:
+            srcs.append(os.path.relpath(s))
+        except ValueError:
+            srcs.append(s)
+    return CUDAExtension(
+        name=name,
+        sources=srcs,
+        extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+    )
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Import the ahead-of-time build if there is one, else JIT-build with ninja and load."""
+    try:
+        from verl_qerl import _C  # type: ignore[attr-defined]
+
+        return _C
+    except ImportError:
+        pass
+    from torch.utils.cpp_extension import load as _load
+
+    extra_cuda = list(NVCC_FLAGS)
+    return _load(
+        name=JIT_NAME,
+        sources=sources(),
+        extra_cflags=list(CXX_FLAGS),
+        extra_cuda_cflags=extra_cuda,
+        verbose=verbose,
+        is_python_module=True,
+    )

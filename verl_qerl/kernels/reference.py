@@ -1,0 +1,68 @@
+"""Torch references of the kernels: the CPU fallbacks and the tests' oracles.
+
+The dequantize formula is the format's own (``verl_qerl.nvfp4.dequantize``): ``e2m1(code) *
+(scale / global_scale)`` in float32, then one rounding to the output dtype. It is repeated here,
+not imported, so that the kernels package has no hard dependency on the quantizer's module and
+so that the CUDA dequant kernels can be held to *bit* equality with it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import scale_as_float, unrepack_codes, unrepack_scales
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 values a 4-bit code stands for (bit 3 = sign)."""
+    return torch.tensor(_E2M1, dtype=dtype, device=device)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> codes uint8 [N, K] (element 2i in the low nibble)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _dequant_codes(
+    codes: torch.Tensor, scale_f32: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    vals = e2m1_table(torch.float32, codes.device)[codes.long()]
+    eff = scale_f32 / global_scale.to(device=codes.device, dtype=torch.float32).reshape(1)
+    return (vals * eff.repeat_interleave(16, dim=1)).to(dtype)
+
+
+def dequantize_ref(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """NVFP4 (compressed-tensors layout) -> [N, K] in ``dtype``; float32 math, one rounding."""
+    return _dequant_codes(unpack_codes(packed), scale_as_float(scale), global_scale, dtype)
+
+
+def dequantize_repacked_ref(
+    qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor, n: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The same from the kernel layout (decoded with the kernel's bit operations)."""
+    return _dequant_codes(unrepack_codes(qweight, n), unrepack_scales(qscale, n), global_scale, dtype)
+
+
+def dequantize_f64(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Exact dequantized weight in float64 (every NVFP4 value is exact there): the tests' oracle."""
+    vals = e2m1_table(torch.float64, packed.device)[unpack_codes(packed).long()]
+    s = scale_as_float(scale).to(torch.float64)
+    g = global_scale.to(device=packed.device, dtype=torch.float64).reshape(1)
+    return vals * (s / g).repeat_interleave(16, dim=1)
+
+
+def linear_f64(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T + b`` in float64 with the exact dequantized weight."""
+    w = dequantize_f64(packed, scale, global_scale)
+    out = x.to(torch.float64) @ w.T
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out
