@@ -47,6 +47,10 @@ setup(
         "console_scripts": [
             "qerl-quantize = verl_qerl.cli.quantize:main",
         ],
+        # Loaded by verl on every `import verl` (driver, TaskRunner, workers, vLLM server actors).
+        "verl.plugins": [
+            "qerl = verl_qerl.verl.plugin",
+        ],
         # Loaded by vLLM in every process (front end, engine core, workers): registers `qerl_nvfp4`.
         "vllm.general_plugins": [
             "qerl_nvfp4 = verl_qerl.vllm.plugin:register",

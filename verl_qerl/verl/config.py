@@ -1,0 +1,187 @@
+"""The ``qerl`` config block for ``python -m verl.trainer.main_ppo`` and what it implies for verl.
+
+Users write one block (``+qerl=nvfp4`` from the shipped hydra group, or ``+qerl.mode=nvfp4 ...``)::
+
+    qerl:
+      mode: nvfp4                 # nvfp4 (QeRL) | bf16 (plain LoRA) | nf4 (QLoRA)
+      quantized_checkpoint: null  # an NVFP4 checkpoint of model.path to load the actor from (else quantize)
+      ignore: [lm_head]           # modules kept in BF16
+      aqn: {enable, sigma_start, sigma_end, num_stages, schedule, seed, apply_to, ...}
+
+In the driver, before verl validates its own config, :func:`apply_qerl` checks the block against the
+rest of the config (clear errors for combinations that cannot work) and fills in the verl settings
+the mode needs — only where the user left verl's default, and with an error where they chose
+something incompatible. It then copies the block to ``actor_rollout_ref.model.lora.qerl``, a
+free-form dict that reaches the FSDP engine and the vLLM servers (top-level keys do not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..aqn import AQNConfig
+
+logger = logging.getLogger("verl_qerl")
+
+MODES = ("nvfp4", "bf16", "nf4")
+
+#: The projections of Qwen2/Llama decoder layers; peft's "all-linear" matches nn.Linear only.
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+WORKER_EXTENSION = "verl_qerl.vllm.worker_extension.QeRLWorkerExtension"
+TRAINER_MODE = "qerl_sync"
+VLLM_QUANTIZATION = {"nvfp4": "qerl_nvfp4", "nf4": "bitsandbytes", "bf16": None}
+
+#: Where the engine and the vLLM servers find the block.
+CARRIER_PATH = ("actor_rollout_ref", "model", "lora", "qerl")
+
+
+class QeRLConfigError(ValueError):
+    """A QeRL setting that cannot work with the rest of the config; the message names the key."""
+
+
+@dataclass(frozen=True)
+class QeRLConfig:
+    mode: str = "nvfp4"
+    quantized_checkpoint: str | None = None
+    ignore: tuple[str, ...] = ("lm_head",)
+    aqn: AQNConfig = field(default_factory=lambda: AQNConfig(enable=False))
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise QeRLConfigError(f"qerl.mode={self.mode!r}: unknown mode; choose one of {', '.join(MODES)}")
+        if self.quantized_checkpoint is not None and self.mode != "nvfp4":
+            raise QeRLConfigError(f"qerl.quantized_checkpoint is only used with qerl.mode=nvfp4, not {self.mode!r}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> QeRLConfig:
+        values = dict(values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise QeRLConfigError(f"qerl.{unknown[0]}: unknown key; known keys are {sorted(known)}")
+        aqn = values.pop("aqn", None) or {}
+        try:
+            aqn_cfg = aqn if isinstance(aqn, AQNConfig) else AQNConfig.from_dict(dict(aqn))
+        except ValueError as err:
+            raise QeRLConfigError(f"qerl.aqn: {err}") from err
+        ignore = values.pop("ignore", ("lm_head",)) or ()
+        if isinstance(ignore, str):
+            ignore = [ignore]
+        return cls(aqn=aqn_cfg, ignore=tuple(ignore), **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "quantized_checkpoint": self.quantized_checkpoint, "ignore": list(self.ignore),
+                "aqn": self.aqn.to_dict()}
+
+
+def _plain(node: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(node):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf comes with hydra/verl
+        pass
+    return node
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        try:
+            node = node.get(part, None) if hasattr(node, "get") else getattr(node, part, None)
+        except Exception:  # noqa: BLE001 - missing/interpolation errors read as "unset"
+            return default
+    return default if node is None else node
+
+
+def read_qerl(config: Any) -> QeRLConfig | None:
+    """The QeRL block of a verl config (top level or the carrier), or None when QeRL is off."""
+    block = _get(config, "qerl")
+    if block is None:
+        block = _get(config, ".".join(CARRIER_PATH))
+    if block is None:
+        return None
+    return QeRLConfig.from_dict(_plain(block))
+
+
+def _set(config: Any, dotted: str, value: Any, changes: list[str]) -> None:
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(config):
+        OmegaConf.update(config, dotted, value, merge=False, force_add=True)
+    changes.append(f"{dotted}={value}")
+
+
+def apply_qerl(config: Any) -> QeRLConfig | None:
+    """Validate the ``qerl`` block against a composed verl config and fill in what the mode implies.
+
+    Returns the parsed block, or None when the config has none (the plugin then changes nothing).
+    """
+    qerl = read_qerl(config)
+    if qerl is None:
+        return None
+    changes: list[str] = []
+    rank = int(_get(config, "actor_rollout_ref.model.lora.rank", 0) or _get(config, "actor_rollout_ref.model.lora_rank", 0))
+    if rank <= 0:
+        raise QeRLConfigError(
+            f"actor_rollout_ref.model.lora_rank={rank} with qerl.mode={qerl.mode}: QeRL trains LoRA adapters on a "
+            "frozen base, so set a rank > 0 (the paper uses 32)"
+        )
+    rollout = _get(config, "actor_rollout_ref.rollout.name")
+    if rollout != "vllm":
+        raise QeRLConfigError(f"actor_rollout_ref.rollout.name={rollout!r}: QeRL rolls out on vLLM; set it to 'vllm'")
+    if not _get(config, "trainer.use_v1", True):
+        raise QeRLConfigError("trainer.use_v1=false: the QeRL trainer hook is a v1 trainer mode; use the v1 trainer")
+    if _get(config, "actor_rollout_ref.model.lora.merge", False):
+        raise QeRLConfigError("actor_rollout_ref.model.lora.merge=true: adapters cannot be merged into a 4-bit base; "
+                              "leave it false (only LoRA tensors are synced to vLLM)")
+    strategy = _get(config, "actor_rollout_ref.actor.strategy")
+    if strategy not in ("fsdp", "fsdp2"):
+        raise QeRLConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: QeRL's actor hook is for the FSDP "
+                              "engine; use fsdp2 (or fsdp)")
+    mode_now = _get(config, "trainer.v1.trainer_mode", "sync")
+    if mode_now not in ("sync", TRAINER_MODE):
+        raise QeRLConfigError(f"trainer.v1.trainer_mode={mode_now!r}: QeRL supports the 'sync' trainer (it runs as "
+                              f"'{TRAINER_MODE}', which drives AQN per step)")
+    if mode_now != TRAINER_MODE:
+        _set(config, "trainer.v1.trainer_mode", TRAINER_MODE, changes)
+
+    if _get(config, "actor_rollout_ref.model.target_modules") == "all-linear":
+        _set(config, "actor_rollout_ref.model.target_modules", list(DEFAULT_TARGET_MODULES), changes)
+    load_format = _get(config, "actor_rollout_ref.rollout.load_format", "dummy")
+    if "dummy" in str(load_format):
+        # vLLM must read the real base weights once; afterwards only LoRA tensors travel each step
+        _set(config, "actor_rollout_ref.rollout.load_format", "safetensors", changes)
+
+    vllm_kwargs = _plain(_get(config, "actor_rollout_ref.rollout.engine_kwargs.vllm", {})) or {}
+    want_quant = VLLM_QUANTIZATION[qerl.mode]
+    have_quant = vllm_kwargs.get("quantization")
+    if have_quant not in (None, want_quant):
+        raise QeRLConfigError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.quantization={have_quant!r} conflicts "
+                              f"with qerl.mode={qerl.mode} (which needs {want_quant!r})")
+    if want_quant and have_quant is None:
+        _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.quantization", want_quant, changes)
+    rollout_quant = _get(config, "actor_rollout_ref.rollout.quantization")
+    if rollout_quant is not None:
+        raise QeRLConfigError(f"actor_rollout_ref.rollout.quantization={rollout_quant!r}: leave it null; QeRL "
+                              "selects the vLLM method from qerl.mode")
+    ext = vllm_kwargs.get("worker_extension_cls")
+    if ext not in (None, WORKER_EXTENSION):
+        raise QeRLConfigError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}: QeRL "
+                              f"needs {WORKER_EXTENSION} (a subclass of verl's extension)")
+    if ext is None:
+        _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls", WORKER_EXTENSION, changes)
+
+    _set(config, ".".join(CARRIER_PATH), qerl.to_dict(), changes[:0])  # the carrier is not a user setting
+    if changes:
+        logger.warning("[verl-qerl] qerl.mode=%s%s sets: %s", qerl.mode,
+                       " + AQN" if qerl.aqn.enable else "", ", ".join(changes))
+    return qerl
