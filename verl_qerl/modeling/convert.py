@@ -1,0 +1,370 @@
+"""Turn a Hugging Face Qwen2/Qwen2.5/Llama causal LM into the trainable QeRL policy's base.
+
+``quantize_model(model, mode=...)`` is the one entry point for the three bases every comparison
+uses: ``"nvfp4"`` (QeRL: frozen NVFP4 ``NVFP4Linear``), ``"bf16"`` (plain LoRA: unchanged) and
+``"nf4"`` (QLoRA: bitsandbytes ``Linear4bit``).
+
+For NVFP4 the weights come from one of three places, all giving identical buffers:
+
+* the model's own BF16 weights, quantized in place group by group (fused q/k/v and gate/up
+  share one global scale, as in ``qerl-quantize`` and vLLM), so the peak stays about one layer
+  above the quantized model;
+* a BF16 checkpoint folder (``checkpoint=``), read one tensor at a time, so a model built on the
+  meta device never materializes its BF16 Linear weights;
+* an NVFP4 checkpoint (compressed-tensors NVFP4A16 or ModelOpt NVFP4), copied straight into the
+  buffers without any dense weight at all.
+
+:func:`load_nvfp4_model` builds the model with its parameters on the meta device and fills it
+from a checkpoint that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
+from ..nvfp4 import NVFP4FormatError, fused_global_scale
+from ..nvfp4.checkpoint import FORMAT_BF16, CheckpointError, CheckpointReader, matches_pattern, validate_nvfp4
+from .linear import NVFP4Linear, quantize_rows
+
+MODES = ("nvfp4", "bf16", "nf4")
+
+
+class ModelConversionError(ValueError):
+    """A model, module or checkpoint that quantize_model cannot convert; the message names it."""
+
+
+def _split(name: str) -> tuple[str, str]:
+    parent, _, leaf = name.rpartition(".")
+    return parent, leaf
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, leaf = _split(name)
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _check_model(model: nn.Module, strict_arch: bool) -> None:
+    try:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is an install requirement of training
+        PeftModel, BaseTunerLayer = (), ()  # type: ignore[assignment]
+    if isinstance(model, PeftModel) or any(isinstance(m, BaseTunerLayer) for m in model.modules()):
+        raise ModelConversionError("quantize_model: the model already has peft adapters; quantize the base model "
+                                   "first, then add LoRA (see verl_qerl.modeling.get_lora_model)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if strict_arch and model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConversionError(f"quantize_model: model_type={model_type!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}; pass strict_arch=False to try "
+                                   "another architecture whose Linear layers are plain torch.nn.Linear)")
+
+
+def _select_targets(model: nn.Module, ignore: Iterable[str], targets: Iterable[str] | None) -> list[str]:
+    """Names of the modules to convert, in model order; errors name any unsupported module."""
+    ignore = list(ignore)
+    modules = dict(model.named_modules())
+    if targets is None:
+        names = [n for n, m in modules.items() if isinstance(m, nn.Linear) and not matches_pattern(n, ignore)]
+    else:
+        patterns = list(targets)
+        names = [n for n in modules if n and matches_pattern(n, patterns) and not matches_pattern(n, ignore)]
+        unmatched = [p for p in patterns if not any(matches_pattern(n, [p]) for n in modules if n)]
+        if unmatched:
+            raise ModelConversionError(f"quantize_model: target pattern(s) {unmatched} match no module of the model")
+    for n in names:
+        m = modules[n]
+        if type(m) is not nn.Linear and not isinstance(m, NVFP4Linear):
+            raise ModelConversionError(
+                f"quantize_model: module {n!r} is a {type(m).__module__}.{type(m).__qualname__}; only plain "
+                "torch.nn.Linear layers can be converted (is the model already quantized, or is this an "
+                "embedding/conv? add it to ignore=)")
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and any(n == "lm_head" or n.endswith(".lm_head") for n in names):
+        raise ModelConversionError("quantize_model: lm_head is tied to the input embeddings (tie_word_embeddings); "
+                                   "keep it in ignore=")
+    return [n for n in names if not isinstance(modules[n], NVFP4Linear)]
+
+
+def _groups(names: list[str]) -> list[list[str]]:
+    """Fused groups (q/k/v, gate/up) in model order; other layers alone."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(fused_group(n), []).append(n)
+    return list(groups.values())
+
+
+def quantize_model(
+    model: nn.Module,
+    mode: str = "nvfp4",
+    *,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    targets: Iterable[str] | None = None,
+    checkpoint: str | os.PathLike | CheckpointReader | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    strict_arch: bool = True,
+    progress: Callable[[Iterable, int, str], Iterable] | None = None,
+) -> nn.Module:
+    """Replace the Linear layers of ``model`` in place by the ``mode``'s frozen base layers.
+
+    ``ignore``: module patterns kept as they are (exact name, dotted suffix or ``re:<regex>``;
+    lm_head by default; embeddings are not Linear layers and are never touched). ``targets``:
+    convert only modules matching these patterns (default: every ``nn.Linear`` not ignored).
+    ``checkpoint``: a BF16 or NVFP4 checkpoint folder (or a ``CheckpointReader``) to take the weights
+    from instead of the model (its Linear weights may then be on the meta device; other meta
+    parameters are filled from the checkpoint too). ``device``/``dtype``: where the new layers
+    live and their compute dtype (default: those of the replaced layer; CPU for meta layers).
+    Returns ``model``.
+    """
+    if mode not in MODES:
+        raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
+    _check_model(model, strict_arch)
+    if mode == "bf16":
+        if checkpoint is not None:
+            raise ModelConversionError("quantize_model: mode='bf16' takes no checkpoint (load it with transformers)")
+        return model
+    names = _select_targets(model, ignore, targets)
+    if mode == "nf4":
+        if checkpoint is not None:
+            raise ModelConversionError("quantize_model: mode='nf4' quantizes the model's own weights; no checkpoint")
+        from .nf4 import convert_to_nf4
+
+        return convert_to_nf4(model, names, compute_dtype=dtype, progress=progress)
+    wrap = progress or (lambda it, total, desc: it)
+    reader = None
+    if checkpoint is not None:
+        reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    if reader is not None and reader.format != FORMAT_BF16:
+        _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap)
+    else:
+        _quantize_layers(model, names, reader, device, dtype, wrap)
+    if reader is not None:
+        fill_meta_from_checkpoint(model, reader, device=device, dtype=dtype)
+    return model
+
+
+def _layer_dtype(linear: nn.Module, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    w = getattr(linear, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dtype.is_floating_point:
+        return w.dtype
+    return getattr(linear, "compute_dtype", torch.bfloat16)
+
+
+def _target_device(linear: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    t = next(iter(list(linear.parameters()) + list(linear.buffers())), None)
+    return torch.device("cpu") if t is None or t.is_meta else t.device
+
+
+def _quantize_layers(
+    model: nn.Module,
+    names: list[str],
+    reader: CheckpointReader | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    wrap: Callable[[Iterable, int, str], Iterable],
+) -> None:
+    """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights."""
+    groups = _groups(names)
+    for group in wrap(groups, len(groups), "quantize NVFP4"):
+        mods = [model.get_submodule(n) for n in group]
+        weights = []
+        for n, m in zip(group, mods):
+            if reader is not None:
+                w = reader.get(f"{n}.weight")
+                if tuple(w.shape) != (m.out_features, m.in_features):
+                    raise CheckpointError(f"{reader.folder}: tensor '{n}.weight' is {list(w.shape)} but the model's "
+                                          f"layer is [{m.out_features}, {m.in_features}]")
+                w = w.to(_target_device(m, device))
+            else:
+                w = m.weight.detach()
+                if device is not None:
+                    w = w.to(device)
+            weights.append(w)
+        try:
+            gs = fused_global_scale(weights, [f"{n}.weight" for n in group])
+            for n, m, w in zip(group, mods, weights):
+                bias = _layer_bias(m, n, reader)
+                q = quantize_rows(w, gs, name=f"{n}.weight")
+                layer_dtype = _layer_dtype(m, dtype)
+                new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=layer_dtype, device=w.device)
+                _set_module(model, n, new)
+        except NVFP4FormatError as exc:
+            raise ModelConversionError(f"quantize_model: {exc}") from exc
+        del mods, weights
+
+
+def _layer_bias(linear: nn.Module, name: str, reader: CheckpointReader | None) -> nn.Parameter | None:
+    """The bias to keep: the module's, or the checkpoint's where the module's is on meta."""
+    bias = getattr(linear, "bias", None)
+    key = f"{name}.bias"
+    if reader is not None and key in reader:
+        if bias is None:
+            raise CheckpointError(f"{reader.folder}: tensor {key!r} exists but the model's layer {name!r} has no bias")
+        if bias.is_meta:
+            t = reader.get(key)
+            if tuple(t.shape) != tuple(bias.shape):
+                raise CheckpointError(f"{reader.folder}: tensor {key!r} is {list(t.shape)}, the model expects "
+                                      f"{list(bias.shape)}")
+            return nn.Parameter(t, requires_grad=False)
+    if bias is not None and bias.is_meta:
+        raise CheckpointError(f"model layer {name!r} has its bias on the meta device and the checkpoint has no {key!r}")
+    return None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+
+def _load_nvfp4_layers(
+    model: nn.Module,
+    reader: CheckpointReader,
+    ignore: Iterable[str],
+    targets: Iterable[str] | None,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    wrap: Callable[[Iterable, int, str], Iterable],
+) -> None:
+    """Fill NVFP4Linear layers straight from an NVFP4 checkpoint's tensors (no dense weight)."""
+    modules = dict(model.named_modules())
+    stored = reader.nvfp4_modules()
+    unknown = [m for m in stored if m not in modules]
+    if unknown:
+        raise CheckpointError(f"{reader.folder}: checkpoint layer(s) {unknown[:5]} (e.g. tensor "
+                              f"'{unknown[0]}.weight_packed') do not exist in the model: wrong model for this "
+                              "checkpoint?")
+    ignore = list(ignore)
+    wanted = set(_select_targets(model, (), targets)) | {n for n, m in modules.items() if isinstance(m, NVFP4Linear)}
+    stored_set = set(stored)
+    for n in sorted(wanted - stored_set):
+        if matches_pattern(n, ignore):
+            continue
+        if f"{n}.weight" not in reader:
+            raise CheckpointError(f"{reader.folder}: model layer {n!r} has neither NVFP4 tensors "
+                                  f"('{n}.weight_packed') nor a dense '{n}.weight' in the checkpoint")
+    for n in wrap(stored, len(stored), "load NVFP4"):
+        m = modules[n]
+        if matches_pattern(n, ignore):
+            raise ModelConversionError(f"quantize_model: {n!r} is in ignore= but the checkpoint stores it in NVFP4")
+        if type(m) is not nn.Linear and not isinstance(m, NVFP4Linear):
+            raise ModelConversionError(f"quantize_model: checkpoint layer {n!r} is a {type(m).__qualname__} in the "
+                                       "model, not a torch.nn.Linear")
+        if targets is not None and n not in wanted:
+            continue
+        w = reader.read_nvfp4(n)
+        try:
+            w = validate_nvfp4(n, w.packed, w.scale, w.global_scale, expected_shape=(m.out_features, m.in_features))
+        except NVFP4FormatError as exc:
+            raise CheckpointError(f"{reader.folder}: {exc}") from exc
+        dev = _target_device(m, device)
+        bias = _layer_bias(m, n, reader)
+        new = NVFP4Linear.from_nvfp4(w, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype), device=dev)
+        _set_module(model, n, new)
+
+
+def fill_meta_from_checkpoint(
+    model: nn.Module,
+    reader: CheckpointReader,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Load every parameter / persistent buffer of ``model`` still on the meta device from ``reader``.
+
+    Tensors already holding data are left alone. Float tensors take ``dtype`` (default: the meta
+    tensor's own dtype). Tied output embeddings are re-tied instead of loaded.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = []
+    for mod_name, mod in model.named_modules():
+        local = list(mod._parameters.items()) + [
+            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
+        ]
+        for leaf, t in local:
+            if t is None or not t.is_meta:
+                continue
+            name = f"{mod_name}.{leaf}" if mod_name else leaf
+            if name not in reader:
+                if tied and name.endswith("lm_head.weight"):
+                    continue
+                missing.append(name)
+                continue
+            value = reader.get(name)
+            if tuple(value.shape) != tuple(t.shape):
+                raise CheckpointError(f"{reader.folder}: tensor {name!r} is {list(value.shape)}, the model expects "
+                                      f"{list(t.shape)}")
+            target_dtype = (dtype or t.dtype) if t.dtype.is_floating_point else t.dtype
+            value = value.to(device=dev, dtype=target_dtype)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(value, requires_grad=t.requires_grad)
+            else:
+                mod._buffers[leaf] = value
+    if missing:
+        raise CheckpointError(f"{reader.folder}: the model's tensor(s) {missing[:5]} are missing from the checkpoint")
+    if tied and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Build modules with their *parameters* on the meta device and their buffers real.
+
+    Rotary-embedding tables and other non-persistent buffers are computed at construction and are
+    in no checkpoint, so they must be real; parameters are what a checkpoint fills. Creating a
+    parameter then costs nothing (``torch.empty`` pages are never touched), and initializers run
+    on meta tensors, i.e. not at all.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def load_nvfp4_model(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+) -> nn.Module:
+    """A causal LM with ``NVFP4Linear`` layers, read from a checkpoint folder without dense Linear weights.
+
+    ``path`` holds an NVFP4 checkpoint (compressed-tensors NVFP4A16 such as ``qerl-quantize``
+    writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint is
+    quantized on load, one fused group at a time (``ignore`` then says what stays dense).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reader = CheckpointReader(path)
+    config = dict(reader.config)
+    for key in ("quantization_config", "compression_config"):
+        config.pop(key, None)
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ModelConversionError(f"{Path(path)}: model_type={config.get('model_type')!r} is not supported "
+                                   f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore)
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model.eval()
+    return model

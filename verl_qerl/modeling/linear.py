@@ -1,0 +1,271 @@
+"""``NVFP4Linear``: a frozen NVFP4 linear layer whose quantized state lives in uint8 buffers only.
+
+Why buffers, and why uint8 (measured on 2xH200, torch 2.11; see shared/design/ARCHITECTURE.md):
+
+* integer Parameters break FSDP1 ("Cannot flatten integer dtype tensors") and FSDP2 ("only
+  Tensors of floating point dtype can require gradients");
+* an FP8 Parameter is all-gathered as bf16 by FSDP2 mixed precision, and FSDP1 casts floating
+  buffers (FP8 included) to its ``buffer_dtype``;
+* ``Module.to(dtype)`` / ``.half()`` / ``.bfloat16()`` cast every floating buffer too.
+
+So the packed E2M1 codes, the E4M3 block scales *and* the FP32 global scale are all stored as
+uint8: the scales as a byte view of their float8_e4m3fn values, the global scale as its 4 bytes.
+No framework casts uint8, and every read reinterprets the bytes (``Tensor.view(dtype)``), which is
+free. There is deliberately no float ``weight``: the whole point is never to hold a BF16 copy. The
+dense weight exists only inside one op (forward, or the input-gradient in backward) and is freed
+when that op returns.
+
+The bias (Qwen2 q/k/v have one) stays an ordinary frozen float ``nn.Parameter``, like
+``nn.Linear``'s: it then follows ``model.to(dtype)`` and FSDP mixed precision like the other frozen
+parameters of the unit (norm weights), which keeps FSDP1's one-dtype-per-flat-parameter rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
+from . import _ops
+
+#: Rows quantized at a time by :meth:`NVFP4Linear.from_linear`: bounds the float32 temporaries of
+#: quantization (a few copies of the chunk) to ~64 MiB each, whatever the layer size.
+QUANTIZE_CHUNK_ELEMENTS = 1 << 24
+
+
+class _NVFP4LinearFunction(torch.autograd.Function):
+    """``y = x @ dequant(W).T + b`` with the input gradient computed by dequantizing W again.
+
+    Only the (uint8) quantized tensors are saved for backward; the dense weight of the forward is
+    freed as soon as the forward op returns. The base weight gets no gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        global_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b = bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
+        y = _ops.linear(x, packed, scale, global_scale, b)
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        packed, scale, global_scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = _ops.dequantize(packed, scale, global_scale, grad_out.dtype)
+            grad_x = (grad_out @ w).to(ctx.x_dtype)
+            del w
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, None, grad_bias
+
+
+class NVFP4Linear(nn.Module):
+    """A frozen linear layer stored in NVFP4 (compressed-tensors NVFP4A16 numbers, uint8 storage).
+
+    Buffers (all uint8, all persistent):
+
+    * ``weight_packed`` [N, K/2]: two E2M1 codes per byte, even element in the low nibble;
+    * ``weight_scale`` [N, K/16]: the float8_e4m3fn block scales, as bytes;
+    * ``weight_global_scale`` [4]: the fp32 per-tensor divisor ``448*6/amax``, as bytes.
+
+    ``forward(x)`` computes in ``x.dtype``. ``compute_dtype`` (the dtype the replaced layer had, or
+    the bias dtype) tells peft which dtype to create LoRA adapters in; ``qweight`` exposes the
+    packed buffer so that peft finds the layer's device.
+    """
+
+    in_features: int
+    out_features: int
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        if in_features % BLOCK_SIZE != 0 or in_features <= 0:
+            raise NVFP4FormatError(
+                f"NVFP4Linear: in_features={in_features} must be a positive multiple of the block size {BLOCK_SIZE}"
+            )
+        if out_features <= 0:
+            raise NVFP4FormatError(f"NVFP4Linear: out_features={out_features} must be positive")
+        if not dtype.is_floating_point:
+            raise TypeError(f"NVFP4Linear: compute dtype must be a float dtype, got {dtype}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self._compute_dtype = dtype
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, **u8))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // BLOCK_SIZE, **u8))
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        self.register_buffer("weight_global_scale", one.view(torch.uint8).clone())
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    # ----------------------------------------------------------------------------------------
+    # construction
+
+    @classmethod
+    def from_nvfp4(
+        cls,
+        weight: NVFP4Weight,
+        bias: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> NVFP4Linear:
+        """A layer holding ``weight`` (e.g. from ``CheckpointReader.read_nvfp4``) and an optional bias."""
+        n, k = weight.shape
+        device = device if device is not None else weight.packed.device
+        layer = cls(k, n, bias=bias is not None, device="meta", dtype=dtype)
+        layer.set_nvfp4(weight, device=device)
+        if bias is not None:
+            if tuple(bias.shape) != (n,):
+                raise NVFP4FormatError(f"NVFP4Linear: bias shape {tuple(bias.shape)} does not match out_features={n}")
+            layer.bias = nn.Parameter(bias.detach().to(device=device, dtype=dtype), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        global_scale: torch.Tensor | None = None,
+        *,
+        name: str = "linear",
+        weight: torch.Tensor | None = None,
+    ) -> NVFP4Linear:
+        """Quantize an ``nn.Linear`` (round to nearest even; ``global_scale`` for fused groups).
+
+        ``weight`` overrides ``linear.weight`` (used when the weight comes from a checkpoint and
+        the module is an empty shell). Rows are quantized in chunks so the float32 temporaries stay
+        small; quantization is row-independent given the global scale, so chunking is exact.
+        """
+        w = linear.weight if weight is None else weight
+        if w.is_meta:
+            raise NVFP4FormatError(f"{name}.weight: is on the meta device (no data to quantize); "
+                                   "load the model's weights first or pass checkpoint= to quantize_model")
+        dtype = w.dtype if w.dtype.is_floating_point else torch.bfloat16
+        q = quantize_rows(w, global_scale, name=f"{name}.weight")
+        bias = linear.bias
+        if bias is not None and bias.is_meta:
+            raise NVFP4FormatError(f"{name}.bias: is on the meta device (no data)")
+        return cls.from_nvfp4(q, bias, dtype=dtype, device=w.device)
+
+    def set_nvfp4(self, weight: NVFP4Weight, *, device: torch.device | str | None = None) -> None:
+        """Replace the quantized state (shape-checked) with ``weight``'s tensors as uint8."""
+        n, k = weight.shape
+        if (n, k) != (self.out_features, self.in_features):
+            raise NVFP4FormatError(
+                f"NVFP4Linear: weight is [{n}, {k}] but the layer is [{self.out_features}, {self.in_features}]"
+            )
+        device = device if device is not None else weight.packed.device
+        scale = weight.scale.view(torch.uint8) if weight.scale.dtype == SCALE_DTYPE else weight.scale
+        gs = weight.global_scale.detach().to(torch.float32).reshape(1).contiguous()
+        self.weight_packed = weight.packed.detach().to(device=device, dtype=torch.uint8).contiguous()
+        self.weight_scale = scale.detach().to(device=device).contiguous()
+        self.weight_global_scale = gs.view(torch.uint8).to(device).clone()
+
+    # ----------------------------------------------------------------------------------------
+    # views of the stored state
+
+    @property
+    def global_scale(self) -> torch.Tensor:
+        """The fp32 [1] global scale (divisor), a view of the stored bytes."""
+        return self.weight_global_scale.view(torch.float32)
+
+    @property
+    def scale_fp8(self) -> torch.Tensor:
+        """The float8_e4m3fn [N, K/16] block scales, a view of the stored bytes."""
+        return self.weight_scale.view(SCALE_DTYPE)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes. peft looks up ``weight`` then ``qweight`` to find a layer's device."""
+        return self.weight_packed
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype for LoRA adapters on this layer (peft reads ``compute_dtype``, as for bnb layers)."""
+        return self.bias.dtype if self.bias is not None else self._compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight_packed.device
+
+    def nvfp4_weight(self) -> NVFP4Weight:
+        """The layer's weight in the on-disk compressed-tensors form (fp8 scale, fp32 divisor)."""
+        return NVFP4Weight(self.weight_packed, self.scale_fp8, self.global_scale)
+
+    def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense [N, K] weight (a new tensor; for export and tests, never kept by the layer)."""
+        return _ops.dequantize(self.weight_packed, self.weight_scale, self.global_scale, dtype or self.compute_dtype)
+
+    # ----------------------------------------------------------------------------------------
+    # nn.Module plumbing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        return _NVFP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.global_scale, self.bias)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> NVFP4Linear:
+        # Follow dtype conversions of the module (``model.to(torch.float32)``, ``.half()``) in the
+        # compute dtype, as they would convert an ``nn.Linear``'s weight; probe ``fn`` on a scalar.
+        super()._apply(fn, recurse)
+        try:
+            probe = fn(torch.zeros((), dtype=self._compute_dtype))
+        except Exception:  # noqa: BLE001 - fn may not accept a CPU scalar (device-only moves): keep dtype
+            return self
+        if isinstance(probe, torch.Tensor) and probe.dtype.is_floating_point:
+            self._compute_dtype = probe.dtype
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Accept the on-disk compressed-tensors dtypes too (fp8 block scales, fp32 [1] divisor).
+        key = prefix + "weight_scale"
+        if key in state_dict and state_dict[key].dtype == SCALE_DTYPE:
+            state_dict[key] = state_dict[key].view(torch.uint8)
+        key = prefix + "weight_global_scale"
+        if key in state_dict and state_dict[key].dtype == torch.float32:
+            state_dict[key] = state_dict[key].reshape(1).contiguous().view(torch.uint8)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+def quantize_rows(
+    weight: torch.Tensor,
+    global_scale: torch.Tensor | None,
+    *,
+    name: str = "weight",
+    chunk_elements: int = QUANTIZE_CHUNK_ELEMENTS,
+) -> NVFP4Weight:
+    """:func:`verl_qerl.nvfp4.quantize`, row-chunked so temporaries stay ~``chunk_elements`` floats."""
+    if global_scale is None:
+        from ..nvfp4 import compute_global_scale
+
+        global_scale = compute_global_scale(weight, name)
+    if weight.dim() != 2 or weight.shape[0] * weight.shape[1] <= chunk_elements:
+        return quantize(weight, global_scale, name=name)
+    rows = max(1, chunk_elements // weight.shape[1])
+    parts = [quantize(weight[i : i + rows], global_scale, name=name) for i in range(0, weight.shape[0], rows)]
+    scale = torch.cat([p.scale.view(torch.uint8) for p in parts]).view(SCALE_DTYPE)
+    return NVFP4Weight(torch.cat([p.packed for p in parts]), scale, parts[0].global_scale)

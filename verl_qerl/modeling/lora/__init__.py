@@ -1,0 +1,105 @@
+"""LoRA on NVFP4 (and on the BF16 / NF4 baselines) through peft.
+
+``get_lora_model(model, r=..., ...)`` registers :class:`NVFP4LoraLinear` for ``NVFP4Linear`` on the
+``LoraConfig`` and calls ``peft.get_peft_model``; ``load_lora_adapter`` does the same for
+``PeftModel.from_pretrained`` (the registration is not saved in ``adapter_config.json``, so a plain
+``PeftModel.from_pretrained`` on an NVFP4 model would reject the layers).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from ..linear import NVFP4Linear
+from .layer import MERGE_REFUSED, NVFP4LoraLinear, NVFP4MergeError
+
+#: The Linear layers of a Qwen2/Llama decoder block (LoRA on all of them, as in the QeRL paper).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
+    """Teach ``config`` (in place) to wrap ``NVFP4Linear`` with ``NVFP4LoraLinear``; returns it."""
+    config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
+    return config
+
+
+def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str] | None) -> list[str] | str:
+    """peft's ``"all-linear"`` only matches ``nn.Linear``; expand it to the leaf names of every
+    Linear-like layer (NVFP4Linear included) except the output head. Explicit lists pass through."""
+    if target_modules is None or target_modules == "all-linear":
+        leaves = set()
+        for name, module in model.named_modules():
+            leaf = name.rpartition(".")[2]
+            if isinstance(module, (nn.Linear, NVFP4Linear)) and leaf != "lm_head":
+                leaves.add(leaf)
+        if not leaves:
+            raise ValueError("resolve_target_modules: the model has no Linear layers to put LoRA on")
+        return sorted(leaves)
+    if isinstance(target_modules, str):
+        return target_modules  # a regex, as peft accepts
+    return list(target_modules)
+
+
+def nvfp4_lora_config(
+    r: int = 32,
+    lora_alpha: int = 64,
+    target_modules: str | Iterable[str] | None = DEFAULT_LORA_TARGETS,
+    lora_dropout: float = 0.0,
+    **kwargs: Any,
+) -> LoraConfig:
+    """A registered ``LoraConfig`` (task ``CAUSAL_LM``, no LoRA bias) for NVFP4 / BF16 / NF4 bases."""
+    kwargs.setdefault("task_type", "CAUSAL_LM")
+    kwargs.setdefault("bias", "none")
+    targets = list(target_modules) if target_modules is not None and not isinstance(target_modules, str) else (
+        target_modules)
+    config = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=lora_dropout, **kwargs)
+    return register_nvfp4_lora(config)
+
+
+def get_lora_model(
+    model: nn.Module, config: LoraConfig | None = None, *, adapter_name: str = "default", **config_kwargs: Any
+) -> PeftModel:
+    """``peft.get_peft_model`` with NVFP4 support; ``config_kwargs`` go to :func:`nvfp4_lora_config`.
+
+    Only adapter parameters require grad afterwards (peft freezes everything else; NVFP4 state is
+    uint8 buffers, which never do).
+    """
+    if config is None:
+        config_kwargs.setdefault("target_modules", DEFAULT_LORA_TARGETS)
+        config_kwargs["target_modules"] = resolve_target_modules(model, config_kwargs["target_modules"])
+        config = nvfp4_lora_config(**config_kwargs)
+    elif config_kwargs:
+        raise TypeError("get_lora_model: pass either config or config keyword arguments, not both")
+    else:
+        if config.target_modules == "all-linear" or config.target_modules is None:
+            config.target_modules = set(resolve_target_modules(model, config.target_modules))
+        register_nvfp4_lora(config)
+    return get_peft_model(model, config, adapter_name=adapter_name)
+
+
+def load_lora_adapter(
+    model: nn.Module, path: str | os.PathLike, *, is_trainable: bool = False, adapter_name: str = "default"
+) -> PeftModel:
+    """``PeftModel.from_pretrained`` for adapters saved with ``save_pretrained`` (peft's usual files)."""
+    config = LoraConfig.from_pretrained(str(path))
+    register_nvfp4_lora(config)
+    return PeftModel.from_pretrained(model, str(path), adapter_name=adapter_name, is_trainable=is_trainable,
+                                     config=config)
+
+
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "MERGE_REFUSED",
+    "NVFP4LoraLinear",
+    "NVFP4MergeError",
+    "get_lora_model",
+    "load_lora_adapter",
+    "nvfp4_lora_config",
+    "register_nvfp4_lora",
+    "resolve_target_modules",
+]
