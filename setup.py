@@ -1,6 +1,6 @@
 """verl-qerl: QeRL (NVFP4 + LoRA + Adaptive Quantization Noise) as a verl plugin and vLLM backend."""
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 # The CUDA kernels are built ahead of time when a CUDA torch and nvcc are present, and JIT-built
 # (ninja) on first use otherwise; see verl_qerl/kernels.
@@ -20,8 +20,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["verl_qerl", "verl_qerl.*"]),
-    package_data={"verl_qerl": ["py.typed"]},
+    # hydra_plugins/ is hydra's namespace package for plugins: ours adds the `qerl` config group.
+    packages=find_packages(include=["verl_qerl", "verl_qerl.*"])
+    + find_namespace_packages(include=["hydra_plugins.*"]),
+    package_data={"verl_qerl": ["py.typed", "verl/hydra/qerl/*.yaml"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.9",

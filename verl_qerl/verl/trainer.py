@@ -77,7 +77,8 @@ class AQNDriver:
 
 def register_trainer(trainer_sync: ModuleType) -> None:
     """Define and register ``qerl_sync`` once verl's ``trainer_sync`` module exists (post-import hook)."""
-    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer as verl_register
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+    from verl.trainer.ppo.v1.trainer_base import register_trainer as verl_register
 
     if TRAINER_MODE in TRAINER_REGISTRY:
         return

@@ -1,0 +1,1 @@
+"""Hydra discovers plugins in the ``hydra_plugins`` namespace package; see verl_qerl_searchpath.py."""

@@ -1,0 +1,173 @@
+"""The `qerl` config block, the verl hooks and the qerl_sync trainer on CPU (no Ray, no GPU)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VERL_QERL_QUIET", "1")
+verl = pytest.importorskip("verl")
+
+from hydra import compose, initialize_config_module  # noqa: E402
+
+from verl_qerl.verl.config import (  # noqa: E402
+    DEFAULT_TARGET_MODULES,
+    TRAINER_MODE,
+    WORKER_EXTENSION,
+    QeRLConfigError,
+    apply_qerl,
+    read_qerl,
+)
+
+BASE = [
+    "actor_rollout_ref.model.path=/nonexistent/model",
+    "actor_rollout_ref.model.lora_rank=32",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=4",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "trainer.n_gpus_per_node=1",
+]
+
+
+def composed(*overrides: str):
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="ppo_trainer", overrides=[*BASE, *overrides])
+
+
+def test_hydra_group_composes_and_fills_in_what_the_mode_needs():
+    cfg = composed("+qerl=nvfp4")
+    qerl = apply_qerl(cfg)
+    assert qerl is not None and qerl.mode == "nvfp4" and qerl.aqn.enable and qerl.aqn.num_stages == 10
+    vk = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
+    assert vk.quantization == "qerl_nvfp4" and vk.worker_extension_cls == WORKER_EXTENSION
+    assert cfg.actor_rollout_ref.rollout.load_format == "safetensors"
+    assert cfg.trainer.v1.trainer_mode == TRAINER_MODE
+    assert list(cfg.actor_rollout_ref.model.target_modules) == DEFAULT_TARGET_MODULES
+    # the block reaches the workers through the free-form model.lora dict
+    assert cfg.actor_rollout_ref.model.lora.qerl.mode == "nvfp4"
+    assert read_qerl({"actor_rollout_ref": {"model": {"lora": {"qerl": qerl.to_dict()}}}}) == qerl
+
+
+def test_verl_accepts_the_result():
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.config import HFModelConfig, RolloutConfig  # noqa: F401
+
+    cfg = composed("+qerl=nvfp4")
+    # the patched validate_config applies the block first, then verl's own checks run and pass
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.quantization == "qerl_nvfp4"
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert rollout.engine_kwargs["vllm"]["worker_extension_cls"] == WORKER_EXTENSION
+    assert dict(cfg.actor_rollout_ref.model.lora)["qerl"]["aqn"]["sigma_end"] == 5e-4
+
+
+@pytest.mark.parametrize("group", ["bf16", "nf4", "nvfp4_noaqn"])
+def test_other_groups(group):
+    cfg = composed(f"+qerl={group}")
+    qerl = apply_qerl(cfg)
+    assert not qerl.aqn.enable
+    quant = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("quantization")
+    assert quant == {"bf16": None, "nf4": "bitsandbytes", "nvfp4_noaqn": "qerl_nvfp4"}[group]
+
+
+def test_no_block_changes_nothing():
+    cfg = composed()
+    before = str(cfg)
+    assert apply_qerl(cfg) is None and str(cfg) == before
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["actor_rollout_ref.model.lora_rank=0"], r"lora_rank=0 .*set a rank > 0"),
+        (["actor_rollout_ref.rollout.name=sglang"], r"rollout.name='sglang'.*vLLM"),
+        (["qerl.mode=int8"], r"qerl.mode='int8': unknown mode"),
+        (["+qerl.typo=1"], r"qerl.typo: unknown key"),
+        (["qerl.aqn.num_stages=2"], r"qerl.aqn: .*num_stages"),
+        (["qerl.aqn.sigma_end=0"], r"qerl.aqn: .*sigma_end"),
+        (["qerl.aqn.schedule=sawtooth"], r"qerl.aqn: .*schedule"),
+        (["+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=fp8"], r"quantization='fp8' conflicts"),
+        (["actor_rollout_ref.rollout.quantization=fp8"], r"rollout.quantization='fp8': leave it null"),
+        (["actor_rollout_ref.model.lora.merge=true"], r"cannot be merged into a 4-bit base"),
+        (["trainer.v1.trainer_mode=separate_async"], r"trainer_mode='separate_async'"),
+        (["trainer.use_v1=false"], r"use_v1=false"),
+    ],
+)
+def test_invalid_combinations_fail_with_the_key(overrides, match):
+    cfg = composed("+qerl=nvfp4", *overrides)
+    with pytest.raises(QeRLConfigError, match=match):
+        apply_qerl(cfg)
+
+
+def test_trainer_mode_is_registered_and_drives_aqn_per_step():
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    cls = get_trainer_cls(TRAINER_MODE)
+    assert issubclass(cls, PPOTrainerSync)
+
+    calls: list[tuple] = []
+
+    class FakeRemote:
+        def __init__(self, name, server):
+            self.name, self.server = name, server
+
+        def remote(self, *args, **kwargs):
+            calls.append((self.server, self.name, args, kwargs))
+            return None
+
+    class FakeServer:
+        def __init__(self, i):
+            self.collective_rpc = FakeRemote("collective_rpc", i)
+            self.clear_kv_cache = FakeRemote("clear_kv_cache", i)
+
+    import ray
+
+    cfg = composed("+qerl=nvfp4")
+    apply_qerl(cfg)
+    trainer = cls.__new__(cls)
+    trainer.config = cfg
+    trainer.total_training_steps = 20
+    trainer.llm_server_manager = SimpleNamespace(
+        rollout_replicas=[SimpleNamespace(servers=[FakeServer(0), FakeServer(1)]), SimpleNamespace(servers=[
+            FakeServer(2)])]
+    )
+    orig_get = ray.get
+    ray.get = lambda refs, **k: refs
+    try:
+        sigmas = {}
+        for step in (1, 2, 3, 10, 20):
+            calls.clear()
+            trainer.global_steps = step
+            trainer._pending_sync_metrics = {}
+            trainer.on_step_begin()
+            m = trainer._pending_sync_metrics
+            sigmas[step] = m["qerl/aqn_sigma"]
+            if step <= 2:  # stage 0 (steps 1-2 of 20 with 10 stages) is noise-free: no call needed
+                assert m["qerl/aqn_stage"] == 0 and m["qerl/aqn_sigma"] == 0.0
+                assert not [c for c in calls if c[1] == "collective_rpc"]
+            else:
+                rpcs = [c for c in calls if c[1] == "collective_rpc"]
+                assert sorted(c[0] for c in rpcs) == [0, 1, 2]  # every server of every replica
+                assert all(c[2][0] == "qerl_aqn_apply" and c[3]["kwargs"]["sigma"] == m["qerl/aqn_sigma"]
+                           and c[3]["kwargs"]["step"] == step for c in rpcs)
+                assert sorted(c[0] for c in calls if c[1] == "clear_kv_cache") == [0, 1, 2]
+        assert sigmas[3] == pytest.approx(1e-2) and sigmas[20] == pytest.approx(5e-4)
+        # validation removes the noise, then puts it back
+        calls.clear()
+        trainer.on_validate_begin()
+        assert {c[2][0] for c in calls if c[1] == "collective_rpc"} == {"qerl_aqn_restore"}
+        calls.clear()
+        trainer.on_validate_end()
+        assert {c[2][0] for c in calls if c[1] == "collective_rpc"} == {"qerl_aqn_apply"}
+    finally:
+        ray.get = orig_get
