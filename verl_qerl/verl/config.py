@@ -129,7 +129,8 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
     if qerl is None:
         return None
     changes: list[str] = []
-    rank = int(_get(config, "actor_rollout_ref.model.lora.rank", 0) or _get(config, "actor_rollout_ref.model.lora_rank", 0))
+    rank = _get(config, "actor_rollout_ref.model.lora.rank", 0) or _get(config, "actor_rollout_ref.model.lora_rank", 0)
+    rank = int(rank)
     if rank <= 0:
         raise QeRLConfigError(
             f"actor_rollout_ref.model.lora_rank={rank} with qerl.mode={qerl.mode}: QeRL trains LoRA adapters on a "
