@@ -35,6 +35,7 @@ _LAZY = {
     "get_lora_model": ".lora",
     "load_lora_adapter": ".lora",
     "nvfp4_lora_config": ".lora",
+    "peft_custom_modules": ".lora",
     "register_nvfp4_lora": ".lora",
     "resolve_target_modules": ".lora",
     "NF4UnavailableError": ".nf4",

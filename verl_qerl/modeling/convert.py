@@ -178,6 +178,9 @@ def _quantize_layers(
     groups = _groups(names)
     for group in wrap(groups, len(groups), "quantize NVFP4"):
         mods = [model.get_submodule(n) for n in group]
+        if reader is None and any(m.weight.is_meta for m in mods):
+            _meta_shells(model, group, mods, device, dtype)
+            continue
         weights = []
         for n, m in zip(group, mods):
             if reader is not None:
@@ -202,6 +205,28 @@ def _quantize_layers(
         except NVFP4FormatError as exc:
             raise ModelConversionError(f"quantize_model: {exc}") from exc
         del mods, weights
+
+
+def _meta_shells(
+    model: nn.Module,
+    group: list[str],
+    mods: list[nn.Module],
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+) -> None:
+    """Meta Linear in, meta NVFP4Linear out: the buffers are filled later by a state-dict load or
+    a broadcast from a rank that has the data (verl builds non-zero ranks on the meta device and
+    broadcasts rank 0's parameters *and buffers* when it shards the model)."""
+    if not all(m.weight.is_meta for m in mods):
+        raise ModelConversionError(f"quantize_model: fused layers {group} are partly on the meta device; a shared "
+                                   "global scale needs all of their weights (or none)")
+    if device is not None and torch.device(device).type != "meta":
+        raise ModelConversionError(f"quantize_model: {group[0]!r} is on the meta device (no data to quantize); "
+                                   "load the weights or pass checkpoint=")
+    for n, m in zip(group, mods):
+        new = NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta",
+                          dtype=_layer_dtype(m, dtype))
+        _set_module(model, n, new)
 
 
 def _layer_bias(linear: nn.Module, name: str, reader: CheckpointReader | None) -> nn.Parameter | None:

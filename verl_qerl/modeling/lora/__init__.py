@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch.nn as nn
@@ -26,6 +28,40 @@ def register_nvfp4_lora(config: LoraConfig) -> LoraConfig:
     """Teach ``config`` (in place) to wrap ``NVFP4Linear`` with ``NVFP4LoraLinear``; returns it."""
     config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
     return config
+
+
+_PATCH_LOCK = threading.Lock()
+_PATCH_DEPTH = 0
+
+
+@contextlib.contextmanager
+def peft_custom_modules() -> Iterator[None]:
+    """Within the block, every ``LoraConfig`` created (by ``LoraConfig(...)``, ``from_pretrained``,
+    ``PeftModel.from_pretrained``) is registered for NVFP4 layers.
+
+    For code that builds its own ``LoraConfig`` and calls ``get_peft_model`` in one go (verl's
+    ``FSDPEngine._build_lora_module``), where there is no config object to register beforehand.
+    ``LoraConfig.__post_init__`` is wrapped only while the block runs (re-entrant; restored after).
+    """
+    global _PATCH_DEPTH
+    with _PATCH_LOCK:
+        if _PATCH_DEPTH == 0:
+            original = LoraConfig.__post_init__
+
+            def __post_init__(self: LoraConfig, *args: Any, **kwargs: Any) -> None:
+                original(self, *args, **kwargs)
+                register_nvfp4_lora(self)
+
+            __post_init__._qerl_original = original  # type: ignore[attr-defined]
+            LoraConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+        _PATCH_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _PATCH_DEPTH -= 1
+            if _PATCH_DEPTH == 0:
+                LoraConfig.__post_init__ = LoraConfig.__post_init__._qerl_original  # type: ignore[attr-defined]
 
 
 def resolve_target_modules(model: nn.Module, target_modules: str | Iterable[str] | None) -> list[str] | str:
@@ -100,6 +136,7 @@ __all__ = [
     "get_lora_model",
     "load_lora_adapter",
     "nvfp4_lora_config",
+    "peft_custom_modules",
     "register_nvfp4_lora",
     "resolve_target_modules",
 ]
