@@ -156,11 +156,13 @@ def test_trainer_mode_is_registered_and_drives_aqn_per_step():
                 assert m["qerl/aqn_stage"] == 0 and m["qerl/aqn_sigma"] == 0.0
                 assert not [c for c in calls if c[1] == "collective_rpc"]
             else:
-                rpcs = [c for c in calls if c[1] == "collective_rpc"]
+                rpcs = [c for c in calls if c[1] == "collective_rpc" and c[2][0] != "qerl_aqn_setup"]
                 assert sorted(c[0] for c in rpcs) == [0, 1, 2]  # every server of every replica
                 assert all(c[2][0] == "qerl_aqn_apply" and c[3]["kwargs"]["sigma"] == m["qerl/aqn_sigma"]
                            and c[3]["kwargs"]["step"] == step for c in rpcs)
                 assert sorted(c[0] for c in calls if c[1] == "clear_kv_cache") == [0, 1, 2]
+        setups = [c for c in calls if c[2] and c[2][0] == "qerl_aqn_setup"]
+        assert setups == []  # the clean snapshot is taken once, at the first noisy step
         assert sigmas[3] == pytest.approx(1e-2) and sigmas[20] == pytest.approx(5e-4)
         # validation removes the noise, then puts it back
         calls.clear()

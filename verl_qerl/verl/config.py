@@ -32,7 +32,7 @@ MODES = ("nvfp4", "bf16", "nf4")
 #: The projections of Qwen2/Llama decoder layers; peft's "all-linear" matches nn.Linear only.
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-WORKER_EXTENSION = "verl_qerl.vllm.worker_extension.QeRLWorkerExtension"
+WORKER_EXTENSION = "verl_qerl.vllm.verl_extension.QeRLVerlWorkerExtension"
 TRAINER_MODE = "qerl_sync"
 VLLM_QUANTIZATION = {"nvfp4": "qerl_nvfp4", "nf4": "bitsandbytes", "bf16": None}
 

