@@ -46,8 +46,10 @@ def test_gsm8k_from_local_files_is_graded_by_verl(tmp_path):
 
 def test_math500_and_bigmath_use_the_dapo_scorer(tmp_path):
     _jsonl(tmp_path / "m500.jsonl", [{"problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?", "answer": "1"}])
-    assert run_prepare("math500", "--source", str(tmp_path / "m500.jsonl"), "--out", str(tmp_path / "m")).returncode == 0
-    _jsonl(tmp_path / "bm.jsonl", [{"prompt": "Compute 6*7.", "solution": "42"}, {"prompt": "x" * 2000, "solution": "1"}])
+    res = run_prepare("math500", "--source", str(tmp_path / "m500.jsonl"), "--out", str(tmp_path / "m"))
+    assert res.returncode == 0, res.stderr
+    rows = [{"prompt": "Compute 6*7.", "solution": "42"}, {"prompt": "x" * 2000, "solution": "1"}]
+    _jsonl(tmp_path / "bm.jsonl", rows)
     res = run_prepare("bigmath", "--source", str(tmp_path / "bm.jsonl"), "--out", str(tmp_path / "b"))
     assert res.returncode == 0, res.stderr
     bm = pd.read_parquet(tmp_path / "b/train.parquet")

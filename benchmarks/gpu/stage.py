@@ -130,7 +130,8 @@ def build(bundles: list[str], out: Path, part_mib: float) -> None:
     pip_download(specs, whl_dir)
     sdists = [s for b in bundles for s in SDIST_ONLY.get(b, [])]
     if sdists:
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(whl_dir), *sdists], check=True)
+        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(whl_dir), *sdists]
+        subprocess.run(cmd, check=True)
     for wheel in sorted(whl_dir.glob("*.whl")):
         if wheel.name.startswith("vllm-"):
             slim_vllm(wheel, site)
@@ -157,7 +158,8 @@ def build(bundles: list[str], out: Path, part_mib: float) -> None:
             (d / "manifest.json").write_text(json.dumps({"parts": n, "sha256": digest, "bytes": size,
                                                          "bundles": ["vllm", *bundles]}))
     shutil.rmtree(work)
-    plan = [f"# {n} parts, {size / 2**20:.1f} MiB total, sha256 {digest[:16]}..., built in {time.time() - t0:.0f} s"]
+    took = time.time() - t0
+    plan = [f"# {n} parts, {size / 2**20:.1f} MiB total, sha256 {digest[:16]}..., built in {took:.0f} s"]
     for k in range(1, n + 1):
         last = " && bash benchmarks/gpu/remote.sh install" if k == n else ""
         plan.append(f"run(carry=['.stage/p{k}'], command='bash benchmarks/gpu/remote.sh receive .stage/p{k}{last}')")
