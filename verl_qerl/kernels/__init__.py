@@ -36,6 +36,7 @@ __all__ = [
     "cuda_unavailable_reason",
     "dequantize",
     "dequantize_repacked",
+    "extension",
     "gemm_supported",
     "linear",
     "load_extension",
@@ -52,6 +53,7 @@ class _State:
     lock = threading.Lock()
     tried = False
     ext = None
+    workspace_devices: set[int] = set()
     reason = "not loaded yet (call load_extension())"
 
 
@@ -88,6 +90,11 @@ def load_extension(verbose: bool = False) -> bool:
     return _State.ext is not None
 
 
+def extension():  # noqa: ANN201 - the compiled module, or None
+    """The loaded extension module (tuning hooks: ``set_tuning``, ``get_tuning``, ``splits_for``) or None."""
+    return _State.ext if load_extension() else None
+
+
 def cuda_available() -> bool:
     """True when the CUDA kernels can run here (builds/loads the extension on first call)."""
     return load_extension()
@@ -106,8 +113,10 @@ def _ext_ready(device: torch.device) -> bool:
         return _State.ext is not None
     if not load_extension():
         return False
-    if not torch.cuda.is_current_stream_capturing():
-        _State.ext.init_workspace(device.index if device.index is not None else torch.cuda.current_device())
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _State.workspace_devices and not torch.cuda.is_current_stream_capturing():
+        _State.ext.init_workspace(idx)
+        _State.workspace_devices.add(idx)
     return True
 
 

@@ -25,8 +25,9 @@ CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_dequant.cu")
 #: The thin torch binding.
 CPP_SOURCES = ("qerl_torch.cpp",)
 JIT_NAME = "qerl_nvfp4_jit"
-NVCC_FLAGS = ("-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo")
-CXX_FLAGS = ("-O3", "-std=c++17")
+# No -std flag: torch's cpp_extension picks the C++ standard its own headers need.
+NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
+CXX_FLAGS = ("-O3",)
 
 
 def source_dir() -> Path:

@@ -1,0 +1,378 @@
+// FP4 x BF16 GEMM (W4A16, NVFP4 weights) for sm_80+ (tuned on sm_90): out = x @ W^T (+ bias).
+//
+// Design (numbers and history in benchmarks/NOTES.md):
+//  * Weight-only, memory-bound at decode: the weight is the MMA's A operand (16 rows of N per
+//    m16n8k16), activations are B (8 tokens per n8 tile), so M = 1..8 wastes no weight bandwidth.
+//  * CTA = 4 warps over a 128 (N) x BM (tokens) output tile; warp w owns N rows [32w, 32w+32).
+//    K is streamed in stages of 128 through a 4-deep cp.async ring: 8 KB of FP4 weights, 1 KB of
+//    scale bytes and BM x 128 bf16 activations per stage, every global load 16 B and coalesced.
+//  * Dequantization in registers, no table: a word of the repacked layout becomes an A fragment
+//    with rotates/masks (e2m1 * 2^-126 as bf16 bits) and one bf16x2 multiply per register by the
+//    block scale pre-biased by 2^119 (built from its byte with one byte_perm and one imad). The
+//    fragment holds e2m1 * scale / 128 exactly; FP32 accumulation; the epilogue multiplies by
+//    128 / global_scale.
+//  * Split-K over CTAs when the tiles alone cannot fill the GPU: each split writes an FP32
+//    partial, the last CTA of a tile (atomic counter) sums the partials in split order
+//    (deterministic), writes bf16 and re-zeroes its counter, so one launch, no memset.
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+
+namespace qerl {
+namespace {
+
+constexpr int BN = QERL_GEMM_BN;        // output features per CTA
+constexpr int BK = QERL_GEMM_BK;        // K per pipeline stage (two 64-wide tiles)
+constexpr int THREADS = QERL_GEMM_THREADS;
+constexpr int STAGES = 4;
+constexpr int XPAD = 8;                 // bf16 of padding per smem activation row (bank conflicts)
+constexpr int XROW_BYTES = (BK + XPAD) * 2;
+constexpr int W_STAGE_BYTES = (BN / 16) * (BK / 64) * 512;
+constexpr int S_STAGE_BYTES = (BN / 16) * (BK / 64) * 64;
+
+template <int BM>
+struct Cfg {
+  static constexpr int MT = BM / 8;  // n8 token tiles
+  static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
+  static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
+
+// Copies 16 bytes, or writes 16 zero bytes when !valid (src-size 0 reads nothing).
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
+                                            const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t& d0, uint32_t& d1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(d0), "=r"(d1)
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
+  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
+template <int BM>
+__global__ void __launch_bounds__(THREADS)
+    nvfp4_gemm_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+                      const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                      float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                      int splits) {
+  using C = Cfg<BM>;
+  constexpr int MT = C::MT;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_is_last;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int ntile = blockIdx.x;
+  const int split = blockIdx.y;
+  const int mtile = blockIdx.z;
+  const int KT = K / 64;
+  const int stages_total = K / BK;
+  const int q = stages_total / splits;
+  const int rem = stages_total % splits;
+  const int s_begin = split * q + min(split, rem);
+  const int s_count = q + (split < rem ? 1 : 0);
+  const int nb0 = ntile * (BN / 16);
+  const int m0 = mtile * BM;
+
+  float acc[2][MT][4];
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int b = 0; b < MT; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+  auto load_stage = [&](int buf, int s_idx) {
+    uint8_t* base = smem + buf * C::STAGE_BYTES;
+    const int kb0 = s_idx * (BK / 64);
+#pragma unroll
+    for (int i = 0; i < W_STAGE_BYTES / 16 / THREADS; ++i) {
+      const int c = tid + i * THREADS;
+      const int nbl = c >> 6, within = c & 63;  // 64 x 16 B = two 512 B tiles of one n16 block
+      cp_async16(base + c * 16, qw + (size_t(nb0 + nbl) * KT + kb0) * 32 + within);
+    }
+    if (tid < S_STAGE_BYTES / 16) {
+      const int nbl = tid >> 3, within = tid & 7;
+      cp_async16(base + W_STAGE_BYTES + tid * 16, qs + (size_t(nb0 + nbl) * KT + kb0) * 4 + within);
+    }
+    uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
+    constexpr int XCHUNKS = BM * (BK / 8);
+#pragma unroll
+    for (int i = 0; i < (XCHUNKS + THREADS - 1) / THREADS; ++i) {
+      const int c = tid + i * THREADS;
+      if (XCHUNKS % THREADS == 0 || c < XCHUNKS) {
+        const int row = c / (BK / 8), ch = c % (BK / 8);
+        const int m = m0 + row;
+        const bool valid = m < M;
+        const __nv_bfloat16* src = x + size_t(valid ? m : 0) * K + size_t(s_idx) * BK + ch * 8;
+        cp_async16_zfill(xs + row * XROW_BYTES + ch * 16, src, valid);
+      }
+    }
+  };
+
+  auto compute_stage = [&](int buf) {
+    const uint8_t* base = smem + buf * C::STAGE_BYTES;
+    const uint4* wsm = reinterpret_cast<const uint4*>(base);
+    const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES);
+    const uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
+#pragma unroll
+    for (int t2 = 0; t2 < BK / 64; ++t2) {
+      uint4 wv[2];
+      uint2 sv[2];
+#pragma unroll
+      for (int nbw = 0; nbw < 2; ++nbw) {
+        const int blk = (warp * 2 + nbw) * (BK / 64) + t2;
+        wv[nbw] = wsm[blk * 32 + lane];
+        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = t2 * 64 + j * 16;
+        uint32_t b[MT][2];
+        if constexpr (MT == 1) {
+          const uint8_t* p = xs + (lane & 7) * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+          ldmatrix_x2(b[0][0], b[0][1], p);
+        } else {
+#pragma unroll
+          for (int mp = 0; mp < MT / 2; ++mp) {
+            const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
+            const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+            ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
+          }
+        }
+#pragma unroll
+        for (int nbw = 0; nbw < 2; ++nbw) {
+          const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
+          const uint32_t s_lo = scale_pair(sword, (j & 1) * 2);
+          const uint32_t s_hi = scale_pair(sword, (j & 1) * 2 + 1);
+          uint32_t a[4];
+          decode_raw(word_of(wv[nbw], j), a);
+          a[0] = bf16x2_mul(a[0], s_lo);
+          a[1] = bf16x2_mul(a[1], s_hi);
+          a[2] = bf16x2_mul(a[2], s_lo);
+          a[3] = bf16x2_mul(a[3], s_hi);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
+        }
+      }
+    }
+  };
+
+  // ---- main loop: STAGES-deep cp.async ring
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < s_count) load_stage(s, s_begin + s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < s_count; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int nxt = it + STAGES - 1;
+    if (nxt < s_count) load_stage(nxt % STAGES, s_begin + nxt);
+    cp_async_commit();
+    compute_stage(it % STAGES);
+  }
+  cp_async_wait<0>();
+
+  // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
+  if (splits > 1) {
+    const int tile_id = mtile * gridDim.x + ntile;
+    float* tile_ws = ws + size_t(tile_id) * splits * (BM * BN);
+    float4* mine = reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN));
+#pragma unroll
+    for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        mine[(nbw * MT + mt) * THREADS + tid] =
+            make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      const int prev = atomicAdd(&counters[tile_id], 1);
+      s_is_last = (prev == splits - 1);
+    }
+    __syncthreads();
+    if (!s_is_last) return;
+    __threadfence();
+    float sum[2][MT][4];
+#pragma unroll
+    for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sum[nbw][mt][c] = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float4* part = reinterpret_cast<const float4*>(tile_ws + size_t(s) * (BM * BN));
+#pragma unroll
+      for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          float4 v;
+          if (s == split) {
+            v = make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+          } else {
+            v = __ldcg(part + (nbw * MT + mt) * THREADS + tid);
+          }
+          sum[nbw][mt][0] += v.x;
+          sum[nbw][mt][1] += v.y;
+          sum[nbw][mt][2] += v.z;
+          sum[nbw][mt][3] += v.w;
+        }
+    }
+#pragma unroll
+    for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nbw][mt][c] = sum[nbw][mt][c];
+    if (tid == 0) counters[tile_id] = 0;  // every split has arrived: ready for the next launch
+  }
+
+  // ---- epilogue: scale by 128 / global_scale, add bias, store bf16
+  const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+  for (int nbw = 0; nbw < 2; ++nbw) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (nb0 + warp * 2 + nbw) * 16 + (lane >> 2) + 8 * h;
+      if (n >= N) continue;
+      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
+          if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nbw][mt][2 * h + e] * alpha + bv);
+        }
+      }
+    }
+  }
+}
+
+template <int BM>
+cudaError_t prepare() {
+  static bool done[64] = {};  // per device; benign race: the attribute call is idempotent
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64 || !done[dev]) {
+    e = cudaFuncSetAttribute(nvfp4_gemm_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             Cfg<BM>::SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64) done[dev] = true;
+  }
+  return cudaSuccess;
+}
+
+template <int BM>
+cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
+                   const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
+                   cudaStream_t stream) {
+  cudaError_t e = prepare<BM>();
+  if (e != cudaSuccess) return e;
+  const int n_tiles = (N + BN - 1) / BN;
+  const int m_tiles = (M + BM - 1) / BM;
+  dim3 grid(n_tiles, splits, m_tiles);
+  nvfp4_gemm_kernel<BM><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight),
+      static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
+      static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K, splits);
+  return cudaGetLastError();
+}
+
+template <int BM>
+int ctas_per_sm() {
+  if (prepare<BM>() != cudaSuccess) return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_kernel<BM>, THREADS, Cfg<BM>::SMEM_BYTES) !=
+      cudaSuccess)
+    return 0;
+  return n;
+}
+
+}  // namespace
+}  // namespace qerl
+
+extern "C" cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight, const void* qscale,
+                                              const float* global_scale, const void* bias, void* out,
+                                              float* workspace, int* counters, int M, int N, int K,
+                                              int splits, int block_m, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || splits < 1 ||
+      splits > K / QERL_GEMM_BK)
+    return cudaErrorInvalidValue;
+  if (splits > 1 && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
+  switch (block_m) {
+    case 8:
+      return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+                             stream);
+    case 16:
+      return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+                              stream);
+    case 32:
+      return qerl::launch<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+                              stream);
+    case 64:
+      return qerl::launch<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+                              stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m) {
+  if (splits <= 1) return 0;
+  const size_t n_tiles = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
+  const size_t m_tiles = (M + block_m - 1) / block_m;
+  return n_tiles * m_tiles * size_t(splits) * size_t(block_m) * QERL_GEMM_BN;
+}
+
+extern "C" int qerl_nvfp4_gemm_ctas_per_sm(int block_m) {
+  switch (block_m) {
+    case 8:
+      return qerl::ctas_per_sm<8>();
+    case 16:
+      return qerl::ctas_per_sm<16>();
+    case 32:
+      return qerl::ctas_per_sm<32>();
+    case 64:
+      return qerl::ctas_per_sm<64>();
+    default:
+      return 0;
+  }
+}

@@ -1,0 +1,52 @@
+// verl-qerl NVFP4 kernels: the C launcher API (no torch headers).
+//
+// The .cu files behind this header are plain CUDA so that a machine without a GPU (CI) can
+// compile them alone with nvcc; cuda/qerl_torch.cpp is the only file that sees torch.
+//
+// Layouts (see verl_qerl/kernels/layout.py for the full description):
+//   compressed-tensors: packed uint8 [N, K/2] (even element in the low nibble), scale E4M3 [N, K/16],
+//                       global_scale fp32 [1] (a divisor: W = e2m1 * scale / global_scale);
+//   repacked (GEMM):    qweight uint8 [N_pad/16, K/64, 512], qscale uint8 [N_pad/16, K/64, 64].
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum QerlDtype { QERL_BF16 = 0, QERL_F16 = 1, QERL_F32 = 2 };
+
+// GEMM tile constants shared with the host-side heuristics.
+enum { QERL_GEMM_BN = 128, QERL_GEMM_BK = 128, QERL_GEMM_THREADS = 128 };
+
+// out[M, N] (bf16) = x[M, K] (bf16, row-major, rows 16-byte aligned) @ W^T (+ bias[N] bf16).
+// block_m in {8, 16, 32, 64}; splits >= 1 splits K over CTAs (then `workspace` must hold
+// qerl_nvfp4_gemm_workspace_floats(...) floats and `counters` >= tiles ints, all zero on entry;
+// the kernel leaves them zero). N_pad = N rounded up to 128 (the qweight's rows).
+cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight, const void* qscale,
+                                   const float* global_scale, const void* bias, void* out,
+                                   float* workspace, int* counters, int M, int N, int K,
+                                   int splits, int block_m, cudaStream_t stream);
+
+// Floats of split-K workspace for one launch.
+size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m);
+
+// Resident CTAs per SM of the GEMM for this block_m (0 on error).
+int qerl_nvfp4_gemm_ctas_per_sm(int block_m);
+
+// Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
+cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,
+                                      const float* global_scale, void* out, int N, int K,
+                                      int out_dtype, cudaStream_t stream);
+
+// Dense [N, K] in `out_dtype` from the repacked layout (K % 64 == 0, rows >= N not written).
+cudaError_t qerl_nvfp4_dequant_repacked_launch(const uint8_t* qweight, const uint8_t* qscale,
+                                               const float* global_scale, void* out, int N,
+                                               int K, int out_dtype, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

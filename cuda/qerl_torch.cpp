@@ -1,0 +1,273 @@
+// Thin torch binding of the NVFP4 kernels: registers the CUDA kernels of the qerl::* ops whose
+// schemas, CPU fallbacks and fake impls are defined in Python (verl_qerl/kernels/ops.py).
+//
+// Graph-capture rules kept here: no host syncs, no .item(), outputs and split-K workspaces come
+// from the caching allocator (shape-determined sizes only); the split-K semaphores are a per-device
+// buffer allocated once outside capture (init_workspace) and left zeroed by every launch.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "qerl_nvfp4.h"
+
+namespace {
+
+constexpr int64_t kCounterCap = 1 << 14;
+
+std::mutex g_mu;
+std::vector<at::Tensor> g_counters(64);
+int64_t g_gemm_max_m = -1;      // fused GEMM for M <= this (auto mode); -1: read env / default
+double g_ctas_per_sm_target = -1;  // split-K heuristic target; -1: read env / default
+
+int64_t gemm_max_m() {
+  if (g_gemm_max_m < 0) {
+    const char* e = std::getenv("QERL_GEMM_MAX_M");
+    g_gemm_max_m = e ? std::atoll(e) : 128;
+  }
+  return g_gemm_max_m;
+}
+
+double ctas_per_sm_target() {
+  if (g_ctas_per_sm_target < 0) {
+    const char* e = std::getenv("QERL_SPLIT_CTAS_PER_SM");
+    g_ctas_per_sm_target = e ? std::atof(e) : 2.0;
+  }
+  return g_ctas_per_sm_target;
+}
+
+void init_workspace(int64_t device) {
+  TORCH_CHECK(device >= 0 && device < 64, "qerl: device index out of range: ", device);
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (g_counters[device].defined()) return;
+  TORCH_CHECK(at::cuda::currentStreamCaptureStatusMayInitCtx() == at::cuda::CaptureStatus::None,
+              "qerl: the NVFP4 GEMM workspace must be created before CUDA graph capture; call "
+              "verl_qerl.kernels.load_extension() (or run one eager forward) first");
+  c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
+  g_counters[device] = at::zeros({kCounterCap}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
+}
+
+int* counters_for(const at::Device& dev) {
+  const int64_t idx = dev.index();
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (g_counters[idx].defined()) return g_counters[idx].data_ptr<int>();
+  }
+  init_workspace(idx);
+  return g_counters[idx].data_ptr<int>();
+}
+
+int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return QERL_BF16;
+    case at::kHalf:
+      return QERL_F16;
+    case at::kFloat:
+      return QERL_F32;
+    default:
+      TORCH_CHECK(false, "qerl: unsupported output dtype ", t, " (bfloat16, float16 or float32)");
+  }
+}
+
+void check_cuda(cudaError_t e, const char* what) {
+  TORCH_CHECK(e == cudaSuccess, "qerl: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+const uint8_t* scale_bytes(const at::Tensor& s) {
+  TORCH_CHECK(s.scalar_type() == at::kByte || s.scalar_type() == at::kFloat8_e4m3fn,
+              "qerl: block scale must be float8_e4m3fn or uint8, got ", s.scalar_type());
+  return static_cast<const uint8_t*>(s.data_ptr());
+}
+
+void check_gscale(const at::Tensor& gs, const at::Tensor& like) {
+  TORCH_CHECK(gs.is_cuda() && gs.device() == like.device(), "qerl: global_scale must be on ", like.device());
+  TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.numel() == 1, "qerl: global_scale must be fp32 with 1 element");
+}
+
+at::Tensor dequant_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in, const at::Tensor& gs,
+                        at::ScalarType dtype) {
+  TORCH_CHECK(packed_in.is_cuda() && packed_in.scalar_type() == at::kByte && packed_in.dim() == 2,
+              "qerl::nvfp4_dequant: packed must be CUDA uint8 [N, K/2]");
+  const int64_t n = packed_in.size(0), k = packed_in.size(1) * 2;
+  TORCH_CHECK(scale_in.dim() == 2 && scale_in.size(0) == n && scale_in.size(1) * 16 == k,
+              "qerl::nvfp4_dequant: scale shape ", scale_in.sizes(), " does not match weight [", n, ", ", k, "]");
+  check_gscale(gs, packed_in);
+  c10::cuda::CUDAGuard g(packed_in.device());
+  // 8-byte vector loads need contiguous, 8-byte aligned rows: copy a misaligned view.
+  at::Tensor packed = packed_in.contiguous();
+  if (reinterpret_cast<uintptr_t>(packed.data_ptr()) % 8 != 0) packed = packed.clone();
+  at::Tensor scale = scale_in.contiguous();
+  at::Tensor out = at::empty({n, k}, packed.options().dtype(dtype));
+  check_cuda(qerl_nvfp4_dequant_launch(static_cast<const uint8_t*>(packed.data_ptr()), scale_bytes(scale),
+                                       gs.data_ptr<float>(), out.data_ptr(), int(n), int(k), dtype_code(dtype),
+                                       at::cuda::getCurrentCUDAStream()),
+             "nvfp4_dequant launch");
+  return out;
+}
+
+void check_repacked(const at::Tensor& qw, const at::Tensor& qs, int64_t n) {
+  TORCH_CHECK(qw.is_cuda() && qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == 512,
+              "qerl: qweight must be CUDA uint8 [N_pad/16, K/64, 512] (from verl_qerl.kernels.repack)");
+  TORCH_CHECK(qs.is_cuda() && qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(2) == 64 &&
+                  qs.size(0) == qw.size(0) && qs.size(1) == qw.size(1),
+              "qerl: qscale must be CUDA uint8 [N_pad/16, K/64, 64] matching qweight");
+  TORCH_CHECK(qw.is_contiguous() && qs.is_contiguous(), "qerl: qweight/qscale must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(qs.data_ptr()) % 16 == 0,
+              "qerl: qweight/qscale must be 16-byte aligned");
+  TORCH_CHECK(n > 0 && n % 16 == 0 && n <= qw.size(0) * 16 && qw.size(0) % 8 == 0,
+              "qerl: n=", n, " does not fit qweight rows ", qw.size(0) * 16, " (n must be a multiple of 16)");
+}
+
+at::Tensor dequant_repacked_cuda(const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs, int64_t n,
+                                 at::ScalarType dtype) {
+  check_repacked(qw, qs, n);
+  check_gscale(gs, qw);
+  c10::cuda::CUDAGuard g(qw.device());
+  const int64_t k = qw.size(1) * 64;
+  at::Tensor out = at::empty({n, k}, qw.options().dtype(dtype));
+  check_cuda(qerl_nvfp4_dequant_repacked_launch(static_cast<const uint8_t*>(qw.data_ptr()),
+                                                static_cast<const uint8_t*>(qs.data_ptr()), gs.data_ptr<float>(),
+                                                out.data_ptr(), int(n), int(k), dtype_code(dtype),
+                                                at::cuda::getCurrentCUDAStream()),
+             "nvfp4_dequant_repacked launch");
+  return out;
+}
+
+int pick_block_m(int64_t m) {
+  if (m <= 8) return 8;
+  if (m <= 16) return 16;
+  if (m <= 32) return 32;
+  return 64;
+}
+
+// Split K over CTAs only when the output tiles cannot occupy the GPU: choose the split count that
+// best balances (equal stage counts per split) and fills (target CTAs per SM), penalising the
+// partial-sum traffic of many splits.
+int cached_ctas_per_sm(int block_m) {
+  static int cache[4][64] = {};  // [log2(block_m / 8)][device]; benign race (idempotent values)
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return std::max(1, qerl_nvfp4_gemm_ctas_per_sm(block_m));
+  const int slot = block_m == 8 ? 0 : block_m == 16 ? 1 : block_m == 32 ? 2 : 3;
+  if (cache[slot][dev] == 0) cache[slot][dev] = std::max(1, qerl_nvfp4_gemm_ctas_per_sm(block_m));
+  return cache[slot][dev];
+}
+
+int pick_splits(int64_t tiles, int64_t stages, int block_m, int sms) {
+  const int occ = cached_ctas_per_sm(block_m);
+  const int64_t slots = int64_t(sms) * occ;
+  if (tiles >= slots / 2 || stages < 2) return 1;
+  const double target = ctas_per_sm_target() * sms;
+  const int64_t max_s = std::min<int64_t>({stages, std::max<int64_t>(1, slots / tiles), 64, kCounterCap});
+  int best = 1;
+  double best_score = -1;
+  for (int64_t s = 1; s <= max_s; ++s) {
+    const int64_t per = (stages + s - 1) / s;
+    const double balance = double(stages) / double(s * per);
+    const double fill = std::min(1.0, double(tiles * s) / target);
+    const double score = balance * fill * (1.0 - 0.01 * double(s));
+    if (score > best_score + 1e-9) {
+      best_score = score;
+      best = int(s);
+    }
+  }
+  return best;
+}
+
+at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                            const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
+              x_in.scalar_type());
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  TORCH_CHECK(k % QERL_GEMM_BK == 0, "qerl::nvfp4_gemm (kernel): K=", k, " must be a multiple of ", QERL_GEMM_BK,
+              " (shape x [", m, ", ", k, "], W [", n, ", ", k, "]); use mode 0 or 2 for other shapes");
+  at::Tensor x = x_in.contiguous();
+  if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const void* bptr = nullptr;
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kBFloat16).contiguous();
+    TORCH_CHECK(b.numel() == n && b.device() == x.device(), "qerl::nvfp4_gemm: bias must be [", n, "] on ",
+                x.device());
+    bptr = b.data_ptr();
+  }
+  const int block_m = pick_block_m(m);
+  const int64_t n_tiles = (n + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
+  const int64_t m_tiles = (m + block_m - 1) / block_m;
+  const int64_t stages = k / QERL_GEMM_BK;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int splits = splits_override > 0 ? int(std::min<int64_t>(splits_override, stages))
+                                   : pick_splits(n_tiles * m_tiles, stages, block_m, sms);
+  if (n_tiles * m_tiles > kCounterCap) splits = 1;
+  at::Tensor ws;
+  int* counters = nullptr;
+  if (splits > 1) {
+    ws = at::empty({int64_t(qerl_nvfp4_gemm_workspace_floats(int(m), int(n), splits, block_m))},
+                   x.options().dtype(at::kFloat));
+    counters = counters_for(x.device());
+  }
+  check_cuda(qerl_nvfp4_gemm_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
+                                    out.data_ptr(), splits > 1 ? ws.data_ptr<float>() : nullptr, counters, int(m),
+                                    int(n), int(k), splits, block_m, at::cuda::getCurrentCUDAStream()),
+             "nvfp4_gemm launch");
+  return out;
+}
+
+// mode: 0 = auto (kernel for M <= threshold and supported shapes, else dequant + cuBLAS),
+//       1 = kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
+//       >= 16: kernel with splits = mode - 16 (benchmark tuning).
+at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
+  check_repacked(qw, qs, n);
+  check_gscale(gs, x);
+  TORCH_CHECK(x.device() == qw.device(), "qerl::nvfp4_gemm: x on ", x.device(), " but weight on ", qw.device());
+  TORCH_CHECK(x.size(1) == qw.size(1) * 64, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
+              qw.size(1) * 64);
+  c10::cuda::CUDAGuard g(x.device());
+  const bool kernel_ok = x.scalar_type() == at::kBFloat16 && x.size(1) % QERL_GEMM_BK == 0;
+  const bool use_kernel = mode == 1 || mode >= 16 || (mode == 0 && kernel_ok && x.size(0) <= gemm_max_m());
+  if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0);
+  at::Tensor w = dequant_repacked_cuda(qw, qs, gs, n, x.scalar_type());
+  c10::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type());
+  return at::linear(x, w, b);
+}
+
+void set_tuning(int64_t gemm_max_m_value, double ctas_per_sm) {
+  if (gemm_max_m_value >= 0) g_gemm_max_m = gemm_max_m_value;
+  if (ctas_per_sm > 0) g_ctas_per_sm_target = ctas_per_sm;
+}
+
+std::vector<double> get_tuning() { return {double(gemm_max_m()), ctas_per_sm_target()}; }
+
+int64_t splits_for(int64_t m, int64_t n, int64_t k) {
+  const int block_m = pick_block_m(m);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return pick_splits(((n + QERL_GEMM_BN - 1) / QERL_GEMM_BN) * ((m + block_m - 1) / block_m), k / QERL_GEMM_BK,
+                     block_m, sms);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
+  m.impl("nvfp4_gemm", &gemm_cuda);
+  m.impl("nvfp4_dequant", &dequant_cuda);
+  m.impl("nvfp4_dequant_repacked", &dequant_repacked_cuda);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "verl-qerl NVFP4 CUDA kernels (the qerl::* ops register on import)";
+  m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
+  m.def("set_tuning", &set_tuning, "set (gemm_max_m, split target CTAs per SM); negative keeps a value");
+  m.def("get_tuning", &get_tuning, "(gemm_max_m, split target CTAs per SM)");
+  m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
+}
