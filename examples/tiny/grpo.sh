@@ -10,6 +10,7 @@ VARIANT=${1:-nvfp4}; [ $# -gt 0 ] && shift
 W=${WORKDIR:-runs/tiny}
 PY=${PYTHON:-.venv/bin/python}
 "$PY" examples/tiny/prepare.py "$W"
+W=$(realpath "$W")   # Ray workers read these paths from other working directories
 DEVICE=${QERL_DEVICE:-$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray-qerl}
 export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$W/metrics-$VARIANT.jsonl}
