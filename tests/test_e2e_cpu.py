@@ -40,7 +40,10 @@ def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path):
     sigmas = [steps[s]["qerl/aqn_sigma"] for s in (1, 2, 3)]
     assert sigmas == pytest.approx([0.0, 1e-2, 5e-4])
     assert [steps[s]["qerl/aqn_stage"] for s in (1, 2, 3)] == [0, 1, 2]
+    # the shaping reward gives GRPO a signal, so the adapters really train (lr 2e-2) ...
+    assert max(steps[s]["actor/grad_norm"] for s in steps) > 0
     for s, data in steps.items():
-        # rollout (vLLM, NVFP4 + synced LoRA + noise) and actor (NVFP4 + LoRA) agree on the sampled tokens
-        assert data["training/rollout_probs_diff_max"] < 0.5, (s, data["training/rollout_probs_diff_max"])
+        # ... and the rollout (vLLM: NVFP4 base + the synced adapter + AQN) still agrees with the actor
+        # (NVFP4 + LoRA) on the sampled tokens' probabilities: the adapter reached vLLM every step
+        assert data["training/rollout_probs_diff_max"] < 5e-3, (s, data["training/rollout_probs_diff_max"])
         assert "timing_s/update_actor" in data and "actor/pg_loss" in data

