@@ -136,7 +136,7 @@ def sanitize_run() -> int:
     torch.manual_seed(0)
     bad = 0
     for m, n, k, mode in [(1, 256, 256, 1), (5, 272, 512, 18), (16, 128, 384, 19), (40, 384, 256, 1),
-                          (70, 128, 256, 17), (3, 256, 512, 2)]:
+                          (70, 128, 256, 17), (3, 256, 512, 2), (300, 2048, 256, 2), (260, 1040, 384, 3)]:
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
@@ -200,6 +200,8 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             "kernel": ours(1, x),
             "dqmm": ours(2, x),
         }
+        if m >= 256:
+            fns["dqmm_unsliced"] = ours(3, x)
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(
@@ -213,6 +215,58 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             rec[f"{key}_graph_ms"] = round(g, 5) if g is not None else None
         recs.append(rec)
     return recs
+
+
+def repro_throw() -> int:
+    """Call the op with a shape it must refuse; print the error (run under cuda-gdb if it crashes)."""
+    kernels.load_extension()
+    packed, scale, gs = random_nvfp4(64, 256)
+    rw = kernels.repack(packed, scale)
+    try:
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 128, device=DEV).to(torch.bfloat16), rw.qweight, rw.qscale,
+                                  gs, None, 64, 1)
+    except RuntimeError as ex:
+        print("REPRO caught:", str(ex).splitlines()[0][:200])
+    try:
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64, 1)
+    except RuntimeError as ex:
+        print("REPRO caught:", str(ex).splitlines()[0][:200])
+    print("REPRO done")
+    return 0
+
+
+def profile_run() -> int:
+    """One fused-kernel call per decode shape (for ncu), after a warm-up call each."""
+    kernels.load_extension()
+    gs = torch.tensor([100.0], device=DEV)
+    for m, n, k in [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584)]:
+        rw = kernels.repack(*random_nvfp4(n, k)[:2])
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
+        torch.cuda.synchronize()
+        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
+        torch.cuda.synchronize()
+    return 0
+
+
+def _dequant_times(n: int, k: int) -> dict[str, float]:
+    packed, scale, gs = random_nvfp4(n, k)
+    rw = kernels.repack(packed, scale)
+    return {"ct": bench_eager(lambda r: kernels.dequantize(packed, scale, gs), 20),
+            "repacked": bench_eager(lambda r: kernels.dequantize_repacked(rw, gs, n), 20)}
+
+
+def dequant_bandwidth(bw: float) -> dict:
+    """Dequant kernels alone on the largest 7B/32B weights: time and bytes/s vs the copy ceiling."""
+    res = {}
+    for n, k in [(37888, 3584), (55296, 5120)]:
+        moved = n * k * (0.5625 + 2)
+        for name, t in _dequant_times(n, k).items():
+            res[f"{name}_{n}x{k}"] = {"ms": round(t, 4), "TBps": round(moved / (t / 1e3) / 1e12, 3),
+                                      "of_copy": round(moved / (t / 1e3) / 1e12 / bw, 3)}
+        torch.cuda.empty_cache()
+    print("# dequant kernels:", json.dumps(res), flush=True)
+    return res
 
 
 def sass_summary(path: str) -> int:
@@ -240,6 +294,8 @@ def sass_summary(path: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", default=None, help="summarize a cuobjdump -sass listing and exit")
+    ap.add_argument("--repro-throw", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="one call per decode shape (run under ncu)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--no-tune", action="store_true")
@@ -250,12 +306,16 @@ def main() -> int:
         return sass_summary(args.sass)
     if args.sanitize:
         return sanitize_run()
+    if args.repro_throw:
+        return repro_throw()
+    if args.profile:
+        return profile_run()
     torch.backends.cuda.matmul.allow_tf32 = True
     if not kernels.load_extension(verbose=False):
         print("extension failed:", kernels.cuda_unavailable_reason())
         return 1
     ext = kernels.extension()
-    ms = [1, 16, 256, 4096] if args.quick else MS
+    ms = [1, 16, 64, 256, 4096] if args.quick else MS
     iters = 10 if args.quick else 30
     name = torch.cuda.get_device_name()
     out: dict = {
@@ -268,6 +328,7 @@ def main() -> int:
     bw, tf = ceilings()
     out["copy_TBps"], out["bf16_TFLOPs"] = round(bw, 3), round(tf, 1)
     print(f"# {name} torch {torch.__version__}: copy {bw:.2f} TB/s, bf16 mm {tf:.0f} TFLOP/s", flush=True)
+    out["dequant"] = dequant_bandwidth(bw)
     try:
         import bitsandbytes as bnb
         import bitsandbytes.functional as bnbF

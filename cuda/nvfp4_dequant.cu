@@ -77,39 +77,59 @@ __global__ void __launch_bounds__(kThreads)
   store16<OutT>(out + i * 16, v);
 }
 
-// Repacked layout: one thread = one lane of one 16x64 tile (16 B of codes, its 8 scale bytes).
+// Repacked layout: one CTA = one (128-row tile, 128-wide K stage) block, 8 warps = the 8 row
+// blocks. Each lane decodes its 2 x 32 values into a padded shared tile, then the CTA writes the
+// tile out row by row with 16-byte stores, so every DRAM sector is written whole (scattered
+// 4-byte stores made partial-sector writes and ran at ~0.5 TB/s).
+template <typename OutT>
+struct RepackedTile {
+  static constexpr int ROW_BYTES = 128 * int(sizeof(OutT)) + 16;  // +16: no bank conflicts
+  static constexpr int SMEM = 128 * ROW_BYTES;
+};
+
 template <typename OutT>
 __global__ void __launch_bounds__(kThreads)
     dequant_repacked_kernel(const uint4* __restrict__ qw, const uint2* __restrict__ qs,
-                            const float* __restrict__ gscale, OutT* __restrict__ out, int N, int K,
-                            long long units) {
+                            const float* __restrict__ gscale, OutT* __restrict__ out, int N, int K) {
   using Pair = typename OutPair<OutT>::type;
-  const long long u = blockIdx.x * (long long)kThreads + threadIdx.x;
-  if (u >= units) return;
-  const int KT = K / 64;
-  const long long tile = u >> 5;
-  const int lane = int(u & 31);
-  const int nb = int(tile / KT), kb = int(tile % KT);
-  const uint4 w = __ldcs(qw + u);
-  const uint2 sb = __ldcs(qs + tile * 8 + (lane >> 2));
-  const float g = __ldg(gscale);
+  using T = RepackedTile<OutT>;
+  extern __shared__ __align__(16) uint8_t tile[];
+  const int stage = blockIdx.x, ntile = blockIdx.y, stages = gridDim.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r = lane >> 2, c = lane & 3;
+  const float g = __ldg(gscale);
+  const size_t blk0 = (size_t(ntile) * stages + stage) * 16;  // 16 tiles (8 row blocks x 2) per stage
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t word = j == 0 ? w.x : (j == 1 ? w.y : (j == 2 ? w.z : w.w));
-    const uint32_t sword = j < 2 ? sb.x : sb.y;
-    const float eff_lo = __fdiv_rn(scale_from_byte((sword >> (8 * ((j & 1) * 2))) & 0xFFu), g);
-    const float eff_hi = __fdiv_rn(scale_from_byte((sword >> (8 * ((j & 1) * 2 + 1))) & 0xFFu), g);
-    uint32_t raw[4];
-    decode_raw(word, raw);
+  for (int t2 = 0; t2 < 2; ++t2) {
+    const size_t t = blk0 + warp * 2 + t2;
+    const uint4 w = __ldcs(qw + t * 32 + lane);
+    const uint2 sb = __ldcs(qs + t * 8 + r);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = nb * 16 + r + 8 * (e & 1);
-      if (row >= N) continue;
-      const int col = kb * 64 + 16 * j + 2 * c + 8 * (e >> 1);
-      const float eff = (e & 1) ? eff_hi : eff_lo;
-      const Pair pr = OutPair<OutT>::make(raw_half_to_float(raw[e], 0) * eff, raw_half_to_float(raw[e], 1) * eff);
-      *reinterpret_cast<Pair*>(out + size_t(row) * K + col) = pr;
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = j == 0 ? w.x : (j == 1 ? w.y : (j == 2 ? w.z : w.w));
+      const uint32_t sword = j < 2 ? sb.x : sb.y;
+      const float eff_lo = __fdiv_rn(scale_from_byte((sword >> (8 * ((j & 1) * 2))) & 0xFFu), g);
+      const float eff_hi = __fdiv_rn(scale_from_byte((sword >> (8 * ((j & 1) * 2 + 1))) & 0xFFu), g);
+      uint32_t raw[4];
+      decode_raw(word, raw);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = warp * 16 + r + 8 * (e & 1);
+        const int col = t2 * 64 + 16 * j + 2 * c + 8 * (e >> 1);
+        const float eff = (e & 1) ? eff_hi : eff_lo;
+        *reinterpret_cast<Pair*>(tile + row * T::ROW_BYTES + col * int(sizeof(OutT))) =
+            OutPair<OutT>::make(raw_half_to_float(raw[e], 0) * eff, raw_half_to_float(raw[e], 1) * eff);
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int CHUNKS = 128 * int(sizeof(OutT)) / 16;  // 16-byte chunks per row
+  for (int i = threadIdx.x; i < 128 * CHUNKS; i += kThreads) {
+    const int row = i / CHUNKS, ch = i % CHUNKS;
+    const int n = ntile * 128 + row;
+    if (n < N) {
+      const uint4 v = *reinterpret_cast<const uint4*>(tile + row * T::ROW_BYTES + ch * 16);
+      *reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(out + size_t(n) * K + size_t(stage) * 128) + ch * 16) = v;
     }
   }
 }
@@ -128,13 +148,20 @@ cudaError_t launch_ct(const uint8_t* packed, const uint8_t* scale, const float* 
 template <typename OutT>
 cudaError_t launch_repacked(const uint8_t* qw, const uint8_t* qs, const float* g, void* out, int N, int K,
                             cudaStream_t stream) {
-  const long long n_pad16 = (N + 127) / 128 * 8;  // n16 blocks in the (128-padded) qweight
-  const long long units = n_pad16 * (K / 64) * 32;
-  if (units == 0) return cudaSuccess;
-  const unsigned grid = unsigned((units + kThreads - 1) / kThreads);
-  dequant_repacked_kernel<OutT><<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(qw),
-                                                              reinterpret_cast<const uint2*>(qs), g,
-                                                              static_cast<OutT*>(out), N, K, units);
+  if (N == 0 || K == 0) return cudaSuccess;
+  const int smem = RepackedTile<OutT>::SMEM;
+  static bool attr_set[64] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (smem > 48 * 1024 && (dev < 0 || dev >= 64 || !attr_set[dev])) {
+    e = cudaFuncSetAttribute(dequant_repacked_kernel<OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64) attr_set[dev] = true;
+  }
+  dim3 grid(unsigned(K / 128), unsigned((N + 127) / 128));
+  dequant_repacked_kernel<OutT><<<grid, kThreads, smem, stream>>>(
+      reinterpret_cast<const uint4*>(qw), reinterpret_cast<const uint2*>(qs), g, static_cast<OutT*>(out), N, K);
   return cudaGetLastError();
 }
 
@@ -160,7 +187,7 @@ extern "C" cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const ui
 extern "C" cudaError_t qerl_nvfp4_dequant_repacked_launch(const uint8_t* qweight, const uint8_t* qscale,
                                                           const float* global_scale, void* out, int N, int K,
                                                           int out_dtype, cudaStream_t stream) {
-  if (N < 0 || K < 0 || K % 64 != 0 || N % 16 != 0) return cudaErrorInvalidValue;
+  if (N < 0 || K < 0 || K % 128 != 0 || N % 16 != 0) return cudaErrorInvalidValue;
   switch (out_dtype) {
     case QERL_BF16:
       return qerl::launch_repacked<__nv_bfloat16>(qweight, qscale, global_scale, out, N, K, stream);

@@ -4,8 +4,9 @@
 //  * Weight-only, memory-bound at decode: the weight is the MMA's A operand (16 rows of N per
 //    m16n8k16), activations are B (8 tokens per n8 tile), so M = 1..8 wastes no weight bandwidth.
 //  * CTA = 4 warps over a 128 (N) x BM (tokens) output tile; warp w owns N rows [32w, 32w+32).
-//    K is streamed in stages of 128 through a 4-deep cp.async ring: 8 KB of FP4 weights, 1 KB of
-//    scale bytes and BM x 128 bf16 activations per stage, every global load 16 B and coalesced.
+//    K is streamed in stages of 128 through a 4- or 5-deep cp.async ring: 8 KB of FP4 weights (one
+//    contiguous block of the repacked layout), 1 KB of scale bytes and BM x 128 bf16 activations
+//    per stage, every global load 16 B and coalesced.
 //  * Dequantization in registers, no table: a word of the repacked layout becomes an A fragment
 //    with rotates/masks (e2m1 * 2^-126 as bf16 bits) and one bf16x2 multiply per register by the
 //    block scale pre-biased by 2^119 (built from its byte with one byte_perm and one imad). The
@@ -23,7 +24,6 @@ namespace {
 constexpr int BN = QERL_GEMM_BN;        // output features per CTA
 constexpr int BK = QERL_GEMM_BK;        // K per pipeline stage (two 64-wide tiles)
 constexpr int THREADS = QERL_GEMM_THREADS;
-constexpr int STAGES = 4;
 constexpr int XPAD = 8;                 // bf16 of padding per smem activation row (bank conflicts)
 constexpr int XROW_BYTES = (BK + XPAD) * 2;
 constexpr int W_STAGE_BYTES = (BN / 16) * (BK / 64) * 512;
@@ -31,6 +31,8 @@ constexpr int S_STAGE_BYTES = (BN / 16) * (BK / 64) * 64;
 
 template <int BM>
 struct Cfg {
+  // Deeper ring for the byte-bound small-M tiles (more bytes in flight per SM), 4 otherwise.
+  static constexpr int STAGES = BM <= 16 ? 5 : 4;
   static constexpr int MT = BM / 8;  // n8 token tiles
   static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
   static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
@@ -41,14 +43,9 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
-}
-
-// Copies 16 bytes, or writes 16 zero bytes when !valid (src-size 0 reads nothing).
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool valid) {
-  const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(n));
+// 16-byte async copy to a shared address; src_bytes 0 zero-fills (nothing is read).
+__device__ __forceinline__ void cp_async16_u32(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -92,6 +89,7 @@ __global__ void __launch_bounds__(THREADS)
                       int splits) {
   using C = Cfg<BM>;
   constexpr int MT = C::MT;
+  constexpr int STAGES = C::STAGES;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_is_last;
 
@@ -101,7 +99,6 @@ __global__ void __launch_bounds__(THREADS)
   const int ntile = blockIdx.x;
   const int split = blockIdx.y;
   const int mtile = blockIdx.z;
-  const int KT = K / 64;
   const int stages_total = K / BK;
   const int q = stages_total / splits;
   const int rem = stages_total % splits;
@@ -118,32 +115,38 @@ __global__ void __launch_bounds__(THREADS)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
 
-  auto load_stage = [&](int buf, int s_idx) {
-    uint8_t* base = smem + buf * C::STAGE_BYTES;
-    const int kb0 = s_idx * (BK / 64);
+  // Stage-contiguous repacked layout: this CTA's stage s is 8 KB of weights at
+  // qw[(ntile * stages_total + s) * 512 ...] and 1 KB of scales at qs[(...) * 64 ...].
+  const uint4* wsrc = qw + (size_t(ntile) * stages_total + s_begin) * (W_STAGE_BYTES / 16) + tid;
+  const uint4* ssrc = qs + (size_t(ntile) * stages_total + s_begin) * (S_STAGE_BYTES / 16) + tid;
+  constexpr int XCHUNKS = BM * (BK / 8);
+  constexpr int XPER = (XCHUNKS + THREADS - 1) / THREADS;
+  const __nv_bfloat16* xsrc[XPER];
+  uint32_t xdst[XPER];
+  int xbytes[XPER];
 #pragma unroll
-    for (int i = 0; i < W_STAGE_BYTES / 16 / THREADS; ++i) {
-      const int c = tid + i * THREADS;
-      const int nbl = c >> 6, within = c & 63;  // 64 x 16 B = two 512 B tiles of one n16 block
-      cp_async16(base + c * 16, qw + (size_t(nb0 + nbl) * KT + kb0) * 32 + within);
-    }
-    if (tid < S_STAGE_BYTES / 16) {
-      const int nbl = tid >> 3, within = tid & 7;
-      cp_async16(base + W_STAGE_BYTES + tid * 16, qs + (size_t(nb0 + nbl) * KT + kb0) * 4 + within);
-    }
-    uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
-    constexpr int XCHUNKS = BM * (BK / 8);
+  for (int i = 0; i < XPER; ++i) {
+    const int c = tid + i * THREADS;
+    const int row = c / (BK / 8), ch = c % (BK / 8);
+    const bool valid = (XCHUNKS % THREADS == 0 || c < XCHUNKS) && (m0 + row < M);
+    xsrc[i] = x + size_t(valid ? m0 + row : 0) * K + size_t(s_begin) * BK + ch * 8;
+    xdst[i] = W_STAGE_BYTES + S_STAGE_BYTES + row * XROW_BYTES + ch * 16;
+    xbytes[i] = valid ? 16 : 0;
+  }
+  const uint32_t smem_base = smem_u32(smem);
+
+  auto load_stage = [&](int buf, int s_rel) {
+    const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+    const uint4* w = wsrc + size_t(s_rel) * (W_STAGE_BYTES / 16);
 #pragma unroll
-    for (int i = 0; i < (XCHUNKS + THREADS - 1) / THREADS; ++i) {
-      const int c = tid + i * THREADS;
-      if (XCHUNKS % THREADS == 0 || c < XCHUNKS) {
-        const int row = c / (BK / 8), ch = c % (BK / 8);
-        const int m = m0 + row;
-        const bool valid = m < M;
-        const __nv_bfloat16* src = x + size_t(valid ? m : 0) * K + size_t(s_idx) * BK + ch * 8;
-        cp_async16_zfill(xs + row * XROW_BYTES + ch * 16, src, valid);
-      }
-    }
+    for (int i = 0; i < W_STAGE_BYTES / 16 / THREADS; ++i)
+      cp_async16_u32(base + (tid + i * THREADS) * 16, w + i * THREADS, 16);
+    if (tid < S_STAGE_BYTES / 16)
+      cp_async16_u32(base + W_STAGE_BYTES + tid * 16, ssrc + size_t(s_rel) * (S_STAGE_BYTES / 16), 16);
+#pragma unroll
+    for (int i = 0; i < XPER; ++i)
+      if (XCHUNKS % THREADS == 0 || tid + i * THREADS < XCHUNKS)
+        cp_async16_u32(base + xdst[i], xsrc[i] + size_t(s_rel) * BK, xbytes[i]);
   };
 
   auto compute_stage = [&](int buf) {
@@ -197,14 +200,14 @@ __global__ void __launch_bounds__(THREADS)
   // ---- main loop: STAGES-deep cp.async ring
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < s_count) load_stage(s, s_begin + s);
+    if (s < s_count) load_stage(s, s);
     cp_async_commit();
   }
   for (int it = 0; it < s_count; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     const int nxt = it + STAGES - 1;
-    if (nxt < s_count) load_stage(nxt % STAGES, s_begin + nxt);
+    if (nxt < s_count) load_stage(nxt % STAGES, nxt);
     cp_async_commit();
     compute_stage(it % STAGES);
   }
@@ -230,37 +233,43 @@ __global__ void __launch_bounds__(THREADS)
     __syncthreads();
     if (!s_is_last) return;
     __threadfence();
-    float sum[2][MT][4];
+    // Sum all partials (this CTA's too) in split order: deterministic whichever CTA is last.
+    // Loads are issued RB splits at a time so they overlap instead of paying one L2 round trip
+    // per split.
+    constexpr int NV = 2 * MT;
+    constexpr int RB = MT <= 2 ? 8 : (MT == 4 ? 4 : 2);
+    float4 sum[NV];
 #pragma unroll
-    for (int nbw = 0; nbw < 2; ++nbw)
+    for (int q = 0; q < NV; ++q) sum[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* parts = reinterpret_cast<const float4*>(tile_ws);
+    for (int s0 = 0; s0 < splits; s0 += RB) {
+      float4 v[RB][NV];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int r = 0; r < RB; ++r)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sum[nbw][mt][c] = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float4* part = reinterpret_cast<const float4*>(tile_ws + size_t(s) * (BM * BN));
+        for (int q = 0; q < NV; ++q)
+          v[r][q] = (s0 + r < splits) ? __ldcg(parts + size_t(s0 + r) * (BM * BN / 4) + q * THREADS + tid)
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw)
+      for (int r = 0; r < RB; ++r)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          float4 v;
-          if (s == split) {
-            v = make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
-          } else {
-            v = __ldcg(part + (nbw * MT + mt) * THREADS + tid);
-          }
-          sum[nbw][mt][0] += v.x;
-          sum[nbw][mt][1] += v.y;
-          sum[nbw][mt][2] += v.z;
-          sum[nbw][mt][3] += v.w;
+        for (int q = 0; q < NV; ++q) {
+          sum[q].x += v[r][q].x;
+          sum[q].y += v[r][q].y;
+          sum[q].z += v[r][q].z;
+          sum[q].w += v[r][q].w;
         }
     }
 #pragma unroll
     for (int nbw = 0; nbw < 2; ++nbw)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[nbw][mt][c] = sum[nbw][mt][c];
+      for (int mt = 0; mt < MT; ++mt) {
+        const float4 t = sum[nbw * MT + mt];
+        acc[nbw][mt][0] = t.x;
+        acc[nbw][mt][1] = t.y;
+        acc[nbw][mt][2] = t.z;
+        acc[nbw][mt][3] = t.w;
+      }
     if (tid == 0) counters[tile_id] = 0;  // every split has arrived: ready for the next launch
   }
 

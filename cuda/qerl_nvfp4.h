@@ -6,7 +6,8 @@
 // Layouts (see verl_qerl/kernels/layout.py for the full description):
 //   compressed-tensors: packed uint8 [N, K/2] (even element in the low nibble), scale E4M3 [N, K/16],
 //                       global_scale fp32 [1] (a divisor: W = e2m1 * scale / global_scale);
-//   repacked (GEMM):    qweight uint8 [N_pad/16, K/64, 512], qscale uint8 [N_pad/16, K/64, 64].
+//   repacked (GEMM):    qweight uint8 [N_pad/128, K/128, 8192], qscale uint8 [N_pad/128, K/128, 1024]
+//                       (one GEMM pipeline stage of one 128-row tile per contiguous block).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,7 +43,8 @@ cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scal
                                       const float* global_scale, void* out, int N, int K,
                                       int out_dtype, cudaStream_t stream);
 
-// Dense [N, K] in `out_dtype` from the repacked layout (K % 64 == 0, rows >= N not written).
+// Dense [N, K] in `out_dtype` from the repacked layout (K % 128 == 0, rows >= N not written).
+// `qweight`/`qscale` may point at any 128-row tile of a larger weight (slices: N = slice rows).
 cudaError_t qerl_nvfp4_dequant_repacked_launch(const uint8_t* qweight, const uint8_t* qscale,
                                                const float* global_scale, void* out, int N,
                                                int K, int out_dtype, cudaStream_t stream);

@@ -5,6 +5,8 @@
 // from the caching allocator (shape-determined sizes only); the split-K semaphores are a per-device
 // buffer allocated once outside capture (init_workspace) and left zeroed by every launch.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -112,17 +114,17 @@ at::Tensor dequant_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in,
 }
 
 void check_repacked(const at::Tensor& qw, const at::Tensor& qs, int64_t n) {
-  TORCH_CHECK(qw.is_cuda() && qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == 512,
-              "qerl: qweight must be CUDA uint8 [N_pad/16, K/64, 512] (from verl_qerl.kernels.repack)");
-  TORCH_CHECK(qs.is_cuda() && qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(2) == 64 &&
+  TORCH_CHECK(qw.is_cuda() && qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == 8192,
+              "qerl: qweight must be CUDA uint8 [N_pad/128, K/128, 8192] (from verl_qerl.kernels.repack)");
+  TORCH_CHECK(qs.is_cuda() && qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(2) == 1024 &&
                   qs.size(0) == qw.size(0) && qs.size(1) == qw.size(1),
-              "qerl: qscale must be CUDA uint8 [N_pad/16, K/64, 64] matching qweight");
+              "qerl: qscale must be CUDA uint8 [N_pad/128, K/128, 1024] matching qweight");
   TORCH_CHECK(qw.is_contiguous() && qs.is_contiguous(), "qerl: qweight/qscale must be contiguous");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(qs.data_ptr()) % 16 == 0,
               "qerl: qweight/qscale must be 16-byte aligned");
-  TORCH_CHECK(n > 0 && n % 16 == 0 && n <= qw.size(0) * 16 && qw.size(0) % 8 == 0,
-              "qerl: n=", n, " does not fit qweight rows ", qw.size(0) * 16, " (n must be a multiple of 16)");
+  TORCH_CHECK(n > 0 && n % 16 == 0 && n <= qw.size(0) * 128 && n > (qw.size(0) - 1) * 128,
+              "qerl: n=", n, " does not fit qweight rows ", qw.size(0) * 128, " (n must be a multiple of 16)");
 }
 
 at::Tensor dequant_repacked_cuda(const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs, int64_t n,
@@ -130,13 +132,63 @@ at::Tensor dequant_repacked_cuda(const at::Tensor& qw, const at::Tensor& qs, con
   check_repacked(qw, qs, n);
   check_gscale(gs, qw);
   c10::cuda::CUDAGuard g(qw.device());
-  const int64_t k = qw.size(1) * 64;
+  const int64_t k = qw.size(1) * 128;
   at::Tensor out = at::empty({n, k}, qw.options().dtype(dtype));
   check_cuda(qerl_nvfp4_dequant_repacked_launch(static_cast<const uint8_t*>(qw.data_ptr()),
                                                 static_cast<const uint8_t*>(qs.data_ptr()), gs.data_ptr<float>(),
                                                 out.data_ptr(), int(n), int(k), dtype_code(dtype),
                                                 at::cuda::getCurrentCUDAStream()),
              "nvfp4_dequant_repacked launch");
+  return out;
+}
+
+// Large M: dequantize to the activations' dtype and let cuBLAS do the (compute-bound) GEMM. With
+// `sliced`, N is cut into 128-row-aligned slices; slice i+1 is dequantized on a side stream while
+// cuBLAS multiplies slice i into its column range of the output (ld = N, no copy), so only the
+// first slice's dequant pass is exposed and the transient weight is two slices, not the layer.
+at::Tensor dqmm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                     const c10::optional<at::Tensor>& bias, int64_t n, bool sliced) {
+  const int64_t m = x.size(0), k = x.size(1), st = qw.size(1);
+  const int64_t ntl = (n + 127) / 128;
+  c10::optional<at::Tensor> b;
+  if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type());
+  int64_t slices = 1;
+  if (sliced && m >= 256 && ntl >= 8) slices = std::min<int64_t>(4, ntl / 2);
+  if (slices <= 1) {
+    at::Tensor w = dequant_repacked_cuda(qw, qs, gs, n, x.scalar_type());
+    return at::linear(x, w, b);
+  }
+  const int64_t tl_per = (ntl + slices - 1) / slices;
+  slices = (ntl + tl_per - 1) / tl_per;
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor buf[2] = {at::empty({tl_per * 128, k}, x.options()), at::empty({tl_per * 128, k}, x.options())};
+  const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
+  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, x.device().index());
+  at::cuda::CUDAEvent fork;
+  fork.record(main);
+  fork.block(side);
+  std::vector<at::cuda::CUDAEvent> dq(slices), mm(slices);
+  const int dt = dtype_code(x.scalar_type());
+  const uint8_t* qwp = static_cast<const uint8_t*>(qw.data_ptr());
+  const uint8_t* qsp = static_cast<const uint8_t*>(qs.data_ptr());
+  for (int64_t i = 0; i < slices; ++i) {
+    const int64_t t0 = i * tl_per;
+    const int64_t n0 = t0 * 128;
+    const int64_t ns = std::min<int64_t>(n, n0 + tl_per * 128) - n0;
+    at::Tensor& bw = buf[i & 1];
+    if (i >= 2) mm[i - 2].block(side);  // slice i-2's GEMM must be done with this buffer
+    check_cuda(qerl_nvfp4_dequant_repacked_launch(qwp + size_t(t0) * st * 8192, qsp + size_t(t0) * st * 1024,
+                                                  gs.data_ptr<float>(), bw.data_ptr(), int(ns), int(k), dt, side),
+               "nvfp4_dequant_repacked launch (slice)");
+    dq[i].record(side);
+    dq[i].block(main);
+    at::Tensor o = out.narrow(1, n0, ns);
+    at::mm_out(o, x, bw.narrow(0, 0, ns).t());
+    mm[i].record(main);
+  }
+  buf[0].record_stream(side);
+  buf[1].record_stream(side);
+  if (b.has_value()) out.add_(*b);
   return out;
 }
 
@@ -221,25 +273,22 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   return out;
 }
 
-// mode: 0 = auto (kernel for M <= threshold and supported shapes, else dequant + cuBLAS),
-//       1 = kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
-//       >= 16: kernel with splits = mode - 16 (benchmark tuning).
+// mode: 0 = auto (kernel for M <= threshold and supported shapes, else sliced dequant + cuBLAS),
+//       1 = kernel (errors on unsupported shapes), 2 = sliced dequant + cuBLAS,
+//       3 = unsliced dequant + cuBLAS, >= 16: kernel with splits = mode - 16 (benchmark tuning).
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                      const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
   check_repacked(qw, qs, n);
   check_gscale(gs, x);
   TORCH_CHECK(x.device() == qw.device(), "qerl::nvfp4_gemm: x on ", x.device(), " but weight on ", qw.device());
-  TORCH_CHECK(x.size(1) == qw.size(1) * 64, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
-              qw.size(1) * 64);
+  TORCH_CHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
+              qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
   const bool kernel_ok = x.scalar_type() == at::kBFloat16 && x.size(1) % QERL_GEMM_BK == 0;
   const bool use_kernel = mode == 1 || mode >= 16 || (mode == 0 && kernel_ok && x.size(0) <= gemm_max_m());
   if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0);
-  at::Tensor w = dequant_repacked_cuda(qw, qs, gs, n, x.scalar_type());
-  c10::optional<at::Tensor> b;
-  if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type());
-  return at::linear(x, w, b);
+  return dqmm_cuda(x, qw, qs, gs, bias, n, mode != 3);
 }
 
 void set_tuning(int64_t gemm_max_m_value, double ctas_per_sm) {

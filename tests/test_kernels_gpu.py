@@ -61,7 +61,7 @@ def test_dequant_bit_exact(n: int, k: int, dtype: torch.dtype) -> None:
     assert torch.equal(kernels.dequantize(packed, scale.view(torch.uint8), gs, dtype), w)
 
 
-@pytest.mark.parametrize("n,k", [(48, 64), (3584, 18944 // 4), (272, 640)])
+@pytest.mark.parametrize("n,k", [(48, 128), (3584, 18944 // 4), (272, 640)])
 def test_dequant_repacked_equals_dequant(n: int, k: int) -> None:
     packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
     rw = kernels.repack(packed, scale)
@@ -88,6 +88,7 @@ GEMM_SHAPES = [
     (64, 7168, 5120),
     (100, 1040, 768),
     (257, 256, 1024),
+    (300, 2048, 512),  # large enough M for the sliced, two-stream dequant + cuBLAS path
 ]
 
 
@@ -116,9 +117,12 @@ def test_gemm_kernel_vs_f64(m: int, n: int, k: int, with_bias: bool) -> None:
             poison((m, n), torch.bfloat16)
             o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 16 + s)
             assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"splits={s}"
-    # the dispatching public API and the dequant + cuBLAS path agree with the reference too
+    # the dispatching public API and the dequant + cuBLAS paths (sliced, unsliced) agree too
     assert rel(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), ref) <= TOL
-    assert rel(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 2), ref) <= TOL
+    for mode in (2, 3):
+        poison((m, n), torch.bfloat16)
+        o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, mode)
+        assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"mode={mode}"
 
 
 def test_gemm_large_values_finite() -> None:
@@ -129,21 +133,6 @@ def test_gemm_large_values_finite() -> None:
     out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
     ref = reference.linear_f64(x, packed, scale, gs)
     assert torch.isfinite(out).all() and rel(out, ref) <= TOL
-
-
-def test_gemm_refuses_bad_shapes() -> None:
-    packed, scale, gs = rand_nvfp4(64, 192, seed=1)
-    rw = kernels.repack(packed, scale)
-    x = torch.randn(4, 192, device=DEV).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match="K=192"):
-        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, 1)
-    # auto mode takes the dequant + cuBLAS path for it instead
-    out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, 0)
-    assert rel(out, reference.linear_f64(x, packed, scale, gs)) <= TOL
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.qerl.nvfp4_gemm(x.half()[:, :192], rw.qweight, rw.qscale, gs, None, 64, 1)
-    with pytest.raises(kernels.LayoutError, match="N=24"):
-        kernels.repack(*rand_nvfp4(24, 128, seed=2)[:2])
 
 
 def test_fp16_and_fp32_activations_use_dequant_path() -> None:
@@ -195,6 +184,21 @@ def test_cuda_graph_capture_and_compile() -> None:
         ref = 2.0 * reference.linear_f64(x_new, packed, scale, gs, bias)
         assert rel(y_static, ref) <= TOL, f"replay {i}"
 
+    # the sliced two-stream dequant + cuBLAS path (M >= 256) captures too (fork/join of streams)
+    mb, nb, kb = 320, 2048, 512
+    pb, sb, gb = rand_nvfp4(nb, kb, seed=32)
+    rwb = kernels.repack(pb, sb)
+    xb_static = torch.randn(mb, kb, device=DEV).to(torch.bfloat16)
+    torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, 2)
+    gb_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gb_graph):
+        yb_static = torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, 2)
+    xb_new = torch.randn(mb, kb, device=DEV).to(torch.bfloat16)
+    xb_static.copy_(xb_new)
+    gb_graph.replay()
+    torch.cuda.synchronize()
+    assert rel(yb_static, reference.linear_f64(xb_new, pb, sb, gb)) <= TOL
+
     cf = torch.compile(f, fullgraph=True, dynamic=True)
     for mm in (1, 7, 40):
         x = torch.randn(mm, k, device=DEV).to(torch.bfloat16)
@@ -205,3 +209,22 @@ def test_cuda_graph_capture_and_compile() -> None:
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         y = cg(x).clone()
         assert rel(y, 2.0 * reference.linear_f64(x, packed, scale, gs, bias)) <= TOL
+
+
+def test_zz_refusals_and_other_shapes() -> None:
+    """Shapes the kernel layout cannot hold are refused with the shape named; linear() still
+    computes them through dequantize + cuBLAS. (Last in the file: it exercises C++ errors.)"""
+    with pytest.raises(kernels.LayoutError, match="K=192"):
+        kernels.repack(*rand_nvfp4(64, 192, seed=1)[:2])
+    with pytest.raises(kernels.LayoutError, match="N=24"):
+        kernels.repack(*rand_nvfp4(24, 128, seed=2)[:2])
+    packed, scale, gs = rand_nvfp4(64, 192, seed=3)
+    x = torch.randn(4, 192, device=DEV).to(torch.bfloat16)
+    assert rel(kernels.linear(x, packed, scale, gs), reference.linear_f64(x, packed, scale, gs)) <= TOL
+    packed, scale, gs = rand_nvfp4(64, 256, seed=4)
+    rw = kernels.repack(packed, scale)
+    with pytest.raises(RuntimeError, match="K="):
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 128, device=DEV).to(torch.bfloat16), rw.qweight, rw.qscale,
+                                  gs, None, 64, 1)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64, 1)

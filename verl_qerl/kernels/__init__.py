@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from . import layout, ops, reference
-from .layout import K_TILE, N_PAD, LayoutError, RepackedWeight
+from .layout import K_STAGE, K_TILE, N_PAD, LayoutError, RepackedWeight
 
 __all__ = [
+    "K_STAGE",
     "K_TILE",
     "N_PAD",
     "LayoutError",
@@ -45,8 +46,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The GEMM kernel needs K to be a multiple of its pipeline stage (2 tiles of 64).
-GEMM_K_MULTIPLE = 128
+#: The GEMM kernel (and the repacked layout) need K to be a multiple of its pipeline stage.
+GEMM_K_MULTIPLE = K_STAGE
 
 
 class _State:
@@ -128,7 +129,7 @@ def gemm_supported(k: int, dtype: torch.dtype) -> bool:
 def repack(packed: torch.Tensor, scale: torch.Tensor) -> RepackedWeight:
     """compressed-tensors NVFP4 -> the GEMM's tile layout (``RepackedWeight(qweight, qscale)``).
 
-    Runs in torch on the tensors' device. N must be a multiple of 16 and K of 64 (else
+    Runs in torch on the tensors' device. N must be a multiple of 16 and K of 128 (else
     :class:`LayoutError`); N is zero-padded to a multiple of 128. Keep the result as buffers and
     pass it to :func:`linear` as ``kernel_weight``. On CUDA this also loads the extension, so that
     later calls can be graph-captured.

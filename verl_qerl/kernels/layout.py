@@ -30,11 +30,14 @@ exponents, subnormals included, fit the 5-bit field above 224). A zero scale bec
 and its block's codes are zeroed, since ``b = 0`` decodes to ``2**97``, not 0. The FP32 global
 scale is applied once per output in the epilogue as ``128 / global_scale``.
 
-Shapes (N padded up to a multiple of :data:`N_PAD`, K a multiple of :data:`K_TILE`):
+Shapes (N padded up to a multiple of :data:`N_PAD`, K a multiple of :data:`K_STAGE`), ordered so
+that one pipeline stage of one GEMM CTA (128 rows x 128 K) is one contiguous block (DRAM pages are
+read sequentially by each CTA):
 
-* ``qweight`` uint8 ``[N_pad/16, K/64, 512]``: tile (n16, k64), lane-major, 16 bytes per lane;
-* ``qscale``  uint8 ``[N_pad/16, K/64, 64]``: byte ``g*8 + j*2 + h`` is the scale of row
-  ``g + 8*h`` of the tile for k16 step ``j``.
+* ``qweight`` uint8 ``[N_pad/128, K/128, 8192]``: per stage 8 row blocks x 2 k64 tiles x 32 lanes x
+  16 bytes (tile (n16 = 8*i + b, k64 = 2*s + t) at ``[i, s, (b*2 + t)*512 : ...+512]``);
+* ``qscale``  uint8 ``[N_pad/128, K/128, 1024]``: per stage 8 x 2 tiles x 64 bytes; inside a tile
+  byte ``g*8 + j*2 + h`` is the scale of row ``g + 8*h`` for k16 step ``j``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import torch
 
 #: K elements per repacked tile (4 k16 MMA steps).
 K_TILE = 64
+#: K elements per GEMM pipeline stage (2 tiles); repacked weights need K % K_STAGE == 0.
+K_STAGE = 128
 #: Output features are padded to a multiple of this (the GEMM's CTA tile along N).
 N_PAD = 128
 #: Rows per tile (the MMA's M side).
@@ -142,8 +147,8 @@ def check_shapes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
         raise LayoutError(f"block scale shape {tuple(scale.shape)} does not match weight [N={n}, K={k}]")
     if n % N_TILE != 0:
         raise LayoutError(f"NVFP4 kernel layout needs N (out features) % {N_TILE} == 0, got N={n}")
-    if k % K_TILE != 0:
-        raise LayoutError(f"NVFP4 kernel layout needs K (in features) % {K_TILE} == 0, got K={k}")
+    if k % K_STAGE != 0:
+        raise LayoutError(f"NVFP4 kernel layout needs K (in features) % {K_STAGE} == 0, got K={k}")
     return n, k
 
 
@@ -161,7 +166,7 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 4096
     qweight = torch.zeros(n_pad // N_TILE, kt, 512, dtype=torch.uint8, device=dev)
     qscale = torch.zeros(n_pad // N_TILE, kt, 64, dtype=torch.uint8, device=dev)
     row_idx, col_idx = _tile_index(dev)
-    chunk = max(N_TILE, rows_per_chunk // N_TILE * N_TILE)
+    chunk = max(N_PAD, rows_per_chunk // N_PAD * N_PAD)
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         p = packed[r0:r1]
@@ -183,7 +188,21 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 4096
         qweight[r0 // N_TILE : r1 // N_TILE] = by.reshape(nb, kt, 512)
         st = enc.view(nb, 2, 8, kt, 4).permute(0, 3, 2, 4, 1)  # [nb, kt, g, j, h]
         qscale[r0 // N_TILE : r1 // N_TILE] = st.reshape(nb, kt, 64)
-    return RepackedWeight(qweight, qscale)
+    return RepackedWeight(_to_stage_order(qweight, 512), _to_stage_order(qscale, 64))
+
+
+def _to_stage_order(t: torch.Tensor, tile_bytes: int) -> torch.Tensor:
+    """[N_pad/16, K/64, B] tile-major -> [N_pad/128, K/128, 16*B] stage-contiguous."""
+    nb, kt, _ = t.shape
+    v = t.view(nb // 8, 8, kt // 2, 2, tile_bytes).permute(0, 2, 1, 3, 4)
+    return v.reshape(nb // 8, kt // 2, 16 * tile_bytes).contiguous()
+
+
+def _from_stage_order(t: torch.Tensor, tile_bytes: int) -> torch.Tensor:
+    """Inverse of :func:`_to_stage_order`."""
+    ntl, st, _ = t.shape
+    v = t.view(ntl, st, 8, 2, tile_bytes).permute(0, 2, 1, 3, 4)
+    return v.reshape(ntl * 8, st * 2, tile_bytes)
 
 
 def _rotl(w: torch.Tensor, s: int) -> torch.Tensor:
@@ -192,6 +211,7 @@ def _rotl(w: torch.Tensor, s: int) -> torch.Tensor:
 
 def unrepack_codes(qweight: torch.Tensor, n: int) -> torch.Tensor:
     """Decode ``qweight`` back to uint8 codes [n, K] with the kernel's own bit operations."""
+    qweight = _from_stage_order(qweight, 512)
     nb, kt, _ = qweight.shape
     by = qweight.view(nb, kt, 32, 4, 4).to(torch.int64)
     w = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16) | (by[..., 3] << 24)  # [nb, kt, 32, 4]
@@ -213,6 +233,7 @@ def unrepack_codes(qweight: torch.Tensor, n: int) -> torch.Tensor:
 
 def unrepack_scales(qscale: torch.Tensor, n: int) -> torch.Tensor:
     """Decode ``qscale`` back to float32 block scales [n, K/16] (kernel bit operations)."""
+    qscale = _from_stage_order(qscale, 64)
     nb, kt, _ = qscale.shape
     st = qscale.view(nb, kt, 8, 4, 2).permute(0, 4, 2, 1, 3)  # [nb, h, g, kt, j]
     return decode_scale_bytes(st.reshape(nb * N_TILE, kt * 4))[:n]

@@ -9,7 +9,9 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 
 * ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0) -> [M, n]``: ``x @ W.T + bias``
   on the repacked layout. On CUDA the kernel itself dispatches by M: the fused FP4xBF16 GEMM up to
-  a tuned M, dequantize + cuBLAS above it (``mode`` 1 / 2 force one path; for benchmarks).
+  a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests): 0 auto, 1 fused kernel,
+  2 dequant + cuBLAS (N-sliced, dequant of the next slice overlapped on a side stream),
+  3 dequant + cuBLAS unsliced, 16 + s fused kernel with s K-splits.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
@@ -91,7 +93,7 @@ def register_cuda_fallbacks() -> None:
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm")
 def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0):  # noqa: ANN001, ANN202
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm: x must be 2-D [M, K]")
-    torch._check(x.shape[1] == qweight.shape[1] * layout.K_TILE, lambda: "nvfp4_gemm: K mismatch")
+    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm: K mismatch")
     return x.new_empty((x.shape[0], n))
 
 
@@ -102,17 +104,17 @@ def _dequant_fake(packed, scale, global_scale, dtype):  # noqa: ANN001, ANN202
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_dequant_repacked")
 def _dequant_repacked_fake(qweight, qscale, global_scale, n, dtype):  # noqa: ANN001, ANN202
-    return qweight.new_empty((n, qweight.shape[1] * layout.K_TILE), dtype=dtype)
+    return qweight.new_empty((n, qweight.shape[1] * layout.K_STAGE), dtype=dtype)
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_repack")
 def _repack_fake(packed, scale):  # noqa: ANN001, ANN202
     n, k = packed.shape[0], packed.shape[1] * 2
     n_pad = (n + layout.N_PAD - 1) // layout.N_PAD * layout.N_PAD
-    kt = k // layout.K_TILE
+    st = k // layout.K_STAGE
     return (
-        packed.new_empty((n_pad // layout.N_TILE, kt, 512), dtype=torch.uint8),
-        packed.new_empty((n_pad // layout.N_TILE, kt, 64), dtype=torch.uint8),
+        packed.new_empty((n_pad // layout.N_PAD, st, 8192), dtype=torch.uint8),
+        packed.new_empty((n_pad // layout.N_PAD, st, 1024), dtype=torch.uint8),
     )
 
 
