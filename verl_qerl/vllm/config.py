@@ -1,0 +1,372 @@
+"""The ``qerl_nvfp4`` vLLM quantization config: which checkpoint layout, which layers, and load-time checks.
+
+Registered with ``register_quantization_config`` when this module is imported. vLLM builds the
+config object in the front-end process and pickles it into the engine core and the workers;
+unpickling imports this module, so the decorator has run wherever the object lives, even before
+vLLM loads the ``vllm.general_plugins`` entry point there. The object therefore holds only plain
+Python values.
+
+One method name serves four checkpoint layouts (``checkpoint_format``):
+
+* ``bf16``: an unquantized checkpoint (no ``quantization_config``), quantized while loading with
+  exactly :func:`verl_qerl.nvfp4.quantize`, fused q/k/v and gate/up sharing a global scale;
+* ``compressed-tensors``: NVFP4A16 / NVFP4 ``nvfp4-pack-quantized`` (ours from ``qerl-quantize``,
+  llm-compressor's, or any written by the ``compressed-tensors`` package);
+* ``modelopt``: ModelOpt NVFP4 / W4A16_NVFP4 (``weight`` uint8, ``weight_scale_2`` multiplier).
+
+Errors a user can make (a checkpoint with missing scales, a group size other than 16, an
+architecture we do not support, a non-NVFP4 quantized checkpoint) are raised here, while vLLM
+builds its config in the front-end process, with the tensor or setting named: before any engine
+process starts, not mid-generation.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from verl_qerl.nvfp4.checkpoint import CT_FORMAT, matches_pattern
+from verl_qerl.nvfp4.format import BLOCK_SIZE
+
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+METHOD_NAME = "qerl_nvfp4"
+
+FORMAT_BF16 = "bf16"
+FORMAT_CT = "compressed-tensors"
+FORMAT_MODELOPT = "modelopt"
+CHECKPOINT_FORMATS = (FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT)
+
+#: HF ``model_type`` values whose vLLM models we have run: dense decoders with q/k/v/o and
+#: gate/up/down linears and plain RMSNorm gains (what AQN perturbs).
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+#: Set to 1 to skip the architecture allow-list (at your own risk; AQN and LoRA untested there).
+ALLOW_UNTESTED_ARCH_ENV = "QERL_NVFP4_ALLOW_UNTESTED_ARCH"
+
+#: ModelOpt ``quant_algo`` values that are NVFP4 weights (W4A4 runs weight-only here).
+MODELOPT_FP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+
+
+class QeRLNvFp4Error(ValueError):
+    """A checkpoint or setting ``qerl_nvfp4`` cannot serve; the message names what and where."""
+
+
+def _is_ignored(name: str, patterns: Iterable[str]) -> bool:
+    """compressed-tensors rules (exact, dotted suffix, ``re:``) plus ModelOpt's ``*`` wildcards."""
+    patterns = list(patterns)
+    if matches_pattern(name, patterns):
+        return True
+    return any("*" in p and (fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p)) for p in patterns)
+
+
+def _modelopt_block(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ModelOpt settings of a quantization dict, flat; ``None`` if it is not ModelOpt."""
+    nested = cfg.get("quantization")
+    if isinstance(nested, Mapping) and ("quant_algo" in nested or cfg.get("producer", {}).get("name") == "modelopt"):
+        return {**nested}
+    method = str(cfg.get("quant_method", "")).lower()
+    if method.startswith("modelopt") or "quant_algo" in cfg:
+        return dict(cfg)
+    return None
+
+
+def classify_quant_config(cfg: Mapping[str, Any] | None) -> str:
+    """Which of :data:`CHECKPOINT_FORMATS` a checkpoint's quantization dict describes.
+
+    Raises :class:`QeRLNvFp4Error` for a quantized checkpoint we cannot serve (not NVFP4, group
+    size other than 16, asymmetric, quantized KV cache), naming the setting.
+    """
+    if not cfg:
+        return FORMAT_BF16
+    method = str(cfg.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
+    if method == METHOD_NAME:
+        fmt = str(cfg.get("checkpoint_format", FORMAT_BF16))
+        if fmt not in CHECKPOINT_FORMATS:
+            raise QeRLNvFp4Error(f"quantization_config.checkpoint_format={fmt!r}; expected one of {CHECKPOINT_FORMATS}")
+        gs = cfg.get("group_size", BLOCK_SIZE)
+        if gs != BLOCK_SIZE:
+            raise QeRLNvFp4Error(f"quantization_config.group_size={gs}; NVFP4 uses blocks of {BLOCK_SIZE}")
+        return fmt
+    if method == "compressed-tensors":
+        groups = cfg.get("config_groups") or {}
+        if not groups:
+            raise QeRLNvFp4Error("compressed-tensors quantization_config has no config_groups")
+        for gname, group in groups.items():
+            fmt = group.get("format") or cfg.get("format")
+            w = group.get("weights") or {}
+            where = f"quantization_config.config_groups.{gname}"
+            if fmt != CT_FORMAT:
+                raise QeRLNvFp4Error(f"{where}.format={fmt!r}: qerl_nvfp4 serves only {CT_FORMAT!r} (NVFP4) "
+                                     "compressed-tensors checkpoints; give a BF16 checkpoint to quantize at load")
+            if w.get("num_bits") != 4 or w.get("type") != "float":
+                raise QeRLNvFp4Error(f"{where}.weights: num_bits={w.get('num_bits')} type={w.get('type')!r}; "
+                                     "NVFP4 needs 4-bit float weights")
+            if w.get("group_size") != BLOCK_SIZE:
+                raise QeRLNvFp4Error(f"{where}.weights.group_size={w.get('group_size')}; NVFP4 (and qerl_nvfp4) "
+                                     f"needs {BLOCK_SIZE}")
+            if w.get("strategy") not in (None, "tensor_group") or w.get("symmetric") is False:
+                raise QeRLNvFp4Error(f"{where}.weights: strategy={w.get('strategy')!r} "
+                                     f"symmetric={w.get('symmetric')}; NVFP4 is symmetric 'tensor_group'")
+        if cfg.get("kv_cache_scheme"):
+            raise QeRLNvFp4Error("quantization_config.kv_cache_scheme is set; qerl_nvfp4 does not quantize the "
+                                 "KV cache")
+        return FORMAT_CT
+    mo = _modelopt_block(cfg)
+    if mo is not None:
+        algo = str(mo.get("quant_algo", "")).upper()
+        if algo not in MODELOPT_FP4_ALGOS:
+            raise QeRLNvFp4Error(f"ModelOpt quant_algo={algo!r}; qerl_nvfp4 serves {MODELOPT_FP4_ALGOS}")
+        gs = mo.get("group_size", BLOCK_SIZE)
+        if gs != BLOCK_SIZE:
+            raise QeRLNvFp4Error(f"ModelOpt group_size={gs}; NVFP4 (and qerl_nvfp4) needs {BLOCK_SIZE}")
+        if mo.get("kv_cache_quant_algo"):
+            raise QeRLNvFp4Error(f"ModelOpt kv_cache_quant_algo={mo['kv_cache_quant_algo']!r}; qerl_nvfp4 does not "
+                                 "quantize the KV cache")
+        return FORMAT_MODELOPT
+    raise QeRLNvFp4Error(f"checkpoint quantized with quant_method={method!r}; qerl_nvfp4 serves BF16 checkpoints "
+                         "(quantized at load), compressed-tensors NVFP4 and ModelOpt NVFP4")
+
+
+@register_quantization_config(METHOD_NAME)
+class QeRLNvFp4Config(QuantizationConfig):
+    """vLLM config of the ``qerl_nvfp4`` method: NVFP4 weights (E2M1 + E4M3 per 16 + FP32), BF16 activations.
+
+    ``checkpoint_format`` picks the parameter names the linear method registers (they must match
+    the checkpoint's tensor names). ``ignore`` / ``targets`` follow compressed-tensors' rules
+    (ModelOpt ``exclude_modules`` with ``*`` wildcards too). ``activation_scales`` is True for W4A4
+    checkpoints, whose input scales are loaded into placeholders and dropped (we run W4A16).
+    """
+
+    def __init__(
+        self,
+        checkpoint_format: str = FORMAT_BF16,
+        ignore: Iterable[str] | None = None,
+        targets: Iterable[str] | None = None,
+        activation_scales: bool = False,
+    ) -> None:
+        super().__init__()
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise QeRLNvFp4Error(f"checkpoint_format={checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}")
+        self.checkpoint_format = checkpoint_format
+        self.ignore = list(ignore if ignore is not None else ["lm_head"])
+        self.targets = list(targets if targets is not None else ["Linear"])
+        self.activation_scales = bool(activation_scales)
+        self.model_type: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"QeRLNvFp4Config(checkpoint_format={self.checkpoint_format!r}, ignore={self.ignore}, "
+                f"targets={self.targets}, activation_scales={self.activation_scales})")
+
+    # -- vLLM's QuantizationConfig interface ------------------------------------------------------
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        # fp32 is for exact CPU comparisons; the GPU kernel runs bf16/fp16 activations.
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # The torch fallback runs anywhere bf16 does; the FP4 kernel checks its own arch at run time.
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Empty: a checkpoint without quantization_config builds ``QeRLNvFp4Config()`` (BF16, quantize at load).
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QeRLNvFp4Config:
+        fmt = classify_quant_config(config)
+        if fmt == FORMAT_CT:
+            groups = config.get("config_groups") or {}
+            targets: list[str] = []
+            activation_scales = False
+            for group in groups.values():
+                targets.extend(group.get("targets") or ["Linear"])
+                activation_scales |= bool(group.get("input_activations"))
+            return cls(FORMAT_CT, ignore=config.get("ignore") or [], targets=targets,
+                       activation_scales=activation_scales)
+        if fmt == FORMAT_MODELOPT:
+            mo = _modelopt_block(config) or {}
+            ignore = mo.get("exclude_modules") or mo.get("ignore") or config.get("ignore") or []
+            activation_scales = str(mo.get("quant_algo", "")).upper() == "NVFP4"
+            return cls(FORMAT_MODELOPT, ignore=ignore, activation_scales=activation_scales)
+        return cls(fmt, ignore=config.get("ignore", ["lm_head"]), targets=config.get("targets"))
+
+    @classmethod
+    def from_config_dict_json(cls, text: str) -> QeRLNvFp4Config:
+        """For ``hf_overrides={"quantization_config_dict_json": ...}``: a native qerl_nvfp4 dict as JSON."""
+        return cls.from_config({"quant_method": METHOD_NAME, **json.loads(text)})
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        """Claim NVFP4 checkpoints when the user asked for ``qerl_nvfp4`` (vLLM probes custom methods first).
+
+        Never claims anything the user did not ask for, so stock ``compressed-tensors`` /
+        ``modelopt_fp4`` loads are untouched. Asked for ``qerl_nvfp4`` on a checkpoint it cannot
+        serve, it raises with the reason rather than vLLM's generic "does not match".
+        """
+        if str(hf_quant_cfg.get("quant_method", "")).lower() == METHOD_NAME:
+            return METHOD_NAME
+        if user_quant != METHOD_NAME:
+            return None
+        classify_quant_config(hf_quant_cfg)  # raises for what we cannot serve
+        return METHOD_NAME
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None) -> None:
+        """Front-end checks with the model at hand: architecture, and (local folders) the tensors' presence."""
+        if hf_config is not None:
+            self.model_type = check_architecture(hf_config)
+        folder = Path(model_name)
+        if folder.is_dir():
+            check_checkpoint_tensors(folder, self.checkpoint_format)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
+        self.ignore = list(hf_to_vllm_mapper.apply_list(self.ignore))
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            if self.is_skipped(prefix):
+                return UnquantizedLinearMethod()
+            from .linear_method import QeRLNvFp4LinearMethod
+
+            return QeRLNvFp4LinearMethod(self, prefix)
+        moe = compat.moe_layer_types()
+        if moe and isinstance(layer, moe):
+            raise QeRLNvFp4Error(f"{prefix}: mixture-of-experts layers are not supported by qerl_nvfp4 "
+                                 f"(supported model types: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        return None  # embeddings, lm_head, attention (KV cache) stay unquantized
+
+    # -- layer selection --------------------------------------------------------------------------
+
+    def _shard_names(self, prefix: str) -> list[str]:
+        """Checkpoint module names behind a vLLM layer: ``...qkv_proj`` -> ``...q_proj``, ``k_proj``, ``v_proj``."""
+        parent, _, leaf = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(leaf)
+        if not shards:
+            return [prefix]
+        return [f"{parent}.{s}" if parent else s for s in shards]
+
+    def _targeted(self, name: str) -> bool:
+        return any(t == "Linear" for t in self.targets) or _is_ignored(name, [t for t in self.targets if t != "Linear"])
+
+    def is_skipped(self, prefix: str) -> bool:
+        """Whether a linear layer stays unquantized; a fused layer must be all-or-nothing."""
+        names = self._shard_names(prefix)
+        skipped = [_is_ignored(n, self.ignore) or not self._targeted(n) for n in names]
+        if _is_ignored(prefix, self.ignore):
+            return True
+        if all(skipped):
+            return True
+        if any(skipped):
+            raise QeRLNvFp4Error(f"{prefix}: vLLM fuses {names} into one layer, but the checkpoint quantizes only "
+                                 f"some of them ({[n for n, s in zip(names, skipped) if not s]}); fused parts must "
+                                 "be all quantized or all ignored")
+        return False
+
+
+def check_architecture(hf_config: Any) -> str:
+    """The model_type, if qerl_nvfp4 supports it; otherwise a clear error (before any engine starts)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    model_type = str(getattr(text, "model_type", None) or getattr(hf_config, "model_type", ""))
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return model_type
+    if os.environ.get(ALLOW_UNTESTED_ARCH_ENV, "0") == "1":
+        logger.warning("qerl_nvfp4: model_type %r (%s) is untested; %s=1 so going ahead", model_type, archs,
+                       ALLOW_UNTESTED_ARCH_ENV)
+        return model_type
+    raise QeRLNvFp4Error(f"qerl_nvfp4 does not support model_type={model_type!r} (architectures {archs}); "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}. Set {ALLOW_UNTESTED_ARCH_ENV}=1 to try "
+                         "a dense decoder anyway")
+
+
+# Tensor-name suffixes of one quantized module, per layout: (packed, block scale, global scale).
+_LAYOUT_NAMES = {
+    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
+    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
+}
+
+
+def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: int = 5) -> None:
+    """Header-only scan of a local checkpoint: every NVFP4 module has its three tensors, group size 16.
+
+    vLLM does not check that a quantized model's parameters were all loaded, so a checkpoint
+    missing a scale would otherwise serve garbage. Reads safetensors headers only (no data).
+    """
+    from verl_qerl.nvfp4.checkpoint import _SAFETENSORS_DTYPES
+
+    shapes = _safetensors_index(folder)
+    if shapes is None:
+        return  # not a local safetensors folder (e.g. .bin): the worker-side checks still apply
+    if checkpoint_format == FORMAT_BF16:
+        stray = sorted(n for n in shapes if n.endswith((".weight_packed", ".weight_scale_2", ".weight_global_scale")))
+        if stray:
+            raise QeRLNvFp4Error(f"{folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but its config declares no "
+                                 "NVFP4 quantization_config; qerl_nvfp4 would try to quantize it as BF16")
+        return
+    packed_name, scale_name, gscale_name = _LAYOUT_NAMES[checkpoint_format]
+    modules: set[str] = set()
+    for name, (dtype, _shape) in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf in (scale_name, gscale_name) or (leaf == packed_name and _SAFETENSORS_DTYPES.get(dtype) == torch.uint8):
+            modules.add(module)
+    problems: list[str] = []
+    for module in sorted(modules):
+        entries = {leaf: shapes.get(f"{module}.{leaf}") for leaf in (packed_name, scale_name, gscale_name)}
+        missing = [f"{module}.{leaf}" for leaf, v in entries.items() if v is None]
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+            continue
+        (pdt, pshape), (sdt, sshape), (_gdt, gshape) = entries.values()
+        if pdt != "U8" or len(pshape) != 2:
+            problems.append(f"{module}.{packed_name}: expected uint8 [N, K/2], got {pdt} {list(pshape)}")
+            continue
+        if sdt not in ("F8_E4M3", "U8") or len(sshape) != 2 or sshape[0] != pshape[0]:
+            problems.append(f"{module}.{scale_name}: expected float8_e4m3fn [N, K/16] for N={pshape[0]}, got {sdt} "
+                            f"{list(sshape)}")
+            continue
+        k = pshape[1] * 2
+        if sshape[1] * BLOCK_SIZE != k:
+            implied = k / sshape[1] if sshape[1] else float("nan")
+            problems.append(f"{module}: block scale {list(sshape)} for K={k} implies group size {implied:g}; "
+                            f"NVFP4 (and qerl_nvfp4) needs {BLOCK_SIZE}")
+            continue
+        if int(torch.tensor(gshape).prod()) != 1:
+            problems.append(f"{module}.{gscale_name}: expected one value, got shape {list(gshape)}")
+    if problems:
+        more = f" (and {len(problems) - max_listed} more)" if len(problems) > max_listed else ""
+        raise QeRLNvFp4Error(f"{folder}: NVFP4 checkpoint is incomplete or malformed: "
+                             f"{'; '.join(problems[:max_listed])}{more}")
+
+
+def _safetensors_index(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """name -> (safetensors dtype string, shape) from the headers of every shard in ``folder``."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                out[name] = (meta["dtype"], tuple(meta["shape"]))
+    return out

@@ -1,0 +1,283 @@
+"""The ``qerl_nvfp4`` linear method: create NVFP4 (or BF16-to-quantize) parameters, load, finalize, run.
+
+Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``):
+
+1. ``create_weights`` registers parameters named like the checkpoint's tensors, as vLLM's v2
+   parameter classes, so vLLM's own loaders do the tensor-parallel slicing (rows along N for
+   column-parallel layers and per q/k/v or gate/up shard, K for row-parallel ones; FP4 is packed
+   along K, so no packed-dim adjustment on N) and place each fused shard's global scale in its slot.
+2. vLLM loads the checkpoint through those loaders; we record which shards arrived.
+3. ``process_weights_after_loading`` checks completeness, brings every layout to one canonical form
+   (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
+   fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
+   whole fused group, so it is bit-identical to ``qerl-quantize``), and on CUDA repacks for the
+   FP4 kernel. ``weight_packed`` keeps its name: vLLM's LoRA wrappers look for it.
+4. ``apply`` calls the FP4 kernel op (CUDA) or dequantizes with :func:`verl_qerl.nvfp4.dequantize`
+   and runs ``F.linear`` (CPU, or CUDA without the kernel): no host syncs, no data-dependent
+   shapes, so it traces under torch.compile and captures into CUDA graphs.
+
+Fused layers whose parts were quantized with different global scales (a checkpoint written
+without llm-compressor's scale fusing) stay exact: the fallback dequantizes each part with its own
+scale; the kernel runs with the first part's scale and rescales the other parts' output columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
+
+from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, quantize
+
+from . import compat
+from .config import FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT, QeRLNvFp4Config, QeRLNvFp4Error
+
+logger = logging.getLogger(__name__)
+
+#: ``auto`` (kernel on CUDA when ``verl_qerl.kernels`` is importable, else torch), ``torch``, ``kernel``.
+BACKEND_ENV = "QERL_NVFP4_BACKEND"
+
+#: Rows quantized at a time at load, to bound the fp32 temporaries of large layers.
+_QUANT_ROWS = 2048
+
+#: (packed, block scale, global scale) parameter names as the checkpoint spells them; placeholders.
+_NAMES = {
+    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
+    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
+}
+_PLACEHOLDERS = {FORMAT_CT: ("input_global_scale",), FORMAT_MODELOPT: ("input_scale",), FORMAT_BF16: ()}
+
+
+def _kernels():
+    """``verl_qerl.kernels`` if it exists (the CUDA FP4 GEMM package, landing separately), else None."""
+    try:
+        from verl_qerl import kernels
+    except ModuleNotFoundError as exc:  # only "the package is not there"; real import bugs propagate
+        if exc.name in ("verl_qerl.kernels",):
+            return None
+        raise
+    return kernels
+
+
+def _choose_backend(device: torch.device) -> str:
+    wanted = os.environ.get(BACKEND_ENV, "auto").lower()
+    if wanted not in ("auto", "torch", "kernel"):
+        raise QeRLNvFp4Error(f"{BACKEND_ENV}={wanted!r}; expected auto, torch or kernel")
+    if wanted == "torch" or device.type != "cuda":
+        return "torch"
+    kernels = _kernels()
+    ok = kernels is not None and bool(getattr(kernels, "cuda_available", lambda: False)())
+    if wanted == "kernel" and not ok:
+        raise QeRLNvFp4Error(f"{BACKEND_ENV}=kernel but verl_qerl.kernels is missing or has no CUDA build")
+    if not ok:
+        logger.warning("qerl_nvfp4: verl_qerl.kernels unavailable; CUDA layers use the (slow) torch dequantize "
+                       "fallback")
+    return "kernel" if ok else "torch"
+
+
+def _shard_key(args: tuple, kwargs: dict) -> Any:
+    if args:
+        return args[0]
+    for key in ("loaded_shard_id", "shard_id"):
+        if key in kwargs:
+            return kwargs[key]
+    return None
+
+
+def _tracking(layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
+    """Wrap a weight loader to record which shard of which parameter arrived (vLLM does not check)."""
+
+    @functools.wraps(loader)
+    def load_and_record(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        layer.qerl_loaded.setdefault(name, set()).add(_shard_key(args, kwargs))
+        return loader(param, loaded_weight, *args, **kwargs)
+
+    return load_and_record
+
+
+def _replace(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    if hasattr(layer, name):
+        delattr(layer, name)
+    layer.register_parameter(name, Parameter(value, requires_grad=False))
+
+
+@register_weight_loader_v2_supported_method
+class QeRLNvFp4LinearMethod(LinearMethodBase):
+    """NVFP4-weight, BF16-activation linear layers for vLLM (``quantization="qerl_nvfp4"``)."""
+
+    def __init__(self, config: QeRLNvFp4Config, prefix: str = "") -> None:
+        self.config = config
+        self.prefix = prefix
+
+    # -- 1. parameters ----------------------------------------------------------------------------
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        fmt = self.config.checkpoint_format
+        k = input_size_per_partition
+        if k % BLOCK_SIZE != 0:
+            raise QeRLNvFp4Error(f"{self.prefix}: input size per tensor-parallel rank K={k} (of {input_size}) is not "
+                                 f"a multiple of the NVFP4 block size {BLOCK_SIZE}; use a smaller tensor-parallel "
+                                 "size or leave this layer unquantized (ignore)")
+        n = sum(output_partition_sizes)
+        layer.logical_widths = list(output_partition_sizes)
+        layer.input_size_per_partition = k
+        layer.output_size_per_partition = n
+        layer.qerl_prefix = self.prefix
+        layer.qerl_format = fmt
+        layer.qerl_loaded = {}
+        loader = extra_weight_attrs["weight_loader"]
+        track = functools.partial(_tracking, layer)
+
+        if fmt == FORMAT_BF16:
+            weight = ModelWeightParameter(data=torch.empty(n, k, dtype=params_dtype), input_dim=1, output_dim=0,
+                                          weight_loader=track("weight", loader))
+            layer.register_parameter("weight", weight)
+            return
+
+        packed_name, scale_name, gscale_name = _NAMES[fmt]
+        layer.register_parameter(packed_name, ModelWeightParameter(
+            data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0,
+            weight_loader=track(packed_name, loader)))
+        layer.register_parameter(scale_name, GroupQuantScaleParameter(
+            data=torch.empty(n, k // BLOCK_SIZE, dtype=SCALE_DTYPE), input_dim=1, output_dim=0,
+            weight_loader=track(scale_name, loader)))
+        # One slot per fused part (q/k/v, gate/up): vLLM writes each part's scalar into its slot.
+        layer.register_parameter(gscale_name, PerTensorScaleParameter(
+            data=torch.full((len(output_partition_sizes),), float("nan"), dtype=torch.float32),
+            weight_loader=track(gscale_name, loader)))
+        for name in _PLACEHOLDERS[fmt]:  # W4A4 checkpoints carry input scales; Qwen2/Llama loaders need a target
+            layer.register_parameter(name, PerTensorScaleParameter(
+                data=torch.empty(len(output_partition_sizes), dtype=torch.float32), weight_loader=loader))
+
+    # -- 3. after loading ------------------------------------------------------------------------
+
+    def _check_loaded(self, layer: torch.nn.Module, names: tuple[str, ...]) -> None:
+        parts = len(layer.logical_widths)
+        for name in names:
+            seen = layer.qerl_loaded.get(name, set())
+            if None in seen or len(seen) >= parts:
+                continue
+            if not seen:
+                detail = "was not in the checkpoint"
+            else:
+                detail = f"arrived only for fused part(s) {sorted(map(str, seen))} of {parts}"
+            raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{name} {detail}: the checkpoint is incomplete "
+                                 f"(format {layer.qerl_format})")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        fmt = layer.qerl_format
+        if fmt == FORMAT_BF16:
+            self._check_loaded(layer, ("weight",))
+            packed, scale, gscale = self._quantize_bf16(layer)
+            del layer.weight
+        else:
+            names = _NAMES[fmt]
+            self._check_loaded(layer, names)
+            packed_name, scale_name, gscale_name = names
+            packed = getattr(layer, packed_name).data
+            scale = getattr(layer, scale_name).data
+            raw = getattr(layer, gscale_name).data.to(torch.float32)
+            # ModelOpt stores the multiplier amax/2688; we keep compressed-tensors' divisor 2688/amax.
+            gscale = torch.reciprocal(raw) if fmt == FORMAT_MODELOPT else raw
+            bad = ~(torch.isfinite(gscale) & (gscale > 0))
+            if bool(bad.any()):
+                raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{gscale_name}: global scale(s) {raw.tolist()} are not "
+                                     "finite and positive")
+            if bool(torch.isnan(scale.to(torch.float32)).any()):
+                raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{scale_name}: block scales contain NaN")
+            for name in (*names, *_PLACEHOLDERS[fmt]):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+        self._finalize(layer, packed.contiguous(), scale.contiguous(), gscale.contiguous())
+        layer.qerl_loaded = {}  # a later layerwise reload records afresh
+
+    @torch.no_grad()
+    def _quantize_bf16(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantize the loaded weight as ``qerl-quantize`` would: one global scale per fused group."""
+        w = layer.weight.data
+        bounds = torch.tensor([0, *layer.logical_widths]).cumsum(0).tolist()
+        amax = torch.stack([w[a:b].abs().amax().to(torch.float32) for a, b in zip(bounds[:-1], bounds[1:])])
+        compat.tp_all_reduce_max(amax)  # each rank holds a slice; the scale is that of the whole weight
+        if not bool(torch.isfinite(amax).all()):
+            raise QeRLNvFp4Error(f"{layer.qerl_prefix}.weight: contains NaN/Inf; refusing to quantize")
+        gscale = global_scale_from_amax(amax.max())  # == min over parts of 2688/amax_part, bit for bit
+        packed_rows, scale_rows = [], []
+        for start in range(0, w.shape[0], _QUANT_ROWS):
+            q = quantize(w[start:start + _QUANT_ROWS], gscale, name=f"{layer.qerl_prefix}.weight")
+            packed_rows.append(q.packed)
+            scale_rows.append(q.scale)
+        return torch.cat(packed_rows), torch.cat(scale_rows), gscale.to(w.device)
+
+    def _finalize(self, layer: torch.nn.Module, packed: torch.Tensor, scale: torch.Tensor,
+                  gscale: torch.Tensor) -> None:
+        """Canonical parameters, per-part scale bookkeeping, and the kernel's own layout on CUDA."""
+        widths = layer.logical_widths
+        uniform = bool((gscale == gscale[0]).all())
+        _replace(layer, "weight_packed", packed)
+        _replace(layer, "weight_scale", scale)
+        _replace(layer, "weight_global_scale", gscale[:1].clone() if uniform else gscale.clone())
+        layer.qerl_uniform_scale = uniform
+        layer.qerl_col_scale = None
+        if not uniform:
+            logger.info("qerl_nvfp4: %s has per-part global scales %s; kept exact per part",
+                        layer.qerl_prefix, gscale.tolist())
+            ratio = (gscale[0] / gscale).to(torch.float32)  # y_part = y(g0) * g0 / g_part
+            layer.qerl_col_scale = torch.repeat_interleave(ratio, torch.tensor(widths, device=ratio.device))
+        layer.qerl_backend = _choose_backend(packed.device)
+        layer.qerl_kernel_weight = None
+        if layer.qerl_backend == "kernel":
+            layer.qerl_kernel_weight = _kernels().repack(packed, scale)
+
+    # -- 4. forward -------------------------------------------------------------------------------
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.qerl_backend == "kernel":
+            return self._apply_kernel(layer, x, bias)
+        return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
+
+    @staticmethod
+    def dequantized_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight as NVFP4 represents it, [N, K] in ``dtype`` (the torch fallback's GEMM operand)."""
+        packed, scale, gscale = layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+        if layer.qerl_uniform_scale:
+            return dequantize(packed, scale, gscale, dtype)
+        parts, start = [], 0
+        for i, width in enumerate(layer.logical_widths):
+            rows = slice(start, start + width)
+            parts.append(dequantize(packed[rows], scale[rows], gscale[i:i + 1], dtype))
+            start += width
+        return torch.cat(parts)
+
+    @staticmethod
+    def _apply_kernel(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = _kernels()
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        g = layer.weight_global_scale[:1]
+        if layer.qerl_col_scale is None:
+            y = kernels.linear(x2, layer.weight_packed, layer.weight_scale, g, bias,
+                               kernel_weight=layer.qerl_kernel_weight)
+        else:
+            y = kernels.linear(x2, layer.weight_packed, layer.weight_scale, g, None,
+                               kernel_weight=layer.qerl_kernel_weight)
+            y = (y.to(torch.float32) * layer.qerl_col_scale).to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        return y.reshape(*shape[:-1], y.shape[-1])

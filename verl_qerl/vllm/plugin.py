@@ -1,0 +1,32 @@
+"""vLLM plugin entry point: ``vllm.general_plugins: qerl_nvfp4 = verl_qerl.vllm.plugin:register``.
+
+vLLM calls :func:`register` in every process it starts (front end, engine core, workers) before
+it resolves quantization names. Importing :mod:`verl_qerl.vllm.config` registers ``qerl_nvfp4``
+through ``register_quantization_config``; the linear method registers itself for vLLM's v2 weight
+loader when imported. Nothing here touches CUDA, so the plugin is safe in CPU-only processes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_registered = False
+
+
+def register() -> None:
+    """Register the ``qerl_nvfp4`` quantization method with vLLM. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from . import compat, config, linear_method  # noqa: F401  (imports register the method)
+
+    compat.warn_if_untested()
+    _registered = True
+    logger.debug("qerl_nvfp4 registered (vLLM %s)", ".".join(map(str, compat.vllm_version())))
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` ran in this process (vLLM's entry-point loading calls it)."""
+    return _registered
