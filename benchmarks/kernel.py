@@ -201,7 +201,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             "dqmm": ours(2, x),
         }
         if m >= 256:
-            fns["dqmm_unsliced"] = ours(3, x)
+            fns["dqmm_sliced"] = ours(3, x)
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(

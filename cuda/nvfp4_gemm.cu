@@ -3,7 +3,10 @@
 // Design (numbers and history in benchmarks/NOTES.md):
 //  * Weight-only, memory-bound at decode: the weight is the MMA's A operand (16 rows of N per
 //    m16n8k16), activations are B (8 tokens per n8 tile), so M = 1..8 wastes no weight bandwidth.
-//  * CTA = 4 warps over a 128 (N) x BM (tokens) output tile; warp w owns N rows [32w, 32w+32).
+//  * CTA = 8 warps over a 128 (N) x BM (tokens) output tile: warp w owns N rows [32(w%4), +32) and
+//    the k64 half w/4 of every 128-wide stage (two warps per output fragment, summed through smem
+//    at the end), so twice the warps per SM at the same shared memory: the small-M kernel is
+//    issue/latency-bound, not byte-bound, with 4 warps per CTA (ncu: 8.7 warps/SM, 55% DRAM).
 //    K is streamed in stages of 128 through a 4- or 5-deep cp.async ring: 8 KB of FP4 weights (one
 //    contiguous block of the repacked layout), 1 KB of scale bytes and BM x 128 bf16 activations
 //    per stage, every global load 16 B and coalesced.
@@ -33,6 +36,8 @@ template <int BM>
 struct Cfg {
   // Deeper ring for the byte-bound small-M tiles (more bytes in flight per SM), 4 otherwise.
   static constexpr int STAGES = BM <= 16 ? 5 : 4;
+  // Register cap only where it costs no spills (the BM >= 32 accumulators need > 128 registers).
+  static constexpr int MIN_BLOCKS = BM <= 16 ? 2 : 1;
   static constexpr int MT = BM / 8;  // n8 token tiles
   static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
   static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
@@ -81,7 +86,7 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
 }
 
 template <int BM>
-__global__ void __launch_bounds__(THREADS)
+__global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     nvfp4_gemm_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
                       const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
@@ -96,6 +101,9 @@ __global__ void __launch_bounds__(THREADS)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  const int wn = warp & 3;   // 32-row group of the 128-row tile
+  const int kh = warp >> 2;  // k64 half of each stage
+  const int rt = wn * 32 + lane;  // index among the 128 threads holding one output fragment set
   const int ntile = blockIdx.x;
   const int split = blockIdx.y;
   const int mtile = blockIdx.z;
@@ -154,45 +162,42 @@ __global__ void __launch_bounds__(THREADS)
     const uint4* wsm = reinterpret_cast<const uint4*>(base);
     const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES);
     const uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
+    uint4 wv[2];
+    uint2 sv[2];
 #pragma unroll
-    for (int t2 = 0; t2 < BK / 64; ++t2) {
-      uint4 wv[2];
-      uint2 sv[2];
+    for (int nbw = 0; nbw < 2; ++nbw) {
+      const int blk = (wn * 2 + nbw) * (BK / 64) + kh;
+      wv[nbw] = wsm[blk * 32 + lane];
+      sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+    }
 #pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw) {
-        const int blk = (warp * 2 + nbw) * (BK / 64) + t2;
-        wv[nbw] = wsm[blk * 32 + lane];
-        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+    for (int j = 0; j < 4; ++j) {
+      const int kk = kh * 64 + j * 16;
+      uint32_t b[MT][2];
+      if constexpr (MT == 1) {
+        const uint8_t* p = xs + (lane & 7) * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+        ldmatrix_x2(b[0][0], b[0][1], p);
+      } else {
+#pragma unroll
+        for (int mp = 0; mp < MT / 2; ++mp) {
+          const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
+          const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+          ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int kk = t2 * 64 + j * 16;
-        uint32_t b[MT][2];
-        if constexpr (MT == 1) {
-          const uint8_t* p = xs + (lane & 7) * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
-          ldmatrix_x2(b[0][0], b[0][1], p);
-        } else {
+      for (int nbw = 0; nbw < 2; ++nbw) {
+        const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
+        const uint32_t s_lo = scale_pair(sword, (j & 1) * 2);
+        const uint32_t s_hi = scale_pair(sword, (j & 1) * 2 + 1);
+        uint32_t a[4];
+        decode_raw(word_of(wv[nbw], j), a);
+        a[0] = bf16x2_mul(a[0], s_lo);
+        a[1] = bf16x2_mul(a[1], s_hi);
+        a[2] = bf16x2_mul(a[2], s_lo);
+        a[3] = bf16x2_mul(a[3], s_hi);
 #pragma unroll
-          for (int mp = 0; mp < MT / 2; ++mp) {
-            const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
-            const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
-            ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
-          }
-        }
-#pragma unroll
-        for (int nbw = 0; nbw < 2; ++nbw) {
-          const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
-          const uint32_t s_lo = scale_pair(sword, (j & 1) * 2);
-          const uint32_t s_hi = scale_pair(sword, (j & 1) * 2 + 1);
-          uint32_t a[4];
-          decode_raw(word_of(wv[nbw], j), a);
-          a[0] = bf16x2_mul(a[0], s_lo);
-          a[1] = bf16x2_mul(a[1], s_hi);
-          a[2] = bf16x2_mul(a[2], s_lo);
-          a[3] = bf16x2_mul(a[3], s_hi);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
-        }
+        for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
       }
     }
   };
@@ -212,18 +217,42 @@ __global__ void __launch_bounds__(THREADS)
     compute_stage(it % STAGES);
   }
   cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring: reuse it to sum the two k halves
+
+  {
+    float* red = reinterpret_cast<float*>(smem);
+    if (kh == 1) {
+#pragma unroll
+      for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) red[((nbw * MT + mt) * 4 + c) * 128 + rt] = acc[nbw][mt][c];
+    }
+    __syncthreads();
+    if (kh == 0) {
+#pragma unroll
+      for (int nbw = 0; nbw < 2; ++nbw)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[nbw][mt][c] += red[((nbw * MT + mt) * 4 + c) * 128 + rt];
+    }
+  }
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
   if (splits > 1) {
     const int tile_id = mtile * gridDim.x + ntile;
     float* tile_ws = ws + size_t(tile_id) * splits * (BM * BN);
-    float4* mine = reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN));
+    if (kh == 0) {
+      float4* mine = reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN));
 #pragma unroll
-    for (int nbw = 0; nbw < 2; ++nbw)
+      for (int nbw = 0; nbw < 2; ++nbw)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        mine[(nbw * MT + mt) * THREADS + tid] =
-            make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+        for (int mt = 0; mt < MT; ++mt)
+          mine[(nbw * MT + mt) * 128 + rt] =
+              make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+    }
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -248,8 +277,8 @@ __global__ void __launch_bounds__(THREADS)
       for (int r = 0; r < RB; ++r)
 #pragma unroll
         for (int q = 0; q < NV; ++q)
-          v[r][q] = (s0 + r < splits) ? __ldcg(parts + size_t(s0 + r) * (BM * BN / 4) + q * THREADS + tid)
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
+          v[r][q] = (kh == 0 && s0 + r < splits) ? __ldcg(parts + size_t(s0 + r) * (BM * BN / 4) + q * 128 + rt)
+                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int r = 0; r < RB; ++r)
 #pragma unroll
@@ -273,13 +302,14 @@ __global__ void __launch_bounds__(THREADS)
     if (tid == 0) counters[tile_id] = 0;  // every split has arrived: ready for the next launch
   }
 
+  if (kh != 0) return;
   // ---- epilogue: scale by 128 / global_scale, add bias, store bf16
   const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
 #pragma unroll
   for (int nbw = 0; nbw < 2; ++nbw) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int n = (nb0 + warp * 2 + nbw) * 16 + (lane >> 2) + 8 * h;
+      const int n = (nb0 + wn * 2 + nbw) * 16 + (lane >> 2) + 8 * h;
       if (n >= N) continue;
       const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
 #pragma unroll

@@ -21,7 +21,7 @@ extern "C" {
 enum QerlDtype { QERL_BF16 = 0, QERL_F16 = 1, QERL_F32 = 2 };
 
 // GEMM tile constants shared with the host-side heuristics.
-enum { QERL_GEMM_BN = 128, QERL_GEMM_BK = 128, QERL_GEMM_THREADS = 128 };
+enum { QERL_GEMM_BN = 128, QERL_GEMM_BK = 128, QERL_GEMM_THREADS = 256 };
 
 // out[M, N] (bf16) = x[M, K] (bf16, row-major, rows 16-byte aligned) @ W^T (+ bias[N] bf16).
 // block_m in {8, 16, 32, 64}; splits >= 1 splits K over CTAs (then `workspace` must hold

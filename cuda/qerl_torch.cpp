@@ -14,11 +14,41 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "qerl_nvfp4.h"
 
 namespace {
+
+// Error messages are built with std::string only: formatting through std::ostream (what
+// TORCH_CHECK does with several arguments) crashed inside this JIT-built library on the GPU
+// machine (libstdc++ ostream instantiations; cuda-gdb backtrace in benchmarks/NOTES.md), so every
+// refusal segfaulted instead of raising. TORCH_CHECK with one std::string does no formatting.
+inline void app(std::string& s, const char* v) { s += v; }
+inline void app(std::string& s, const std::string& v) { s += v; }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T> || std::is_enum_v<T>>>
+inline void app(std::string& s, T v) {
+  s += std::to_string(static_cast<long long>(v));
+}
+inline void app(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+inline void app(std::string& s, const at::Device& d) { s += d.str(); }
+inline void app(std::string& s, at::IntArrayRef a) {
+  s += "[";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(static_cast<long long>(a[i]));
+  }
+  s += "]";
+}
+template <typename... A>
+std::string msg(const A&... a) {
+  std::string s;
+  (app(s, a), ...);
+  return s;
+}
+#define QCHECK(cond, ...) TORCH_CHECK((cond), msg(__VA_ARGS__))
 
 constexpr int64_t kCounterCap = 1 << 14;
 
@@ -44,10 +74,10 @@ double ctas_per_sm_target() {
 }
 
 void init_workspace(int64_t device) {
-  TORCH_CHECK(device >= 0 && device < 64, "qerl: device index out of range: ", device);
+  QCHECK(device >= 0 && device < 64, "qerl: device index out of range: ", device);
   std::lock_guard<std::mutex> lk(g_mu);
   if (g_counters[device].defined()) return;
-  TORCH_CHECK(at::cuda::currentStreamCaptureStatusMayInitCtx() == at::cuda::CaptureStatus::None,
+  QCHECK(at::cuda::currentStreamCaptureStatusMayInitCtx() == at::cuda::CaptureStatus::None,
               "qerl: the NVFP4 GEMM workspace must be created before CUDA graph capture; call "
               "verl_qerl.kernels.load_extension() (or run one eager forward) first");
   c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(device));
@@ -73,31 +103,32 @@ int dtype_code(at::ScalarType t) {
     case at::kFloat:
       return QERL_F32;
     default:
-      TORCH_CHECK(false, "qerl: unsupported output dtype ", t, " (bfloat16, float16 or float32)");
+      QCHECK(false, "qerl: unsupported output dtype ", t, " (bfloat16, float16 or float32)");
+      return QERL_BF16;
   }
 }
 
 void check_cuda(cudaError_t e, const char* what) {
-  TORCH_CHECK(e == cudaSuccess, "qerl: ", what, " failed: ", cudaGetErrorString(e));
+  QCHECK(e == cudaSuccess, "qerl: ", what, " failed: ", cudaGetErrorString(e));
 }
 
 const uint8_t* scale_bytes(const at::Tensor& s) {
-  TORCH_CHECK(s.scalar_type() == at::kByte || s.scalar_type() == at::kFloat8_e4m3fn,
+  QCHECK(s.scalar_type() == at::kByte || s.scalar_type() == at::kFloat8_e4m3fn,
               "qerl: block scale must be float8_e4m3fn or uint8, got ", s.scalar_type());
   return static_cast<const uint8_t*>(s.data_ptr());
 }
 
 void check_gscale(const at::Tensor& gs, const at::Tensor& like) {
-  TORCH_CHECK(gs.is_cuda() && gs.device() == like.device(), "qerl: global_scale must be on ", like.device());
-  TORCH_CHECK(gs.scalar_type() == at::kFloat && gs.numel() == 1, "qerl: global_scale must be fp32 with 1 element");
+  QCHECK(gs.is_cuda() && gs.device() == like.device(), "qerl: global_scale must be on ", like.device());
+  QCHECK(gs.scalar_type() == at::kFloat && gs.numel() == 1, "qerl: global_scale must be fp32 with 1 element");
 }
 
 at::Tensor dequant_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in, const at::Tensor& gs,
                         at::ScalarType dtype) {
-  TORCH_CHECK(packed_in.is_cuda() && packed_in.scalar_type() == at::kByte && packed_in.dim() == 2,
+  QCHECK(packed_in.is_cuda() && packed_in.scalar_type() == at::kByte && packed_in.dim() == 2,
               "qerl::nvfp4_dequant: packed must be CUDA uint8 [N, K/2]");
   const int64_t n = packed_in.size(0), k = packed_in.size(1) * 2;
-  TORCH_CHECK(scale_in.dim() == 2 && scale_in.size(0) == n && scale_in.size(1) * 16 == k,
+  QCHECK(scale_in.dim() == 2 && scale_in.size(0) == n && scale_in.size(1) * 16 == k,
               "qerl::nvfp4_dequant: scale shape ", scale_in.sizes(), " does not match weight [", n, ", ", k, "]");
   check_gscale(gs, packed_in);
   c10::cuda::CUDAGuard g(packed_in.device());
@@ -114,16 +145,16 @@ at::Tensor dequant_cuda(const at::Tensor& packed_in, const at::Tensor& scale_in,
 }
 
 void check_repacked(const at::Tensor& qw, const at::Tensor& qs, int64_t n) {
-  TORCH_CHECK(qw.is_cuda() && qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == 8192,
+  QCHECK(qw.is_cuda() && qw.scalar_type() == at::kByte && qw.dim() == 3 && qw.size(2) == 8192,
               "qerl: qweight must be CUDA uint8 [N_pad/128, K/128, 8192] (from verl_qerl.kernels.repack)");
-  TORCH_CHECK(qs.is_cuda() && qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(2) == 1024 &&
+  QCHECK(qs.is_cuda() && qs.scalar_type() == at::kByte && qs.dim() == 3 && qs.size(2) == 1024 &&
                   qs.size(0) == qw.size(0) && qs.size(1) == qw.size(1),
               "qerl: qscale must be CUDA uint8 [N_pad/128, K/128, 1024] matching qweight");
-  TORCH_CHECK(qw.is_contiguous() && qs.is_contiguous(), "qerl: qweight/qscale must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 &&
+  QCHECK(qw.is_contiguous() && qs.is_contiguous(), "qerl: qweight/qscale must be contiguous");
+  QCHECK(reinterpret_cast<uintptr_t>(qw.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(qs.data_ptr()) % 16 == 0,
               "qerl: qweight/qscale must be 16-byte aligned");
-  TORCH_CHECK(n > 0 && n % 16 == 0 && n <= qw.size(0) * 128 && n > (qw.size(0) - 1) * 128,
+  QCHECK(n > 0 && n % 16 == 0 && n <= qw.size(0) * 128 && n > (qw.size(0) - 1) * 128,
               "qerl: n=", n, " does not fit qweight rows ", qw.size(0) * 128, " (n must be a multiple of 16)");
 }
 
@@ -234,10 +265,10 @@ int pick_splits(int64_t tiles, int64_t stages, int block_m, int sms) {
 
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
+  QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  TORCH_CHECK(k % QERL_GEMM_BK == 0, "qerl::nvfp4_gemm (kernel): K=", k, " must be a multiple of ", QERL_GEMM_BK,
+  QCHECK(k % QERL_GEMM_BK == 0, "qerl::nvfp4_gemm (kernel): K=", k, " must be a multiple of ", QERL_GEMM_BK,
               " (shape x [", m, ", ", k, "], W [", n, ", ", k, "]); use mode 0 or 2 for other shapes");
   at::Tensor x = x_in.contiguous();
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
@@ -247,7 +278,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kBFloat16).contiguous();
-    TORCH_CHECK(b.numel() == n && b.device() == x.device(), "qerl::nvfp4_gemm: bias must be [", n, "] on ",
+    QCHECK(b.numel() == n && b.device() == x.device(), "qerl::nvfp4_gemm: bias must be [", n, "] on ",
                 x.device());
     bptr = b.data_ptr();
   }
@@ -273,22 +304,23 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   return out;
 }
 
-// mode: 0 = auto (kernel for M <= threshold and supported shapes, else sliced dequant + cuBLAS),
-//       1 = kernel (errors on unsupported shapes), 2 = sliced dequant + cuBLAS,
-//       3 = unsliced dequant + cuBLAS, >= 16: kernel with splits = mode - 16 (benchmark tuning).
+// mode: 0 = auto (kernel for M <= threshold and supported shapes, else dequant + cuBLAS),
+//       1 = kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
+//       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
+//           slower than 2 on the H100: kept for experiments), >= 16: kernel with splits = mode - 16.
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                      const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
+  QCHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
   check_repacked(qw, qs, n);
   check_gscale(gs, x);
-  TORCH_CHECK(x.device() == qw.device(), "qerl::nvfp4_gemm: x on ", x.device(), " but weight on ", qw.device());
-  TORCH_CHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
+  QCHECK(x.device() == qw.device(), "qerl::nvfp4_gemm: x on ", x.device(), " but weight on ", qw.device());
+  QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
   const bool kernel_ok = x.scalar_type() == at::kBFloat16 && x.size(1) % QERL_GEMM_BK == 0;
   const bool use_kernel = mode == 1 || mode >= 16 || (mode == 0 && kernel_ok && x.size(0) <= gemm_max_m());
   if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0);
-  return dqmm_cuda(x, qw, qs, gs, bias, n, mode != 3);
+  return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
 
 void set_tuning(int64_t gemm_max_m_value, double ctas_per_sm) {

@@ -10,8 +10,8 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 * ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0) -> [M, n]``: ``x @ W.T + bias``
   on the repacked layout. On CUDA the kernel itself dispatches by M: the fused FP4xBF16 GEMM up to
   a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests): 0 auto, 1 fused kernel,
-  2 dequant + cuBLAS (N-sliced, dequant of the next slice overlapped on a side stream),
-  3 dequant + cuBLAS unsliced, 16 + s fused kernel with s K-splits.
+  2 dequant + cuBLAS, 3 dequant + cuBLAS N-sliced with the next slice's dequant overlapped on a
+  side stream (measured slower on the H100; experimental), 16 + s fused kernel with s K-splits.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
