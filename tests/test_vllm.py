@@ -102,6 +102,8 @@ def _driver_main(job_file: str, out_file: str) -> None:
     for eng in job["engines"]:
         res: dict[str, Any] = {}
         results[eng["name"]] = res
+        for key, value in eng.get("env", {}).items():  # read by the (in-process) worker at load
+            os.environ[key] = value
         t0 = time.perf_counter()
         try:
             llm = LLM(**eng["llm"])
@@ -115,6 +117,8 @@ def _driver_main(job_file: str, out_file: str) -> None:
             res[task["id"]] = _run_task(llm, task)
             res.setdefault("task_s", {})[task["id"]] = time.perf_counter() - t1
         _shutdown(llm)
+        for key in eng.get("env", {}):
+            os.environ.pop(key, None)
     results["driver_pid"] = os.getpid()
     torch.save(results, out_file)
 
@@ -555,6 +559,8 @@ def modelopt_checkpoint(tiny_nvfp4, tmp_path_factory) -> Path:
     return dst
 
 
+BACKEND_ENV = "QERL_NVFP4_BACKEND"
+ENGINES_BCD = ("B_fp32", "B_bf16", "C", "D", "B_kernel", "C_kernel")
 BF16_AQN = {"seed": 11, "step": 2, "sigma": 2e-3}  # below bf16's spacing near 1 (7.8e-3): needs SR to land
 
 
@@ -575,9 +581,12 @@ def engines_bcd(tiny_bf16, tiny_nvfp4, ct_checkpoint, modelopt_checkpoint) -> di
         {"name": "B_bf16", "llm": _llm_kwargs(tiny_nvfp4, dtype="bfloat16"), "tasks": common[:1] + common[2:] + aqn},
         {"name": "C", "llm": _llm_kwargs(ct_checkpoint), "tasks": common},
         {"name": "D", "llm": _llm_kwargs(modelopt_checkpoint), "tasks": common},
+        # the FP4 GEMM's repacked layout (what CUDA runs), through verl_qerl.kernels' torch reference
+        {"name": "B_kernel", "llm": _llm_kwargs(tiny_nvfp4), "tasks": common, "env": {BACKEND_ENV: "kernel"}},
+        {"name": "C_kernel", "llm": _llm_kwargs(ct_checkpoint), "tasks": common, "env": {BACKEND_ENV: "kernel"}},
     ]}
     res = run_driver(job, multiproc=False)
-    for name in ("B_fp32", "B_bf16", "C", "D"):
+    for name in ENGINES_BCD:
         assert "error" not in res[name], (name, res[name].get("error"))
     TIMINGS["engines_bcd_driver_s"] = res["_wall_s"]
     return res
@@ -664,6 +673,21 @@ def test_modelopt_checkpoint_generates_and_matches(engines_bcd, modelopt_checkpo
     assert diff <= 1e-3, diff
 
 
+@pytest.mark.parametrize("name, twin", [("B_kernel", "B_fp32"), ("C_kernel", "C")])
+def test_kernel_layout_runs_the_same_weights(engines_bcd, engine_a, name, twin):
+    """The repacked (FP4 GEMM) layout holds the same NVFP4 numbers and computes the same outputs."""
+    eng, ref = engines_bcd[name], engines_bcd[twin]
+    layers = [v for v in eng["summary"][0]["layers"].values() if "layout" in v]
+    assert len(layers) == 8 and all(v["layout"] == "repacked" and v["backend"] == "kernel" for v in layers)
+    assert eng["summary"][0]["nvfp4_digest"] == ref["summary"][0]["nvfp4_digest"]
+    for layer, w in ref["dequant"][0].items():
+        assert torch.equal(eng["dequant"][0][layer], w), layer
+    assert [r["tokens"] for r in eng["base"]] == [r["tokens"] for r in ref["base"]]
+    diff = _max_diff(eng["base"], [r["logprobs"] for r in ref["base"]])
+    TIMINGS[f"logprob_max_diff_{name}_vs_{twin}"] = diff
+    assert diff <= 1e-4, diff
+
+
 # ------------------------------------------------------------------------------------------------
 # Load-time errors
 # ------------------------------------------------------------------------------------------------
@@ -709,7 +733,14 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     (fp8 / "config.json").write_text(json.dumps(cfg))
 
-    cases = {"missing_scale": missing, "group32": group32, "shapes32": shapes32, "arch": arch, "fp8": fp8}
+    gone = clone(tiny_nvfp4, "missing_module")  # a whole part of a fused layer absent: only the loader sees it
+    tensors = load_file(gone / "model.safetensors")
+    for leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
+        del tensors[f"model.layers.0.self_attn.k_proj.{leaf}"]
+    save_file(tensors, gone / "model.safetensors", metadata={"format": "pt"})
+
+    cases = {"missing_module": gone, "missing_scale": missing, "group32": group32, "shapes32": shapes32, "arch": arch,
+             "fp8": fp8}
     job = {"engines": [{"name": k, "llm": _llm_kwargs(v)} for k, v in cases.items()]}
     res = run_driver(job, multiproc=False)
     TIMINGS["errors_driver_s"] = res["_wall_s"]
@@ -717,6 +748,7 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("case, needles", [
+    ("missing_module", ["model.layers.0.self_attn.qkv_proj.weight_packed", "fused part(s) ['q', 'v'] of 3"]),
     ("missing_scale", ["model.layers.1.self_attn.k_proj.weight_scale", "missing"]),
     ("group32", ["group_size=32", "16"]),
     ("shapes32", ["model.layers.0.mlp.down_proj", "group size 32"]),
@@ -737,6 +769,6 @@ def test_report_timings(engine_a, engines_bcd, error_results):
                                                       for k, v in sorted(TIMINGS.items())}, indent=1))
     print("engine A startup", round(engine_a["startup_s"], 1), "s; LoRA tensor route via", engine_a["via"])
     print("engine A tasks (s):", {k: round(v, 2) for k, v in engine_a["task_s"].items()})
-    for name in ("B_fp32", "B_bf16", "C", "D"):
+    for name in ENGINES_BCD:
         print(f"engine {name} startup", round(engines_bcd[name]["startup_s"], 1), "s; tasks",
               {k: round(v, 2) for k, v in engines_bcd[name]["task_s"].items()})

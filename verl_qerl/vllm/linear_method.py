@@ -68,19 +68,31 @@ def _kernels():
 
 
 def _choose_backend(device: torch.device) -> str:
+    """``kernel``: keep only the FP4 GEMM's repacked layout and run ``verl_qerl.kernels.linear``;
+    ``torch``: keep the compressed-tensors layout and dequantize + ``F.linear``.
+
+    ``QERL_NVFP4_BACKEND=kernel`` forces the repacked layout even without the CUDA extension (the
+    kernels package then runs its torch reference on it): how the CPU tests cover that path.
+    """
     wanted = os.environ.get(BACKEND_ENV, "auto").lower()
     if wanted not in ("auto", "torch", "kernel"):
         raise QeRLNvFp4Error(f"{BACKEND_ENV}={wanted!r}; expected auto, torch or kernel")
-    if wanted == "torch" or device.type != "cuda":
+    if wanted == "torch":
         return "torch"
     kernels = _kernels()
-    ok = kernels is not None and bool(getattr(kernels, "cuda_available", lambda: False)())
-    if wanted == "kernel" and not ok:
-        raise QeRLNvFp4Error(f"{BACKEND_ENV}=kernel but verl_qerl.kernels is missing or has no CUDA build")
-    if not ok:
-        logger.warning("qerl_nvfp4: verl_qerl.kernels unavailable; CUDA layers use the (slow) torch dequantize "
-                       "fallback")
-    return "kernel" if ok else "torch"
+    if kernels is None:
+        if wanted == "kernel":
+            raise QeRLNvFp4Error(f"{BACKEND_ENV}=kernel but verl_qerl.kernels is not installed")
+        return "torch"
+    if wanted == "kernel":
+        return "kernel"
+    if device.type != "cuda":
+        return "torch"
+    if not kernels.cuda_available():
+        logger.warning("qerl_nvfp4: FP4 CUDA kernels unavailable (%s); using dequantize + F.linear",
+                       kernels.cuda_unavailable_reason())
+        return "torch"
+    return "kernel"
 
 
 def _shard_key(args: tuple, kwargs: dict) -> Any:
@@ -227,12 +239,9 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
 
     def _finalize(self, layer: torch.nn.Module, packed: torch.Tensor, scale: torch.Tensor,
                   gscale: torch.Tensor) -> None:
-        """Canonical parameters, per-part scale bookkeeping, and the kernel's own layout on CUDA."""
+        """Canonical parameters, per-part scale bookkeeping, and the FP4 kernel's own layout where it runs."""
         widths = layer.logical_widths
         uniform = bool((gscale == gscale[0]).all())
-        _replace(layer, "weight_packed", packed)
-        _replace(layer, "weight_scale", scale)
-        _replace(layer, "weight_global_scale", gscale[:1].clone() if uniform else gscale.clone())
         layer.qerl_uniform_scale = uniform
         layer.qerl_col_scale = None
         if not uniform:
@@ -240,22 +249,64 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
                         layer.qerl_prefix, gscale.tolist())
             ratio = (gscale[0] / gscale).to(torch.float32)  # y_part = y(g0) * g0 / g_part
             layer.qerl_col_scale = torch.repeat_interleave(ratio, torch.tensor(widths, device=ratio.device))
+        _replace(layer, "weight_global_scale", gscale[:1].clone() if uniform else gscale.clone())
         layer.qerl_backend = _choose_backend(packed.device)
-        layer.qerl_kernel_weight = None
+        layer.qerl_layout = "compressed-tensors"
         if layer.qerl_backend == "kernel":
-            layer.qerl_kernel_weight = _kernels().repack(packed, scale)
+            kernels = _kernels()
+            try:
+                repacked = kernels.repack(packed, scale)
+            except kernels.LayoutError as exc:
+                logger.warning("qerl_nvfp4: %s cannot use the FP4 GEMM layout (%s); dequantize + F.linear",
+                               layer.qerl_prefix, exc)
+            else:
+                # Only the kernel layout is kept (no second copy of the weight). ``weight_packed`` keeps
+                # its name for vLLM's LoRA wrappers, which only read its device.
+                packed, scale = repacked.qweight, repacked.qscale
+                layer.qerl_layout = "repacked"
+        _replace(layer, "weight_packed", packed)
+        _replace(layer, "weight_scale", scale)
 
     # -- 4. forward -------------------------------------------------------------------------------
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.qerl_backend == "kernel":
-            return self._apply_kernel(layer, x, bias)
+        if layer.qerl_layout == "repacked":
+            return self._apply_repacked(layer, x, bias)
+        if layer.qerl_uniform_scale:
+            kernels = _kernels()
+            if kernels is not None:  # its torch reference on CPU; its dequant op + F.linear on CUDA
+                return kernels.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
         return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
 
     @staticmethod
-    def dequantized_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-        """The layer's weight as NVFP4 represents it, [N, K] in ``dtype`` (the torch fallback's GEMM operand)."""
-        packed, scale, gscale = layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+    def _apply_repacked(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = _kernels()
+        repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
+        n = layer.output_size_per_partition
+        g = layer.weight_global_scale[:1]
+        if layer.qerl_col_scale is None:
+            return kernels.linear(x, None, None, g, bias, kernel_weight=repacked, n=n)
+        y = kernels.linear(x, None, None, g, None, kernel_weight=repacked, n=n)
+        y = (y.to(torch.float32) * layer.qerl_col_scale).to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    @staticmethod
+    def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed uint8 [N, K/2], E4M3 scale [N, K/16], global scale divisor(s)) whatever the stored layout."""
+        if layer.qerl_layout == "repacked":
+            from verl_qerl.kernels import layout
+            from verl_qerl.nvfp4 import pack_fp4
+
+            n = layer.output_size_per_partition
+            packed = pack_fp4(layout.unrepack_codes(layer.weight_packed, n))
+            scale = layout.unrepack_scales(layer.weight_scale, n).to(SCALE_DTYPE)
+            return packed, scale, layer.weight_global_scale
+        return layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+
+    @classmethod
+    def dequantized_weight(cls, layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's weight as NVFP4 represents it, [N, K] in ``dtype`` (each fused part with its own scale)."""
+        packed, scale, gscale = cls.canonical_nvfp4(layer)
         if layer.qerl_uniform_scale:
             return dequantize(packed, scale, gscale, dtype)
         parts, start = [], 0
@@ -264,20 +315,3 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             parts.append(dequantize(packed[rows], scale[rows], gscale[i:i + 1], dtype))
             start += width
         return torch.cat(parts)
-
-    @staticmethod
-    def _apply_kernel(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = _kernels()
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        g = layer.weight_global_scale[:1]
-        if layer.qerl_col_scale is None:
-            y = kernels.linear(x2, layer.weight_packed, layer.weight_scale, g, bias,
-                               kernel_weight=layer.qerl_kernel_weight)
-        else:
-            y = kernels.linear(x2, layer.weight_packed, layer.weight_scale, g, None,
-                               kernel_weight=layer.qerl_kernel_weight)
-            y = (y.to(torch.float32) * layer.qerl_col_scale).to(x.dtype)
-            if bias is not None:
-                y = y + bias
-        return y.reshape(*shape[:-1], y.shape[-1])

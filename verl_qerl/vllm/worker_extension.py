@@ -135,11 +135,13 @@ class QeRLWorkerExtension:
                 continue  # LoRA wrappers forward quant_method too; report the base layer once
             info: dict[str, Any] = {"method": type(method).__name__}
             if hasattr(module, "qerl_backend"):
-                info.update(backend=module.qerl_backend, format=module.qerl_format,
+                from .linear_method import QeRLNvFp4LinearMethod
+
+                info.update(backend=module.qerl_backend, layout=module.qerl_layout, format=module.qerl_format,
                             uniform_scale=module.qerl_uniform_scale,
                             global_scale=module.weight_global_scale.detach().cpu().tolist(),
                             shape=[module.output_size_per_partition, module.input_size_per_partition])
-                for t in (module.weight_packed, module.weight_scale, module.weight_global_scale):
+                for t in QeRLNvFp4LinearMethod.canonical_nvfp4(module):  # layout-independent digest
                     digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             layers[name.replace(".base_layer", "")] = info
         from . import plugin
