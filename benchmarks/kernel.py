@@ -155,27 +155,27 @@ def sanitize_run() -> int:
 
 
 def tune_splits(models: dict, ms: list[int]) -> dict:
-    """Graph-time the fused kernel over split targets (CTAs/SM) on decode shapes; keep the best."""
+    """Graph-time the fused kernel over split-K penalties on decode shapes; keep the best."""
     ext = kernels.extension()
-    targets = (1.0, 2.0, 3.0, 4.0)
-    totals = dict.fromkeys(targets, 0.0)
+    penalties = (0.0, 0.004, 0.015, 0.05)
+    totals = dict.fromkeys(penalties, 0.0)
     gs = torch.tensor([100.0], device=DEV)
     for cfg in models.values():
         for _, n, k in layer_shapes(cfg):
             ws = [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
             for m in ms:
                 x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-                for target in targets:
-                    ext.set_tuning(-1, target)
+                for pen in penalties:
+                    ext.set_tuning(-1, pen)
                     t = bench_graph(lambda r, x=x, ws=ws, n=n: torch.ops.qerl.nvfp4_gemm(
                         x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, 1), reps=10)
-                    totals[target] += t or 0.0
+                    totals[pen] += t or 0.0
             del ws
-    for target, tot in totals.items():
-        print(f"# split target {target} CTAs/SM: decode GEMMs total {tot:.4f} ms", flush=True)
+    for pen, tot in totals.items():
+        print(f"# split penalty {pen}: decode GEMMs total {tot:.4f} ms", flush=True)
     best = min(totals, key=totals.get)
     ext.set_tuning(-1, best)
-    return {"ctas_per_sm_target": best, "totals_ms": totals}
+    return {"split_penalty": best, "totals_ms": totals}
 
 
 def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods) -> list[dict]:
@@ -341,10 +341,10 @@ def main() -> int:
         bnb_mods = None
 
     if not args.no_tune:
-        out["split_tuning"] = tune_splits(MODELS, [1, 16])
+        out["split_tuning"] = tune_splits(MODELS, [1, 16, 64])
     if args.threshold >= 0:
         ext.set_tuning(args.threshold, -1)
-    out["tuning"] = dict(zip(("gemm_max_m", "ctas_per_sm_target"), ext.get_tuning(), strict=True))
+    out["tuning"] = dict(zip(("gemm_max_m", "split_penalty"), ext.get_tuning(), strict=True))
     print(f"# tuning: {out['tuning']}", flush=True)
 
     rows = []

@@ -250,8 +250,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
       for (int nbw = 0; nbw < 2; ++nbw)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-          mine[(nbw * MT + mt) * 128 + rt] =
-              make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+          if (m0 + mt * 8 + (lane & 3) * 2 < M)  // only token rows that exist (M=1: a quarter)
+            mine[(nbw * MT + mt) * 128 + rt] =
+                make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
     }
     __threadfence();
     __syncthreads();
@@ -277,8 +278,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
       for (int r = 0; r < RB; ++r)
 #pragma unroll
         for (int q = 0; q < NV; ++q)
-          v[r][q] = (kh == 0 && s0 + r < splits) ? __ldcg(parts + size_t(s0 + r) * (BM * BN / 4) + q * 128 + rt)
-                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+          v[r][q] = (kh == 0 && s0 + r < splits && m0 + (q % MT) * 8 + (lane & 3) * 2 < M)
+                        ? __ldcg(parts + size_t(s0 + r) * (BM * BN / 4) + q * 128 + rt)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int r = 0; r < RB; ++r)
 #pragma unroll
