@@ -124,7 +124,7 @@ def _driver_main(job_file: str, out_file: str) -> None:
 
 
 def run_driver(job: dict, *, multiproc: bool, extra_pythonpath: list[str] = (), timeout: float = 420,
-               verl: bool = False) -> dict:
+               verl: bool = False, env_extra: dict[str, str] | None = None) -> dict:
     """Run the engines of ``job`` in a fresh Python process; returns their results."""
     env = dict(os.environ)
     env.update({
@@ -134,6 +134,7 @@ def run_driver(job: dict, *, multiproc: bool, extra_pythonpath: list[str] = (), 
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "QERL_TEST_DRIVER": "verl" if verl else "plain",
+        **(env_extra or {}),
     })
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), *extra_pythonpath, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     with tempfile.TemporaryDirectory() as tmp:
@@ -492,6 +493,53 @@ def test_aqn_noise_lands_exactly_and_restores_bit_exactly(engine_a):
 
 
 # ------------------------------------------------------------------------------------------------
+# Tensor parallelism: two CPU workers, shards along N (column/qkv/gate_up) and K (o_proj/down_proj)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_tp2(tiny_bf16) -> dict:
+    prompts = _prompt_ids(tiny_bf16)
+    tasks = [{"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
+             {"id": "dequant", "kind": "tensors", "args": {"method": "qerl_dequantized_weights"}},
+             {"id": "base", "kind": "greedy", "args": {"prompts": prompts}},
+             {"id": "aqn_apply", "kind": "rpc",
+              "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA, "seed": AQN_SEED}}}]
+    llm = _llm_kwargs(tiny_bf16, tensor_parallel_size=2)
+    # one core per worker (the CPU build otherwise reserves a core for the engine and finds too few)
+    res = run_driver({"engines": [{"name": "TP2", "llm": llm, "tasks": tasks}]}, multiproc=True,
+                     env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert "error" not in res["TP2"], res["TP2"].get("error")
+    TIMINGS["engine_tp2_driver_s"] = res["_wall_s"]
+    return res["TP2"]
+
+
+def test_tensor_parallel_shards_are_slices_of_the_whole_quantized_weight(engine_tp2, engine_a, tiny_bf16):
+    ref = _ref_weights_from_bf16(tiny_bf16)
+    ranks = engine_tp2["dequant"]
+    assert len(ranks) == 2 and engine_tp2["summary"][0]["pid"] != engine_tp2["summary"][1]["pid"]
+    for layer in range(2):
+        for r, shard in enumerate(ranks):
+            p = f"model.layers.{layer}"
+            rows = lambda w, r=r: w.chunk(2, dim=0)[r]  # noqa: E731 - column parallel: output rows
+            cols = lambda w, r=r: w.chunk(2, dim=1)[r]  # noqa: E731 - row parallel: input columns
+            qkv = torch.cat([rows(ref[f"{p}.self_attn.{n}"]) for n in ("q_proj", "k_proj", "v_proj")])
+            gate_up = torch.cat([rows(ref[f"{p}.mlp.{n}"]) for n in ("gate_proj", "up_proj")])
+            # the global scale comes from the TP-wide amax: every shard is a slice of the TP=1 weight
+            assert torch.equal(shard[f"{p}.self_attn.qkv_proj"], qkv), (layer, r)
+            assert torch.equal(shard[f"{p}.mlp.gate_up_proj"], gate_up), (layer, r)
+            assert torch.equal(shard[f"{p}.self_attn.o_proj"], cols(ref[f"{p}.self_attn.o_proj"])), (layer, r)
+            assert torch.equal(shard[f"{p}.mlp.down_proj"], cols(ref[f"{p}.mlp.down_proj"])), (layer, r)
+    assert [r["tokens"] for r in engine_tp2["base"]] == [r["tokens"] for r in engine_a["base"]]
+    diff = _max_diff(engine_tp2["base"], [r["logprobs"] for r in engine_a["base"]])
+    TIMINGS["logprob_max_diff_tp2_vs_tp1"] = diff
+    assert diff <= 1e-4, diff
+    # AQN: replicated norms get identical noise on every rank
+    a, b = engine_tp2["aqn_apply"]
+    assert a["checksum"] == b["checksum"] == engine_a["aqn_apply"][0]["checksum"]
+
+
+# ------------------------------------------------------------------------------------------------
 # Engines B-D: pre-quantized checkpoints (one in-process driver)
 # ------------------------------------------------------------------------------------------------
 
@@ -763,7 +811,7 @@ def test_bad_checkpoints_fail_at_load_with_a_clear_message(error_results, case, 
     assert res["startup_s"] < 30, "should fail while building the config, before any engine process"
 
 
-def test_report_timings(engine_a, engines_bcd, error_results):
+def test_report_timings(engine_a, engines_bcd, error_results, engine_tp2):
     """Not a check: prints the measured numbers (``pytest -s``) for the record."""
     print("\nqerl_nvfp4 vLLM CPU tests:", json.dumps({k: (float(f"{v:.3g}") if isinstance(v, float) else v)
                                                       for k, v in sorted(TIMINGS.items())}, indent=1))
