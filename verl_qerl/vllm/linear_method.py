@@ -10,11 +10,14 @@ Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, 
 3. ``process_weights_after_loading`` checks completeness, brings every layout to one canonical form
    (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
    fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
-   whole fused group, so it is bit-identical to ``qerl-quantize``), and on CUDA repacks for the
-   FP4 kernel. ``weight_packed`` keeps its name: vLLM's LoRA wrappers look for it.
-4. ``apply`` calls the FP4 kernel op (CUDA) or dequantizes with :func:`verl_qerl.nvfp4.dequantize`
-   and runs ``F.linear`` (CPU, or CUDA without the kernel): no host syncs, no data-dependent
-   shapes, so it traces under torch.compile and captures into CUDA graphs.
+   whole fused group, so it is bit-identical to ``qerl-quantize``), and where the FP4 GEMM runs
+   (CUDA with ``verl_qerl.kernels``) replaces packed weight and scales by the kernel's repacked
+   layout (no second copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA
+   wrappers look for it (for its device only).
+4. ``apply`` calls ``verl_qerl.kernels.linear``: the ``qerl::nvfp4_gemm`` op on CUDA (fused GEMM
+   for small M, dequantize + cuBLAS for large M, chosen inside the op), the package's torch
+   reference on CPU (= :func:`verl_qerl.nvfp4.dequantize` + ``F.linear``). No host syncs, no
+   data-dependent shapes: it traces under torch.compile and captures into CUDA graphs.
 
 Fused layers whose parts were quantized with different global scales (a checkpoint written
 without llm-compressor's scale fusing) stay exact: the fallback dequantizes each part with its own
@@ -153,6 +156,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         layer.output_size_per_partition = n
         layer.qerl_prefix = self.prefix
         layer.qerl_format = fmt
+        layer.qerl_layout = None  # set once the layer is finalized
         layer.qerl_loaded = {}
         loader = extra_weight_attrs["weight_loader"]
         track = functools.partial(_tracking, layer)
@@ -194,6 +198,10 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
                                  f"(format {layer.qerl_format})")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if layer.qerl_layout is not None and not layer.qerl_loaded:
+            # Already finalized and nothing loaded since: a second pass over the whole model (verl runs
+            # one after a full, non-LoRA weight sync) must leave the quantized layer alone.
+            return
         fmt = layer.qerl_format
         if fmt == FORMAT_BF16:
             self._check_loaded(layer, ("weight",))

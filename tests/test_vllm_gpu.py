@@ -1,0 +1,111 @@
+"""``qerl_nvfp4`` on a CUDA vLLM engine (0.24 with verl's stack): the FP4 kernel under CUDA graphs.
+
+The CPU file (test_vllm.py) proves the method's numbers; this one re-runs the engine on a GPU with
+``enforce_eager=False`` (torch.compile + CUDA graphs, what verl runs) and checks that
+
+* every quantized layer runs the FP4 GEMM (``verl_qerl.kernels``, repacked layout);
+* the engine holds exactly the NVFP4 weights the format library computes (quantize-at-load on GPU
+  is bit-identical to the CPU/offline quantizer);
+* greedy logprobs match HF (CPU, fp32, same dequantized weights) as closely as bf16 allows, and an
+  fp32 eager GPU engine matches HF like the CPU engine does (<= 1e-3);
+* LoRA from a peft folder matches HF+peft;
+* AQN's in-place norm writes reach the captured graphs, and restoring gives the clean outputs back.
+
+Skipped without CUDA (conftest). Engines run in driver subprocesses, as in test_vllm.py, whose
+helpers this file loads by path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+_spec = importlib.util.spec_from_file_location("_qerl_vllm_cpu_tests", Path(__file__).with_name("test_vllm.py"))
+cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cpu)
+
+lora_adapter = cpu.lora_adapter  # the same module-scoped fixture (a peft folder + verl-style tensors)
+
+
+@pytest.fixture(scope="module")
+def gpu_engines(tiny_bf16, lora_adapter) -> dict:
+    prompts = cpu._prompt_ids(tiny_bf16)
+    base = {"id": "base", "kind": "greedy", "args": {"prompts": prompts}}
+    summary = {"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}}
+    dequant = {"id": "dequant", "kind": "tensors", "args": {"method": "qerl_dequantized_weights"}}
+    graphs = [
+        summary, dequant, base,
+        {"id": "lora_dir", "kind": "greedy",
+         "args": {"prompts": prompts, "lora": {"name": "folder", "id": 1, "path": str(lora_adapter["dir"])}}},
+        {"id": "aqn_apply", "kind": "rpc",
+         "args": {"method": "qerl_aqn_apply", "kwargs": {"step": cpu.AQN_STEP, "sigma": cpu.AQN_SIGMA,
+                                                        "seed": cpu.AQN_SEED}}},
+        {"id": "reset1", "kind": "reset_prefix_cache"},
+        {"id": "noisy", "kind": "greedy", "args": {"prompts": prompts}},
+        {"id": "aqn_restore", "kind": "rpc", "args": {"method": "qerl_aqn_restore"}},
+        {"id": "reset2", "kind": "reset_prefix_cache"},
+        {"id": "restored", "kind": "greedy", "args": {"prompts": prompts}},
+    ]
+    common = dict(gpu_memory_utilization=0.3, enable_lora=True, max_lora_rank=cpu.LORA_RANK, max_loras=1)
+    job = {"engines": [
+        {"name": "graphs_bf16", "llm": cpu._llm_kwargs(tiny_bf16, dtype="bfloat16", enforce_eager=False, **common),
+         "tasks": graphs},
+        {"name": "eager_bf16", "llm": cpu._llm_kwargs(tiny_bf16, dtype="bfloat16", **common), "tasks": [base]},
+        {"name": "eager_fp32", "llm": cpu._llm_kwargs(tiny_bf16, dtype="float32", gpu_memory_utilization=0.3),
+         "tasks": [summary, base]},
+    ]}
+    res = cpu.run_driver(job, multiproc=True, timeout=900)
+    for name in ("graphs_bf16", "eager_bf16", "eager_fp32"):
+        assert "error" not in res[name], (name, res[name].get("error"))
+    return res
+
+
+def test_cuda_graph_engine_runs_the_fp4_kernel_on_the_exact_weights(gpu_engines, tiny_bf16):
+    g = gpu_engines["graphs_bf16"]
+    layers = [v for v in g["summary"][0]["layers"].values() if "backend" in v]
+    assert len(layers) == 8 and all(v["backend"] == "kernel" and v["layout"] == "repacked" for v in layers), layers
+    ref = cpu._ref_weights_from_bf16(tiny_bf16)
+    for name, w in ref.items():
+        assert torch.equal(cpu._engine_weight(g["dequant"][0], name), w.cpu()), name
+
+
+def test_cuda_graphs_match_eager_and_hf(gpu_engines, tiny_bf16):
+    g, e = gpu_engines["graphs_bf16"], gpu_engines["eager_bf16"]
+    assert [r["tokens"] for r in g["base"]] == [r["tokens"] for r in e["base"]]
+    assert cpu._max_diff(g["base"], [r["logprobs"] for r in e["base"]]) <= 1e-2
+    ref = cpu._ref_weights_from_bf16(tiny_bf16)
+    hf32 = cpu._hf_model(tiny_bf16, ref)
+    diff_bf16 = cpu._max_diff(g["base"], cpu._hf_logprobs(hf32, g["base"]))
+    print(f"\nGPU bf16 + CUDA graphs vs HF fp32 (same NVFP4 weights): max |dlogprob| = {diff_bf16:.3g}")
+    assert diff_bf16 <= 2e-2 * 2, diff_bf16
+    f = gpu_engines["eager_fp32"]
+    assert {v["backend"] for v in f["summary"][0]["layers"].values() if "backend" in v} <= {"kernel", "torch"}
+    diff_fp32 = cpu._max_diff(f["base"], cpu._hf_logprobs(hf32, f["base"]))
+    print(f"GPU fp32 eager vs HF fp32: max |dlogprob| = {diff_fp32:.3g}")
+    assert diff_fp32 <= 1e-3, diff_fp32
+
+
+def test_lora_under_cuda_graphs_matches_hf_peft(gpu_engines, tiny_bf16, lora_adapter):
+    from peft import PeftModel
+
+    g = gpu_engines["graphs_bf16"]
+    hf = PeftModel.from_pretrained(cpu._hf_model(tiny_bf16, cpu._ref_weights_from_bf16(tiny_bf16)),
+                                   lora_adapter["dir"]).eval()
+    diff = cpu._max_diff(g["lora_dir"], cpu._hf_logprobs(hf, g["lora_dir"]))
+    print(f"GPU bf16 + CUDA graphs + LoRA vs HF+peft fp32: max |dlogprob| = {diff:.3g}")
+    assert diff <= 2e-2 * 2, diff
+
+
+def test_aqn_writes_reach_captured_graphs(gpu_engines):
+    g = gpu_engines["graphs_bf16"]
+    base = [r["logprobs"] for r in g["base"]]
+    assert cpu._max_diff(g["noisy"], base) > 1e-3, "noise written in place did not change graph outputs"
+    assert [r["tokens"] for r in g["restored"]] == [r["tokens"] for r in g["base"]]
+    assert cpu._max_diff(g["restored"], base) <= 1e-5
+    rest = g["aqn_restore"][0]
+    assert rest["checksum"] == rest["clean_checksum"]
