@@ -29,6 +29,24 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t word, int idx) {
   return v * 16u + 0x70007000u;
 }
 
+// Scale bytes idx and idx+1 of `word` -> bf16x2 {S(idx), S(idx+1)}, each scale * 2^119 (exact).
+__device__ __forceinline__ uint32_t scale_two(uint32_t word, int idx) {
+  const uint32_t v = __byte_perm(word, 0u, 0x4040u | (uint32_t(idx + 1) << 8) | uint32_t(idx));
+  return v * 16u + 0x70007000u;
+}
+
+// a * {lo(s), lo(s)} and a * {hi(s), hi(s)}: the half broadcast is an operand selector of HMUL2.
+__device__ __forceinline__ uint32_t bf16x2_mul_lo(uint32_t a, uint32_t s) {
+  const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), __low2bfloat162(sv));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s) {
+  const __nv_bfloat162 sv = *reinterpret_cast<const __nv_bfloat162*>(&s);
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), __high2bfloat162(sv));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 // Scale byte -> float32 scale (exact); 0 -> 0.
 __device__ __forceinline__ float scale_from_byte(uint32_t b) {
   const float s = __uint_as_float(((b << 4) | 0x7000u) << 16) * 0x1p-119f;

@@ -188,14 +188,13 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
 #pragma unroll
       for (int nbw = 0; nbw < 2; ++nbw) {
         const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
-        const uint32_t s_lo = scale_pair(sword, (j & 1) * 2);
-        const uint32_t s_hi = scale_pair(sword, (j & 1) * 2 + 1);
+        const uint32_t s2 = scale_two(sword, (j & 1) * 2);  // {S(row r), S(row r+8)}
         uint32_t a[4];
         decode_raw(word_of(wv[nbw], j), a);
-        a[0] = bf16x2_mul(a[0], s_lo);
-        a[1] = bf16x2_mul(a[1], s_hi);
-        a[2] = bf16x2_mul(a[2], s_lo);
-        a[3] = bf16x2_mul(a[3], s_hi);
+        a[0] = bf16x2_mul_lo(a[0], s2);
+        a[1] = bf16x2_mul_hi(a[1], s2);
+        a[2] = bf16x2_mul_lo(a[2], s2);
+        a[3] = bf16x2_mul_hi(a[3], s2);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
       }
