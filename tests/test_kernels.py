@@ -208,3 +208,18 @@ def test_fake_impls_under_compile() -> None:
         a, b = torch.ops.qerl.nvfp4_repack(torch.empty(n, k // 2, dtype=torch.uint8),
                                            torch.empty(n, k // 16, dtype=torch.uint8))
         assert a.shape == (1, k // 128, 8192) and b.shape == (1, k // 128, 1024)
+
+
+def test_reference_matches_format_module() -> None:
+    """The kernels' torch reference is bit-identical to verl_qerl.nvfp4 (quantize -> dequantize)."""
+    nvfp4 = pytest.importorskip("verl_qerl.nvfp4")
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.1
+    q = nvfp4.quantize(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = reference.dequantize_ref(q.packed, q.scale, q.global_scale, dtype)
+        b = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype)
+        assert torch.equal(a, b)
+    rw = kernels.repack(q.packed, q.scale)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    out = kernels.linear(x, q.packed, q.scale, q.global_scale, kernel_weight=rw)
+    assert rel_err(out, reference.linear_f64(x, q.packed, q.scale, q.global_scale)) < 1e-2

@@ -84,9 +84,11 @@ def load_extension(verbose: bool = False) -> bool:
             _State.reason = ""
         except Exception as ex:  # noqa: BLE001 - any failure means "use the fallback"
             _State.reason = f"{type(ex).__name__}: {ex}"
-            log.warning("verl_qerl.kernels: CUDA extension unavailable, using torch fallbacks (%s)", ex)
-            if torch.cuda.is_available():
+            if torch.cuda.is_available():  # a GPU without our kernels is worth a warning; a CPU box is not
+                log.warning("verl_qerl.kernels: CUDA extension unavailable, using torch fallbacks (%s)", ex)
                 ops.register_cuda_fallbacks()
+            else:
+                log.info("verl_qerl.kernels: no CUDA, using torch fallbacks (%s)", ex)
         _State.tried = True
     return _State.ext is not None
 

@@ -75,6 +75,25 @@ def cuda_extension(name: str = "verl_qerl._C", root: str | os.PathLike[str] | No
     )
 
 
+def setup_ext_modules() -> tuple[list[Any], dict[str, Any]]:
+    """``(ext_modules, cmdclass)`` for ``setup.py``: the CUDA extension when a CUDA build of torch and
+    ``nvcc`` (``CUDA_HOME``) are present, else ``([], {})`` (pure-Python install; JIT on first use).
+
+    Set ``VERL_QERL_NO_CUDA_BUILD=1`` to skip the ahead-of-time build; ``TORCH_CUDA_ARCH_LIST``
+    (e.g. ``"8.0;8.9;9.0"``) picks the architectures, as for any torch extension.
+    """
+    if os.environ.get("VERL_QERL_NO_CUDA_BUILD", "0") not in ("", "0"):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension
+    except ImportError:
+        return [], {}
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return [], {}
+    return [cuda_extension()], {"build_ext": BuildExtension}
+
+
 def load(verbose: bool = False) -> ModuleType:
     """Import the ahead-of-time build if there is one, else JIT-build with ninja and load."""
     try:
