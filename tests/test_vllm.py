@@ -682,6 +682,7 @@ def test_aqn_lands_in_bf16_with_stochastic_rounding(engines_bcd):
     assert 0.0 < changed < 1.0  # sigma below the bf16 spacing: some weights move a grid step, none by rounding-off
 
 
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
 def test_compressed_tensors_checkpoint_generates_and_matches_ct_dequantization(engines_bcd, ct_checkpoint, tiny_bf16):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig
