@@ -16,9 +16,11 @@ HF references are computed here from the checkpoints with our format library or 
 compressed-tensors' own decompression, so the engine's linear method is checked against code it
 does not share. Comparisons of logprobs run both sides in float32 (exact up to GEMM order).
 
-Set ``QERL_TEST_VERL_PATH`` (os.pathsep-separated PYTHONPATH entries: verl's source, and on the
-CPU build a ``vllm`` dist-info alias) to run the LoRA tensor path through verl 0.9.1's own
-``vLLMColocateWorkerExtension._update_weights``; without it, through the reproduction below.
+Where verl 0.9.1 is importable (installed, or ``QERL_TEST_VERL_PATH``: os.pathsep-separated
+PYTHONPATH entries such as an unpacked wheel and, on the CPU build, a ``vllm`` dist-info alias),
+the LoRA tensor path runs through verl's own ``vLLMColocateWorkerExtension._update_weights``
+inside :class:`verl_qerl.vllm.verl_extension.QeRLVerlWorkerExtension`; otherwise through the
+reproduction below. ``pytest -s`` prints which.
 """
 
 from __future__ import annotations
@@ -369,7 +371,7 @@ AQN_SEED, AQN_STEP, AQN_SIGMA = 7, 3, 0.05
 @pytest.fixture(scope="module")
 def engine_a(tiny_bf16, lora_adapter) -> dict:
     extra = _verl_path()
-    via = "verl" if extra and _verl_importable(extra) else "repro"
+    via = "verl" if _verl_importable(extra) else "repro"  # an installed verl counts too
     ext = "test_vllm.VerlLoRAExtension" if via == "verl" else "test_vllm.VerlReproExtension"
     prompts = _prompt_ids(tiny_bf16)
     norms = {"method": "qerl_named_tensors", "kwargs": {"suffix": "norm.weight"}}
