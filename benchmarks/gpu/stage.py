@@ -45,6 +45,9 @@ VLLM_DEPS = [
     "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "fastapi==0.136.3", "starlette==1.10.0", "blake3==1.0.11",
     "setproctitle==1.3.8", "depyf==0.20.0", "astor==0.8.1", "dill==0.4.1", "ijson==3.6.0",
     "python-json-logger==4.2.0", "compressed-tensors==0.17.0", "loguru==0.7.3", "bitsandbytes==0.50.2",
+    # imported by vllm.entrypoints.cli.serve (verl's vLLM server path), not by LLM(): found on the H100, 2026-11-22
+    "watchfiles==1.3.0", "prometheus-fastapi-instrumentator==8.1.0", "model-hosting-container-standards==0.1.16",
+    "jmespath==1.1.0", "supervisor==4.3.0",
 ]
 
 #: verl 0.9.1 and what its trainer, workers and rollout servers import (beyond the vLLM bundle and the image).
