@@ -1,28 +1,20 @@
 """Torch references of the kernels: the CPU fallbacks and the tests' oracles.
 
-The dequantize formula is the format's own (``verl_qerl.nvfp4.dequantize``): ``e2m1(code) *
-(scale / global_scale)`` in float32, then one rounding to the output dtype. It is repeated here,
-not imported, so that the kernels package has no hard dependency on the quantizer's module and
-so that the CUDA dequant kernels can be held to *bit* equality with it.
+The dequantize formula is the format's own, taken from ``verl_qerl.nvfp4`` (``e2m1(code) *
+(scale / global_scale)`` in float32, then one rounding to the output dtype), so the CUDA dequant
+kernels are held to *bit* equality with the one definition of the format.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..nvfp4 import dequantize as _format_dequantize
+from ..nvfp4 import e2m1_values as e2m1_table
+from ..nvfp4 import unpack_fp4 as unpack_codes
 from .layout import scale_as_float, unrepack_codes, unrepack_scales
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """The 16 values a 4-bit code stands for (bit 3 = sign)."""
-    return torch.tensor(_E2M1, dtype=dtype, device=device)
-
-
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> codes uint8 [N, K] (element 2i in the low nibble)."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+__all__ = ["dequantize_f64", "dequantize_ref", "dequantize_repacked_ref", "e2m1_table", "linear_f64", "unpack_codes"]
 
 
 def _dequant_codes(
@@ -37,7 +29,7 @@ def dequantize_ref(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """NVFP4 (compressed-tensors layout) -> [N, K] in ``dtype``; float32 math, one rounding."""
-    return _dequant_codes(unpack_codes(packed), scale_as_float(scale), global_scale, dtype)
+    return _format_dequantize(packed, scale, global_scale, dtype)
 
 
 def dequantize_repacked_ref(
