@@ -175,3 +175,33 @@ def test_trainer_mode_is_registered_and_drives_aqn_per_step():
         assert {c[2][0] for c in calls if c[1] == "collective_rpc"} == {"qerl_aqn_apply"}
     finally:
         ray.get = orig_get
+
+
+def test_fsdp_engine_hook_makes_nvfp4_layers_with_lora(tiny_bf16):
+    """The patched FSDPEngine._build_lora_module (verl's own code after our conversion) on a tiny Qwen2."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from verl_qerl.modeling import NVFP4Linear
+
+    assert getattr(FSDPEngine._build_lora_module, "_qerl_wrapped", False)
+    cfg = composed("+qerl=nvfp4", "actor_rollout_ref.model.lora_rank=8")
+    apply_qerl(cfg)
+    m = cfg.actor_rollout_ref.model
+    model_config = SimpleNamespace(
+        lora=dict(m.lora), lora_rank=8, lora_alpha=16, target_modules=list(m.target_modules), target_parameters=None,
+        exclude_modules=None, lora_adapter_path=None, use_shm=False)
+    fake_engine = SimpleNamespace(model_config=model_config)
+    module = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)  # verl trains in fp32
+    peft_model = FSDPEngine._build_lora_module(fake_engine, module)
+    layers = {n: mod for n, mod in peft_model.named_modules() if isinstance(mod, NVFP4Linear)}
+    assert len(layers) == 14  # 2 layers x q,k,v,o,gate,up,down; lm_head stays dense
+    assert all(".base_layer" in n for n in layers)  # each wrapped by a peft LoRA layer
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {b.dtype for n, b in peft_model.named_buffers() if "weight_" in n} == {torch.uint8}
+    # plain LoRA (no qerl block): verl's path is untouched
+    plain = SimpleNamespace(model_config=SimpleNamespace(**{**vars(model_config), "lora": {}}))
+    dense = FSDPEngine._build_lora_module(plain, AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32))
+    assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
