@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,13 @@ pytest.importorskip("vllm")
 def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
+    # Ray's unix sockets live under RAY_TMPDIR and must stay below 108 bytes: keep the folder short
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = {**os.environ, "WORKDIR": str(tmp_path / "tiny"), "PYTHON": str(Path(os.sys.executable)),
-           "RAY_TMPDIR": str(tmp_path / "ray"), "QERL_DEVICE": "cpu", "TIMEOUT": "1200"}
+           "RAY_TMPDIR": ray_tmp, "QERL_DEVICE": "cpu", "TIMEOUT": "1200"}
     res = subprocess.run(["bash", str(REPO / "examples/tiny/grpo.sh"), "nvfp4"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1500)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     log = res.stdout + res.stderr
     (tmp_path / "run.log").write_text(log)
     assert res.returncode == 0, log[-6000:]
