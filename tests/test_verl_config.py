@@ -100,6 +100,7 @@ def test_no_block_changes_nothing():
         (["actor_rollout_ref.model.lora.merge=true"], r"cannot be merged into a 4-bit base"),
         (["trainer.v1.trainer_mode=separate_async"], r"trainer_mode='separate_async'"),
         (["trainer.use_v1=false"], r"use_v1=false"),
+        (["qerl.aqn.apply_to=both"], r"apply_to=both: not supported by the verl trainer yet"),
     ],
 )
 def test_invalid_combinations_fail_with_the_key(overrides, match):

@@ -110,11 +110,6 @@ def register_trainer(trainer_sync: ModuleType) -> None:
                 qerl = read_qerl(self.config)
                 if qerl is None:
                     return None
-                if qerl.aqn.enable and qerl.aqn.apply_to == "both":
-                    raise NotImplementedError(
-                        "qerl.aqn.apply_to=both is not supported in the verl trainer yet (the actor would need the "
-                        "step's noise in compute_log_prob/update_actor); use apply_to=rollout, the paper's setting"
-                    )
 
                 def servers():
                     manager = getattr(self, "llm_server_manager", None)
