@@ -13,7 +13,6 @@ verl = pytest.importorskip("verl")
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from verl_qerl.verl.config import (  # noqa: E402
-    DEFAULT_TARGET_MODULES,
     TRAINER_MODE,
     WORKER_EXTENSION,
     QeRLConfigError,
@@ -50,7 +49,8 @@ def test_hydra_group_composes_and_fills_in_what_the_mode_needs():
     assert vk.quantization == "qerl_nvfp4" and vk.worker_extension_cls == WORKER_EXTENSION
     assert cfg.actor_rollout_ref.rollout.load_format == "safetensors"
     assert cfg.trainer.v1.trainer_mode == TRAINER_MODE
-    assert list(cfg.actor_rollout_ref.model.target_modules) == DEFAULT_TARGET_MODULES
+    assert list(cfg.actor_rollout_ref.model.target_modules) == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     # the block reaches the workers through the free-form model.lora dict
     assert cfg.actor_rollout_ref.model.lora.qerl.mode == "nvfp4"
     assert read_qerl({"actor_rollout_ref": {"model": {"lora": {"qerl": qerl.to_dict()}}}}) == qerl

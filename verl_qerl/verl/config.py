@@ -24,13 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..aqn import AQNConfig
+from ..convert import DEFAULT_IGNORE
 
 logger = logging.getLogger("verl_qerl")
 
 MODES = ("nvfp4", "bf16", "nf4")
 
-#: The projections of Qwen2/Llama decoder layers; peft's "all-linear" matches nn.Linear only.
-DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+def _default_target_modules() -> list[str]:
+    """The projections of Qwen2/Llama decoder layers (peft's "all-linear" matches nn.Linear only)."""
+    from ..modeling.lora import DEFAULT_LORA_TARGETS
+
+    return list(DEFAULT_LORA_TARGETS)
 
 WORKER_EXTENSION = "verl_qerl.vllm.verl_extension.QeRLVerlWorkerExtension"
 TRAINER_MODE = "qerl_sync"
@@ -48,7 +52,7 @@ class QeRLConfigError(ValueError):
 class QeRLConfig:
     mode: str = "nvfp4"
     quantized_checkpoint: str | None = None
-    ignore: tuple[str, ...] = ("lm_head",)
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
     aqn: AQNConfig = field(default_factory=lambda: AQNConfig(enable=False))
 
     def __post_init__(self) -> None:
@@ -69,7 +73,7 @@ class QeRLConfig:
             aqn_cfg = aqn if isinstance(aqn, AQNConfig) else AQNConfig.from_dict(dict(aqn))
         except ValueError as err:
             raise QeRLConfigError(f"qerl.aqn: {err}") from err
-        ignore = values.pop("ignore", ("lm_head",)) or ()
+        ignore = values.pop("ignore", DEFAULT_IGNORE) or ()
         if isinstance(ignore, str):
             ignore = [ignore]
         return cls(aqn=aqn_cfg, ignore=tuple(ignore), **values)
@@ -161,7 +165,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
         _set(config, "trainer.v1.trainer_mode", TRAINER_MODE, changes)
 
     if _get(config, "actor_rollout_ref.model.target_modules") == "all-linear":
-        _set(config, "actor_rollout_ref.model.target_modules", list(DEFAULT_TARGET_MODULES), changes)
+        _set(config, "actor_rollout_ref.model.target_modules", _default_target_modules(), changes)
     load_format = _get(config, "actor_rollout_ref.rollout.load_format", "dummy")
     if "dummy" in str(load_format):
         # vLLM must read the real base weights once; afterwards only LoRA tensors travel each step
