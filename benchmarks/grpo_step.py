@@ -1,0 +1,420 @@
+"""GRPO step time, per phase, through ``python -m verl.trainer.main_ppo``: QeRL vs BF16 LoRA, 1 vs N GPUs.
+
+One *run* is one ``main_ppo`` process (its own Ray cluster, ``RAY_TMPDIR`` and metrics file) for a
+few GRPO steps on local GSM8K-format prompts (``verl_qerl.testing.data``). The script reads verl's
+per-step metrics (``timing_s/gen``, ``timing_s/old_log_prob``, ``timing_s/update_actor``,
+``timing_s/update_weights``, ``timing_s/step``, ``perf/total_num_tokens``, rewards, losses), samples
+``nvidia-smi`` for the peak memory of the run's GPUs (the actor's own peak is in verl's metrics; vLLM's
+memory is not), drops the first step (CUDA graphs, allocator warm-up) from the means, and writes one
+JSON with the raw rows and the ``targets`` of the comparison asked for:
+
+* ``--compare variants`` (issue 8): each variant on one GPU; step-time ratio of the first variant
+  (QeRL) over the second (BF16 LoRA), target <= 0.75. ``--concurrent`` runs the variants at the same
+  time on different GPUs (halves the wall time; each still owns its GPU).
+* ``--compare gpus`` (issue 9): the first variant on 1 GPU, then on ``--gpus`` GPUs (FSDP2 over all
+  ranks, one vLLM replica per GPU); throughput ratio target >= 1.6 and the reward/loss curves side by side.
+
+Models: ``7b`` / ``32b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
+or the path of a local HF checkpoint. ``--tiny`` is the CPU smoke test (tiny model, verl-qerl's CPU
+platform).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+
+from rollout import SHAPES, device_name, versions, write_random_checkpoint  # noqa: E402
+
+#: variant -> the hydra group option of ``+qerl=`` (verl_qerl/verl/hydra/qerl/*.yaml)
+VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "nf4"}
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
+STEP_RATIO_TARGET = 0.75  # issue 8: QeRL step time <= 0.75x BF16 LoRA's
+SCALING_TARGET = 1.6      # issue 9: N-GPU throughput >= 1.6x of 1 GPU (N=2)
+
+
+class StepBenchError(RuntimeError):
+    """A setup problem the user can fix; printed without a traceback."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+
+def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path]:
+    """(model folder, train parquet, val parquet); random weights for 7b/32b, the tiny model for --tiny."""
+    from verl_qerl.testing.data import write_arith_parquet
+
+    work.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        from verl_qerl.testing.tiny import make_tiny_model
+
+        model = work / "tiny-model"
+        if not (model / "config.json").is_file():
+            make_tiny_model(model)
+    elif args.model in SHAPES:
+        model = write_random_checkpoint(work / f"{args.model}-bf16", SHAPES[args.model], "bf16", seed=args.seed)
+    else:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise StepBenchError(f"--model {args.model}: not one of {sorted(SHAPES)} and no config.json there")
+    n_train = args.batch * (args.steps + 1)
+    train, val = write_arith_parquet(work / "data", n_train=n_train, n_val=max(args.batch, 8), seed=args.seed)
+    return model.resolve(), train.resolve(), val.resolve()
+
+
+def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model: Path, train: Path,
+                       val: Path) -> list[str]:
+    """The hydra overrides of one run (same for every variant except ``+qerl=``)."""
+    ov = [
+        f"+qerl={VARIANTS[variant]}", "algorithm.adv_estimator=grpo",
+        f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={args.batch}",
+        f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
+        "data.dataloader_num_workers=0", f"data.seed={args.seed}", "data.shuffle=False",
+        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={args.lora_rank}",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={args.gradient_checkpointing}",
+        "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
+        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.tp}",
+        f"actor_rollout_ref.rollout.max_model_len={args.prompt_length + args.response_length + 8}",
+        f"actor_rollout_ref.rollout.seed={args.seed}", f"actor_rollout_ref.actor.fsdp_config.seed={args.seed}",
+        f"actor_rollout_ref.actor.data_loader_seed={args.seed}",
+        "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        f"trainer.n_gpus_per_node={gpus}", "trainer.nnodes=1", f"trainer.total_training_steps={args.steps}",
+        "trainer.logger=[console,file]", "trainer.val_before_train=False", "trainer.save_freq=-1",
+        "trainer.test_freq=-1", "trainer.project_name=qerl-grpo-step",
+        f"trainer.experiment_name={variant}-{gpus}gpu",
+    ]
+    if VARIANTS[variant] == "nvfp4":  # the AQN variant: the fewest stages AQN allows (needs >= 3 steps)
+        ov.append("qerl.aqn.num_stages=3")
+    if args.reward:
+        ov += [f"reward.custom_reward_function.path={Path(args.reward).resolve()}",
+               "reward.custom_reward_function.name=compute_score"]
+    if args.tiny:  # the CPU platform of examples/tiny/grpo.sh
+        ov += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+               "actor_rollout_ref.model.use_remove_padding=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+               "actor_rollout_ref.rollout.free_cache_engine=False", "actor_rollout_ref.rollout.enforce_eager=True",
+               "ray_kwargs.ray_init.num_cpus=32", f"+ray_kwargs.ray_init.num_gpus={gpus}", "trainer.device=cpu"]
+    elif not _has_flash_attn():
+        ov += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+               "actor_rollout_ref.model.use_remove_padding=False"]
+    if args.enforce_eager and not args.tiny:
+        ov.append("actor_rollout_ref.rollout.enforce_eager=True")
+    return ov + list(args.extra)
+
+
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# One run
+# ------------------------------------------------------------------------------------------------
+
+
+class GpuMemorySampler:
+    """Peak ``memory.used`` (MiB) per GPU index from ``nvidia-smi``, sampled every ``period`` seconds."""
+
+    def __init__(self, indices: list[int], period: float = 0.5) -> None:
+        self.indices, self.period = indices, period
+        self.peak: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+            except (OSError, subprocess.SubprocessError):
+                return  # no nvidia-smi (CPU): nothing to sample
+            for line in out.strip().splitlines():
+                idx, used = (int(float(x)) for x in line.split(","))
+                if idx in self.indices:
+                    self.peak[idx] = max(self.peak.get(idx, 0.0), float(used))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> GpuMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """verl's file logger: one JSON object per line with ``step`` and ``data``; sorted by step."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            rec = json.loads(line)
+            data = rec.get("data", rec)
+            data.setdefault("training/global_step", rec.get("step"))
+            rows.append(data)
+    return sorted(rows, key=lambda r: r.get("training/global_step") or 0)
+
+
+def summarize_run(steps: list[dict], gpus: int, skip: int = 1) -> dict:
+    """Means over steps after the first ``skip`` (warm-up) of the phase times, tokens/s and curves."""
+    use = steps[skip:] if len(steps) > skip else steps
+
+    def mean(key: str) -> float | None:
+        vals = [s[key] for s in use if isinstance(s.get(key), (int, float))]
+        return statistics.fmean(vals) if vals else None
+
+    out = {f"{p}_s": mean(f"timing_s/{p}") for p in PHASES}
+    tokens = mean("perf/total_num_tokens")
+    out["tokens_per_step"] = tokens
+    out["tokens_per_s"] = tokens / out["step_s"] if tokens and out["step_s"] else None
+    out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / gpus if out["tokens_per_s"] else None
+    out["actor_peak_allocated_gb"] = max((s.get("actor/perf/max_memory_allocated_gb") or 0.0 for s in steps),
+                                         default=None)
+    out["response_length_mean"] = mean("response_length/mean")
+    out["steps_measured"] = len(use)
+    out["curves"] = {k: [s.get(k) for s in steps] for k in
+                     ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "qerl/aqn_sigma",
+                      "timing_s/step")}
+    return out
+
+
+def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int], inputs: tuple[Path, Path, Path],
+            work: Path) -> dict:
+    """Launch one ``main_ppo`` run, wait (bounded), and summarize it."""
+    name = f"{variant}-{gpus}gpu"
+    run_dir = work / "runs" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics, log = run_dir / "metrics.jsonl", run_dir / "main_ppo.log"
+    metrics.unlink(missing_ok=True)
+    model, train, val = inputs
+    ov = main_ppo_overrides(args, variant, gpus, model, train, val)
+    env = dict(os.environ)
+    env.update({"VERL_FILE_LOGGER_PATH": str(metrics), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                # Ray's unix socket paths must stay under 107 bytes: a short folder per run
+                "RAY_TMPDIR": f"/tmp/rq-{os.getpid()}-{name[:12]}"})
+    if args.tiny:
+        env.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
+    print(f"[grpo_step] {name}: GPUs {gpu_ids} -> {log}", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as fh, GpuMemorySampler(gpu_ids) as mem:
+        fh.write("$ " + shlex.join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        finally:
+            _kill_tree(proc)
+    wall = time.perf_counter() - t0
+    steps = read_metrics(metrics)
+    row = {"variant": variant, "qerl": VARIANTS[variant], "gpus": gpus, "gpu_ids": gpu_ids, "rc": rc,
+           "wall_s": wall, "steps_logged": len(steps), "gpu_peak_used_mib": {str(k): v for k, v in mem.peak.items()},
+           "overrides": ov, "log": str(log)}
+    if mem.peak:
+        row["gpu_peak_used_gb_max"] = max(mem.peak.values()) / 1024
+    if steps:
+        row.update(summarize_run(steps, gpus))
+    if rc != 0 or not steps:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        row["error"] = f"rc={rc}, {len(steps)} steps logged"
+        print(f"[grpo_step] {name} FAILED ({row['error']}, {wall:.0f} s); log tail:\n" + "\n".join(tail), flush=True)
+    else:
+        print(f"[grpo_step] {name}: {len(steps)} steps, step {row['step_s']:.2f} s (gen {row['gen_s']:.2f}, "
+              f"old_log_prob {row['old_log_prob_s'] or 0:.2f}, update {row['update_actor_s']:.2f}), "
+              f"{row['tokens_per_s'] or 0:.0f} tok/s, wall {wall:.0f} s", flush=True)
+    return row
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """main_ppo leaves Ray workers and vLLM engines behind on failure: kill its whole session."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparisons and targets
+# ------------------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def compare(rows: list[dict], mode: str) -> tuple[dict, list[dict]]:
+    """Ratios and the ``targets`` entries for ``mode`` ('variants' or 'gpus')."""
+    ok = [r for r in rows if "error" not in r]
+    ratios: dict = {}
+    targets: list[dict] = []
+    if mode == "variants" and len(ok) >= 2:
+        a, b = ok[0], ok[1]
+        tag = f"{a['variant']}/{b['variant']}"
+        for p in PHASES:
+            ratios[f"{p}_time_ratio[{tag}]"] = _ratio(a.get(f"{p}_s"), b.get(f"{p}_s"))
+        targets.append({"name": f"grpo_step_time_ratio[{tag}]", "measured": ratios[f"step_time_ratio[{tag}]"],
+                        "op": "<=", "target": STEP_RATIO_TARGET})
+    if mode == "gpus" and len(ok) >= 2:
+        one, many = ok[0], ok[1]
+        n = many["gpus"]
+        ratios["throughput_ratio"] = _ratio(many.get("tokens_per_s"), one.get("tokens_per_s"))
+        ratios["scaling_efficiency"] = ratios["throughput_ratio"] / n if ratios["throughput_ratio"] else None
+        for p in PHASES:
+            ratios[f"{p}_time_ratio[{n}gpu/1gpu]"] = _ratio(many.get(f"{p}_s"), one.get(f"{p}_s"))
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy"):
+            x, y = one["curves"][key], many["curves"][key]
+            pairs = [(u, v) for u, v in zip(x, y, strict=False) if u is not None and v is not None]
+            ratios[f"max_abs_diff[{key}]"] = max((abs(u - v) for u, v in pairs), default=None)
+        targets.append({"name": f"throughput_{n}gpu_over_1gpu", "measured": ratios["throughput_ratio"], "op": ">=",
+                        "target": SCALING_TARGET})
+    return ratios, targets
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| run | steps | step s | gen s | old_log_prob s | update_actor s | update_weights s | tok/s | "
+            "tok/s/GPU | GPU peak GB | actor peak GB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']}-{r['gpus']}gpu | failed: {r['error']} |" + " |" * 9)
+            continue
+
+        def f(key: str, fmt: str = "{:.2f}", r: dict = r) -> str:
+            v = r.get(key)
+            return fmt.format(v) if isinstance(v, (int, float)) else "-"
+        lines.append(f"| {r['variant']}-{r['gpus']}gpu | {r['steps_measured']} | {f('step_s')} | {f('gen_s')} | "
+                     f"{f('old_log_prob_s')} | {f('update_actor_s')} | {f('update_weights_s')} | "
+                     f"{f('tokens_per_s', '{:.0f}')} | {f('tokens_per_s_per_gpu', '{:.0f}')} | "
+                     f"{f('gpu_peak_used_gb_max', '{:.1f}')} | {f('actor_peak_allocated_gb', '{:.1f}')} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="7b", help="7b | 32b (random weights) | a local HF checkpoint folder")
+    p.add_argument("--variants", default="qerl,lora", help=f"comma list of {','.join(VARIANTS)} (first = numerator)")
+    p.add_argument("--compare", choices=("variants", "gpus"), default="variants")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs of the multi-GPU run (--compare gpus)")
+    p.add_argument("--concurrent", action="store_true", help="run the variants at once, one GPU each")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is dropped from means)")
+    p.add_argument("--batch", type=int, default=16, help="prompts per step (data.train_batch_size)")
+    p.add_argument("--n", type=int, default=8, help="responses per prompt")
+    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--response-length", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size (1 = one replica per GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--gradient-checkpointing", default="True")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (faster start)")
+    p.add_argument("--reward", default=None, help="a reward .py with compute_score (default: verl's GSM8K scorer)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, verl-qerl's CPU platform")
+    p.add_argument("--work-dir", default="/tmp/qerl-grpo-step")
+    p.add_argument("--out", default=None, help="results folder (default $OUT or benchmarks/results)")
+    p.add_argument("--tag", default=None, help="results file name suffix (default: model and compare mode)")
+    p.add_argument("extra", nargs="*", help="more hydra overrides for every run")
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    if args.batch * args.n % args.micro_batch:
+        p.error(f"--batch {args.batch} x --n {args.n} must be a multiple of --micro-batch {args.micro_batch}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    variants = args.variants.split(",")
+    work = Path(args.work_dir)
+    out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        inputs = build_inputs(args, work)
+    except StepBenchError as exc:
+        print(f"[grpo_step] error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
+    if args.compare == "gpus":
+        plan = [(variants[0], 1, [0]), (variants[0], args.gpus, list(range(args.gpus)))]
+    else:
+        plan = [(v, 1, [i if args.concurrent else 0]) for i, v in enumerate(variants)]
+    if args.compare == "variants" and args.concurrent:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(plan)) as pool:
+            rows = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
+    else:
+        rows = [run_one(args, *job, inputs, work) for job in plan]
+    ratios, targets = compare(rows, args.compare)
+    device = "cpu (tiny smoke test)" if args.tiny else device_name()
+    result = {
+        "benchmark": "grpo_step", "compare": args.compare, "device": device, "versions": versions(),
+        "command": "python " + " ".join([str(Path(sys.argv[0]))] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "model": "tiny" if args.tiny else args.model, "settings": {k: v for k, v in vars(args).items() if k != "extra"},
+        "rows": rows, "ratios": ratios, "targets": targets,
+    }
+    model_tag = "tiny" if args.tiny else (args.model if args.model in SHAPES else Path(args.model).name)
+    tag = args.tag or f"{model_tag}-{args.compare}"
+    dev = device.lower().replace(" ", "-").split("(")[0].strip("-")
+    path = out / f"grpo_step-{tag}-{dev}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    print(table(rows))
+    for k, v in ratios.items():
+        print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
+    for t in targets:
+        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']}")
+    print(f"[grpo_step] wrote {path} ({time.perf_counter() - t0:.0f} s)")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
