@@ -73,6 +73,12 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
         model = Path(args.model)
         if not (model / "config.json").is_file():
             raise StepBenchError(f"--model {args.model}: not one of {sorted(SHAPES)} and no config.json there")
+    if args.data:
+        train, val = Path(args.data) / "train.parquet", Path(args.data) / "test.parquet"
+        for f in (train, val):
+            if not f.is_file():
+                raise StepBenchError(f"--data {args.data}: {f.name} missing (needs train.parquet, test.parquet)")
+        return model.resolve(), train.resolve(), val.resolve()
     n_train = args.batch * (args.steps + 1)
     train, val = write_arith_parquet(work / "data", n_train=n_train, n_val=max(args.batch, 8), seed=args.seed)
     return model.resolve(), train.resolve(), val.resolve()
@@ -352,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--gradient-checkpointing", default="True")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (faster start)")
+    p.add_argument("--data", default=None, help="folder with train.parquet/test.parquet (default: generated "
+                   "GSM8K-format problems, verl_qerl.testing.data)")
     p.add_argument("--reward", default=None, help="a reward .py with compute_score (default: verl's GSM8K scorer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
