@@ -53,14 +53,15 @@ class Run:
     proc: subprocess.Popen | None = None
     start: float | None = None
     end: float | None = None
-    status: str = "pending"  # pending | running | ok | failed | timeout | deadline | not_started
+    status: str = "pending"  # pending | running | ok | failed | timeout | deadline | signal | killed | not_started
     rc: int | None = None
     extra: dict = field(default_factory=dict)
 
 
 def aqn_stages(steps: int) -> int:
-    """AQN stages for a run of ``steps``: the paper's 10 when there are >= 30 steps, else ~3 steps per stage."""
-    return max(2, min(10, steps // 3))
+    """AQN stages for a run of ``steps``: the paper's 10 from 30 steps on, else ~3 steps per stage (>= 3: stage 0
+    is noise-free and the decay needs two more)."""
+    return max(3, min(10, steps // 3))
 
 
 def visible_gpus(python: str) -> list[int]:
@@ -233,36 +234,40 @@ def run_processes(run: Run) -> set[int]:
     return pids
 
 
-def kill_run(run: Run, grace_s: float = 5.0) -> None:
-    """SIGTERM the run's whole tree (and its process group), then SIGKILL what is left after ``grace_s``."""
-    pids = run_processes(run)
-    if run.proc is not None:
-        try:
-            os.killpg(run.proc.pid, signal.SIGTERM)
-        except OSError:
-            pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
+def kill_runs(runs: list[Run], grace_s: float = 5.0) -> None:
+    """SIGTERM the runs' whole trees (and process groups) at once, then SIGKILL what is left after ``grace_s``."""
+    trees = {id(r): run_processes(r) for r in runs}
+    for r in runs:
+        if r.proc is not None:
+            try:
+                os.killpg(r.proc.pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for pid in trees[id(r)]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
     t = time.time()
     while time.time() - t < grace_s:
-        if run.proc is not None:
-            run.proc.poll()
-        if not any(_alive(p) for p in pids):
+        for r in runs:
+            if r.proc is not None:
+                r.proc.poll()
+        if not any(_alive(p) for pids in trees.values() for p in pids):
             break
         time.sleep(0.5)
-    for pid in pids | run_processes(run):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    if run.proc is not None:
-        try:
-            run.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    for r in runs:
+        for pid in trees[id(r)] | run_processes(r):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for r in runs:
+        if r.proc is not None:
+            try:
+                r.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _alive(pid: int) -> bool:
@@ -314,12 +319,17 @@ def launch(runs: list[Run], args: argparse.Namespace) -> int:
                     r.rc, r.end = rc, time.time()
                     r.status = "ok" if rc == 0 else "failed"
                     print(f"[arms] {r.name}: rc={rc} after {r.end - r.start:.0f} s", flush=True)
-                    kill_run(r, grace_s=2)  # reap Ray daemons / engines the driver left behind
-                elif now - r.start > args.run_timeout or now > deadline or stopping["signal"]:
+                    kill_runs([r], grace_s=2)  # reap Ray daemons / engines the driver left behind
+            doomed = []
+            for r in [r for r in runs if r.status == "running"]:
+                if now - r.start > args.run_timeout or now > deadline or stopping["signal"]:
                     why = "timeout" if now - r.start > args.run_timeout else "deadline"
-                    print(f"[arms] {r.name}: killing ({why if not stopping['signal'] else 'signal'}) after "
-                          f"{now - r.start:.0f} s", flush=True)
-                    kill_run(r)
+                    why = "signal" if stopping["signal"] else why
+                    print(f"[arms] {r.name}: killing ({why}) after {now - r.start:.0f} s", flush=True)
+                    doomed.append((r, why))
+            if doomed:
+                kill_runs([r for r, _ in doomed])
+                for r, why in doomed:
                     r.rc, r.end, r.status = r.proc.returncode, time.time(), why
             running = [r for r in runs if r.status == "running"]
             if stopping["signal"] or now > deadline:
@@ -336,10 +346,11 @@ def launch(runs: list[Run], args: argparse.Namespace) -> int:
                 break
             time.sleep(1.0)
     finally:
-        for r in runs:
-            if r.status == "running":
-                kill_run(r)
-                r.status, r.end = "deadline", time.time()
+        left = [r for r in runs if r.status == "running"]
+        if left:
+            kill_runs(left)
+            for r in left:
+                r.status, r.end = "killed", time.time()
         write_status(runs, out, args)
     print("[arms] " + ", ".join(f"{r.name}={r.status}" for r in runs), flush=True)
     return 0 if all(r.status == "ok" for r in runs) else 1

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The exploration study in one call: generate problems -> SFT warm start (bounded) -> GRPO arms x seeds, all
+# concurrently over the visible GPUs -> summary (table, PNG, results JSON) -> one tarball with what matters.
+# Built for one ~9-minute call on a 2-GPU machine whose outputs come back as at most 8 files from $OUT.
+#
+# usage (repo root):  OUT=/path/out bash examples/exploration/campaign.sh
+#   OUT        output folder (required): exploration.tar.gz, exploration-<device>.{json,md,png}, campaign.log
+#   PYTHON     interpreter (default python3)       SEEDS  seeds per arm (default 3)
+#   STEPS      GRPO steps per run (default 30)      ARMS   default bf16,nvfp4_noaqn,nvfp4
+#   BUDGET_S   total wall seconds (default 540)     SFT_S  SFT training seconds (default 120)
+#   RESERVE_S  seconds kept for summary + packing (default 30)
+#   WORKDIR    scratch (default /tmp/qx; keep it short)   QERL_DEVICE gpu (default) | cpu
+#   PROBLEM_ARGS / SFT_ARGS / ARM_ARGS   extra flags for problems.py / sft.py / run_arms.py
+# Degrades gracefully: runs still going at the deadline are killed (whole process trees) and whatever they
+# logged is summarized; a failed step is reported and the rest still packs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?set OUT to an output folder}
+PY=${PYTHON:-python3}
+SEEDS=${SEEDS:-3}; STEPS=${STEPS:-30}; BUDGET_S=${BUDGET_S:-540}; SFT_S=${SFT_S:-120}; RESERVE_S=${RESERVE_S:-30}
+ARMS=${ARMS:-bf16,nvfp4_noaqn,nvfp4}
+W=${WORKDIR:-/tmp/qx}
+DEVICE=${QERL_DEVICE:-gpu}
+T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
+mkdir -p "$OUT"
+rm -rf "$W" && mkdir -p "$W/logs" "$W/runs"
+CLOG="$OUT/campaign.log"; : > "$CLOG"
+log() { echo "[campaign +$(( $(date +%s) - T0 ))s] $*" | tee -a "$CLOG"; }
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# shellcheck disable=SC2206
+PROBLEM_EXTRA=(${PROBLEM_ARGS:-}); SFT_EXTRA=(${SFT_ARGS:-}); ARM_EXTRA=(${ARM_ARGS:-})
+
+log "OUT=$OUT PY=$PY SEEDS=$SEEDS STEPS=$STEPS ARMS=$ARMS BUDGET_S=$BUDGET_S SFT_S=$SFT_S device=$DEVICE"
+"$PY" - "$W/runs/meta.json" "$BUDGET_S" "$STEPS" "$SEEDS" "$W/model/sft_log.json" <<'PYMETA' >>"$CLOG" 2>&1
+import datetime, json, sys
+sys.path.insert(0, "examples/exploration")
+from summarize import device_slug, versions
+path, budget, steps, seeds, sft_log = sys.argv[1:6]
+meta = {"device": device_slug(), "versions": versions(), "budget_s": int(budget), "steps": int(steps),
+        "seeds": int(seeds), "sft_log": sft_log, "launcher": "examples/exploration/campaign.sh",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+try:
+    import torch
+    meta["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+except Exception as err:  # noqa: BLE001
+    meta["gpus"] = repr(err)
+json.dump(meta, open(path, "w"), indent=1)
+print("meta", meta)
+PYMETA
+
+# 1. problems
+if "$PY" examples/exploration/problems.py --out "$W/data" "${PROBLEM_EXTRA[@]}" >"$W/logs/problems.log" 2>&1; then
+  log "problems: $(tail -1 "$W/logs/problems.log")"
+else
+  log "problems FAILED:"; tail -20 "$W/logs/problems.log" | tee -a "$CLOG"
+fi
+
+# 1b. build the FP4 CUDA kernels once, beside SFT (else the NVFP4 runs would all JIT-build them at their start)
+KPID=
+if [ "$DEVICE" = gpu ]; then
+  "$PY" -c "from verl_qerl.kernels import load_extension, cuda_unavailable_reason as r; ok = load_extension(); \
+print('qerl kernels loaded' if ok else 'qerl kernels NOT loaded: ' + r())" >"$W/logs/kernels.log" 2>&1 &
+  KPID=$!
+fi
+
+# 2. SFT warm start (training stops at SFT_S seconds; the hard limit leaves room for its last eval and save)
+if [ -f "$W/data/sft.jsonl" ]; then
+  timeout $((SFT_S + 120)) "$PY" examples/exploration/sft.py --data "$W/data" --out "$W/model" --force \
+    --time-limit "$SFT_S" "${SFT_EXTRA[@]}" >"$W/logs/sft.log" 2>&1
+  rc=$?
+  log "sft rc=$rc: $(grep '^\[sft\] stopped' "$W/logs/sft.log" | tail -1)"
+  [ $rc -eq 0 ] || tail -30 "$W/logs/sft.log" | tee -a "$CLOG"
+fi
+
+if [ -n "$KPID" ]; then wait "$KPID"; log "kernels: $(tail -1 "$W/logs/kernels.log")"; fi
+
+# 3. GRPO arms x seeds, concurrent, killed at the deadline minus the reserve
+if [ -f "$W/model/config.json" ]; then
+  DEV_FLAG=(--device "$DEVICE")
+  "$PY" examples/exploration/run_arms.py --model "$W/model" --data "$W/data" --out "$W/runs" --arms "$ARMS" \
+    --seeds "$SEEDS" --steps "$STEPS" --python "$PY" --deadline $((DEADLINE - RESERVE_S)) "${DEV_FLAG[@]}" \
+    "${ARM_EXTRA[@]}" >"$W/logs/arms.log" 2>&1
+  rc=$?; log "arms rc=$rc: $(tail -1 "$W/logs/arms.log")"
+  grep -h "rc=\|killing" "$W/logs/arms.log" | tee -a "$CLOG" >/dev/null
+  for d in "$W"/runs/*/; do  # the last lines of each run's log, for diagnosis
+    [ -f "$d/log.txt" ] && tail -c 200000 "$d/log.txt" > "$d/log.tail"
+  done
+else
+  log "no SFT checkpoint: skipping the arms"
+fi
+
+# 4. summary (works on partial logs) and packing
+if ls "$W"/runs/*/metrics.jsonl >/dev/null 2>&1; then
+  "$PY" examples/exploration/summarize.py "$W/runs" --out "$OUT" --sft-log "$W/model/sft_log.json" \
+    --command "OUT=... SEEDS=$SEEDS STEPS=$STEPS BUDGET_S=$BUDGET_S SFT_S=$SFT_S ARMS=$ARMS bash examples/exploration/campaign.sh" \
+    >"$W/logs/summarize.log" 2>&1
+  rc=$?; log "summarize rc=$rc"
+  cat "$W/logs/summarize.log" >>"$CLOG"
+else
+  log "no metrics were logged"
+fi
+cp "$OUT"/exploration-*.{json,md,png} "$W/" 2>/dev/null
+(cd "$W" && tar czf "$OUT/exploration.tar.gz" --ignore-failed-read \
+  logs data/problems.json model/sft_log.json model/config.json runs/meta.json runs/runs.json \
+  runs/*/metrics.jsonl runs/*/log.tail runs/*/command.sh exploration-* 2>/dev/null)
+log "packed $(du -h "$OUT/exploration.tar.gz" | cut -f1) -> $OUT/exploration.tar.gz; total $(( $(date +%s) - T0 )) s"
+cat "$OUT"/exploration-*.md 2>/dev/null
+ls "$OUT"/exploration-*.json >/dev/null 2>&1
