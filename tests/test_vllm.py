@@ -500,20 +500,50 @@ def test_aqn_noise_lands_exactly_and_restores_bit_exactly(engine_a):
 
 
 @pytest.fixture(scope="module")
-def engine_tp2(tiny_bf16) -> dict:
+def tp2_driver(tiny_bf16, tiny_nvfp4, lora_adapter) -> dict:
+    """One multi-process driver, two TP=2 engines: the BF16 checkpoint quantized at load, then the
+    ``qerl-quantize`` NVFP4 checkpoint with LoRA on (a second engine in the same driver is the cheapest
+    extra coverage: ~60-90 s more on the 2-core CI machine)."""
     prompts = _prompt_ids(tiny_bf16)
+    aqn = {"id": "aqn_apply", "kind": "rpc",
+           "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA, "seed": AQN_SEED}}}
     tasks = [{"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
              {"id": "dequant", "kind": "tensors", "args": {"method": "qerl_dequantized_weights"}},
              {"id": "base", "kind": "greedy", "args": {"prompts": prompts}},
-             {"id": "aqn_apply", "kind": "rpc",
-              "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA, "seed": AQN_SEED}}}]
+             aqn]
+    nvfp4_tasks = [
+        *tasks[:2],
+        # the raw NVFP4 parameters each rank loaded (the torch backend keeps the checkpoint layout on CPU)
+        {"id": "packed", "kind": "tensors", "args": {"method": "qerl_named_tensors",
+                                                     "kwargs": {"suffix": "weight_packed"}}},
+        {"id": "scales", "kind": "tensors", "args": {"method": "qerl_named_tensors",
+                                                     "kwargs": {"suffix": "weight_scale"}}},
+        tasks[2],
+        {"id": "lora_dir", "kind": "greedy",
+         "args": {"prompts": prompts, "lora": {"name": "folder", "id": 1, "path": str(lora_adapter["dir"])}}},
+        aqn,
+    ]
     llm = _llm_kwargs(tiny_bf16, tensor_parallel_size=2)
+    llm_nvfp4 = _llm_kwargs(tiny_nvfp4, tensor_parallel_size=2, enable_lora=True, max_lora_rank=LORA_RANK,
+                            max_loras=1)
     # one core per worker (the CPU build otherwise reserves a core for the engine and finds too few)
-    res = run_driver({"engines": [{"name": "TP2", "llm": llm, "tasks": tasks}]}, multiproc=True,
-                     env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    assert "error" not in res["TP2"], res["TP2"].get("error")
+    res = run_driver({"engines": [{"name": "TP2", "llm": llm, "tasks": tasks},
+                                  {"name": "TP2_nvfp4", "llm": llm_nvfp4, "tasks": nvfp4_tasks}]},
+                     multiproc=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
+    for name in ("TP2", "TP2_nvfp4"):
+        assert "error" not in res[name], (name, res[name].get("error"))
     TIMINGS["engine_tp2_driver_s"] = res["_wall_s"]
-    return res["TP2"]
+    return res
+
+
+@pytest.fixture(scope="module")
+def engine_tp2(tp2_driver) -> dict:
+    return tp2_driver["TP2"]
+
+
+@pytest.fixture(scope="module")
+def engine_tp2_nvfp4(tp2_driver) -> dict:
+    return tp2_driver["TP2_nvfp4"]
 
 
 def test_tensor_parallel_shards_are_slices_of_the_whole_quantized_weight(engine_tp2, engine_a, tiny_bf16):
@@ -538,6 +568,75 @@ def test_tensor_parallel_shards_are_slices_of_the_whole_quantized_weight(engine_
     assert diff <= 1e-4, diff
     # AQN: replicated norms get identical noise on every rank
     a, b = engine_tp2["aqn_apply"]
+    assert a["checksum"] == b["checksum"] == engine_a["aqn_apply"][0]["checksum"]
+
+
+def _strip_lora(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n.replace(".base_layer", ""): t for n, t in tensors.items()}
+
+
+def test_tensor_parallel_nvfp4_checkpoint_shards_are_slices_of_the_checkpoint(engine_tp2_nvfp4, tiny_nvfp4):
+    """TP=2 on the ``qerl-quantize`` checkpoint: every rank's packed codes, block scales and dequantized
+    weight are the matching slice of the checkpoint's (rows of q/k/v and gate/up; columns of o/down,
+    whose block scales are cut along K, so K/2 per rank must hold whole 16-element blocks)."""
+    from verl_qerl.nvfp4.checkpoint import CheckpointReader
+
+    reader = CheckpointReader(tiny_nvfp4)
+    q = {m: reader.read_nvfp4(m) for m in reader.nvfp4_modules()}
+    full = {m: w.dequantize(torch.float32) for m, w in q.items()}
+    eng = engine_tp2_nvfp4
+    assert len(eng["dequant"]) == 2 and eng["summary"][0]["pid"] != eng["summary"][1]["pid"]
+    fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+    row_parallel = ("self_attn.o_proj", "mlp.down_proj")
+    u8 = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 - fp8 compared bitwise
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        for r in range(2):
+            deq = eng["dequant"][r]
+            packed, scales = _strip_lora(eng["packed"][r]), _strip_lora(eng["scales"][r])
+            info = eng["summary"][r]["layers"]
+            for leaf, parts in fused.items():  # column parallel: each part's output rows, concatenated
+                name = f"{p}.{leaf}"
+                rows = lambda t, r=r: t.chunk(2, dim=0)[r]  # noqa: E731
+                assert torch.equal(deq[name], torch.cat([rows(full[f"{p}.{m}"]) for m in parts])), (name, r)
+                assert torch.equal(packed[f"{name}.weight_packed"],
+                                   torch.cat([rows(q[f"{p}.{m}"].packed) for m in parts])), (name, r)
+                assert torch.equal(u8(scales[f"{name}.weight_scale"]),
+                                   torch.cat([rows(u8(q[f"{p}.{m}"].scale)) for m in parts])), (name, r)
+                assert info[name]["global_scale"] == [float(q[f"{p}.{parts[0]}"].global_scale)], (name, r)
+            for leaf in row_parallel:  # row parallel: input columns; block scales sliced along K
+                name = f"{p}.{leaf}"
+                w = q[name]
+                k = w.shape[1]
+                assert (k // 2) % 16 == 0, f"{name}: K/2={k // 2} per rank is not whole NVFP4 blocks"
+                cols = lambda t, r=r: t.chunk(2, dim=1)[r]  # noqa: E731
+                assert torch.equal(deq[name], cols(full[name])), (name, r)
+                got_p, got_s = packed[f"{name}.weight_packed"], u8(scales[f"{name}.weight_scale"])
+                assert got_p.shape == (w.shape[0], k // 4) and got_s.shape == (w.shape[0], k // 32), (name, r)
+                assert torch.equal(got_p, cols(w.packed)), (name, r)
+                assert torch.equal(got_s, cols(u8(w.scale))), (name, r)
+                assert info[name]["shape"] == [w.shape[0], k // 2], (name, r)
+
+
+def test_tensor_parallel_nvfp4_checkpoint_with_lora_matches_tp1(engine_tp2_nvfp4, engine_a, tiny_bf16, tiny_nvfp4):
+    """Greedy tokens and logprobs (base and with a LoRA adapter active) and AQN checksums, TP=2 vs TP=1.
+
+    The TP=1 reference is engine A (the BF16 checkpoint quantized at load), which holds the same NVFP4
+    weights as the ``qerl-quantize`` checkpoint (checked here on the dequantized values)."""
+    ref_ckpt, ref_load = _ref_weights_from_reader(tiny_nvfp4), _ref_weights_from_bf16(tiny_bf16)
+    assert sorted(ref_ckpt) == sorted(ref_load)
+    for name, w in ref_ckpt.items():
+        assert torch.equal(w, ref_load[name]), name
+    eng = engine_tp2_nvfp4
+    for key in ("base", "lora_dir"):
+        assert [r["tokens"] for r in eng[key]] == [r["tokens"] for r in engine_a[key]], key
+        diff = _max_diff(eng[key], [r["logprobs"] for r in engine_a[key]])
+        TIMINGS[f"logprob_max_diff_tp2_nvfp4_ckpt_vs_tp1_{key}"] = diff
+        assert diff <= 1e-4, (key, diff)
+    # the adapter is really active under TP=2
+    assert _max_diff(eng["lora_dir"], [r["logprobs"] for r in eng["base"]]) > 1e-2
+    a, b = eng["aqn_apply"]
     assert a["checksum"] == b["checksum"] == engine_a["aqn_apply"][0]["checksum"]
 
 
