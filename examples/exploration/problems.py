@@ -171,7 +171,7 @@ def _verl_row(p: Problem, split: str, index: int) -> dict[str, Any]:
     }
 
 
-def generate(n: int, split: str, seed: int, d: Difficulty = Difficulty(),
+def generate(n: int, split: str, seed: int, difficulty: Difficulty = Difficulty(),
              exclude: set[str] | None = None) -> list[Problem]:
     """``n`` problems from the stream ``(seed, split)``, skipping questions in ``exclude`` and repeats."""
     if n < 0:
@@ -184,7 +184,7 @@ def generate(n: int, split: str, seed: int, d: Difficulty = Difficulty(),
         tries += 1
         if tries > 50 * n + 1000:
             raise RuntimeError(f"could not draw {n} distinct {split} problems; widen the difficulty settings")
-        p = make_problem(rng, d)
+        p = make_problem(rng, difficulty)
         if p.question in seen:
             continue
         seen.add(p.question)
