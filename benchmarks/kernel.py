@@ -7,24 +7,34 @@ For Qwen2.5-7B and -32B decoder-layer GEMMs (qkv, o, gate_up, down) and M in
 * ``nf4``    -- ``bitsandbytes.matmul_4bit`` (QLoRA's NF4, blocksize 64), if bitsandbytes imports;
 * ``ours``   -- ``qerl::nvfp4_gemm`` through its M dispatch (the production path);
 * ``kernel`` / ``dqmm`` -- the two paths forced (fused GEMM; dequantize + cuBLAS), to tune the
-  dispatch threshold.
+  dispatch threshold;
+* ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
+  ``float4_e2m1f`` type), through vLLM's public helpers ``prepare_fp4_layer_for_marlin`` and
+  ``apply_fp4_marlin_linear`` (``vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py``,
+  the calls vLLM's ``MarlinNvFp4LinearKernel`` makes), fed the same NVFP4 weights as ``ours`` and
+  checked against the float64 reference before it is timed. Skipped, with the reason in the JSON
+  (``"marlin": {"skipped": ...}``), where vLLM, its compiled ``_C`` ops or the helpers do not import
+  or the GPU's capability is below Marlin FP4's.
 
 Timing follows shared/bench/anchors.py (rotating ROT weight sets so L2 does not serve the weight,
 CUDA-event medians) in two modes: ``eager`` (events around one call, launch overhead included, as
 the anchors) and ``graph`` (a CUDA graph of ROT calls replayed; per-call time = replay / ROT, which
 is how vLLM runs decode steps). Targets are checked on the graph times; both are printed and saved.
 
-Writes ``benchmarks/results/kernel-<gpu>.json`` (or ``$OUT``) and prints the ratio table last.
+Writes ``benchmarks/results/kernel-<gpu>.json`` (``<gpu>`` from the device name: h100, h200, ...; into
+``--out``/``$OUT`` when that is a folder) and prints the ratio table last.
 
     python benchmarks/kernel.py                 # full run
     python benchmarks/kernel.py --quick         # fewer shapes/iterations (smoke test)
     python benchmarks/kernel.py --sanitize      # tiny correctness run for compute-sanitizer
+    python benchmarks/kernel.py --no-marlin     # without the vLLM Marlin column
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -54,6 +64,14 @@ TARGETS = [  # (M predicate, target ratio vs bf16)
     (lambda m: m == 256, 1.2),
     (lambda m: m >= 1024, 0.95),
 ]
+MARLIN_TARGET = 1.0  # ours per-layer speedup vs vLLM's Marlin FP4, every M (issue 3 stretch)
+MARLIN_TOL = 1e-2  # relative norm error vs the float64 reference, checked before Marlin is timed
+#: ``is_fp4_marlin_supported()``'s threshold in vLLM 0.24 (``has_device_capability(75)``); checked here
+#: first so an old GPU is skipped before vLLM is imported, and vLLM's own check is asked as well.
+MARLIN_MIN_CAPABILITY = (7, 5)
+MARLIN_MODULE = "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4"
+MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_fp4_marlin_supported")
+MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
 
 
 def layer_shapes(c: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -130,6 +148,219 @@ def random_nvfp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return packed, scale, torch.tensor([100.0], device=DEV)
 
 
+def _one_line(ex: BaseException, limit: int = 240) -> str:
+    msg = " ".join(str(ex).split())
+    return f"{type(ex).__name__}: {msg}"[:limit]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _has_c_op(name: str) -> bool:
+    try:
+        return hasattr(torch.ops._C, name)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def load_marlin(capability: tuple[int, int] | None, importer=importlib.import_module, has_op=_has_c_op):
+    """vLLM's Marlin FP4 helpers module, or ``(None, one-line reason)`` why the column is skipped.
+
+    ``capability`` is the GPU's (major, minor) or None without a GPU. ``importer`` and ``has_op``
+    are injectable so the skip logic is testable without vLLM or a GPU. Never raises.
+    """
+    if capability is None:
+        return None, "no CUDA GPU"
+    if tuple(capability) < MARLIN_MIN_CAPABILITY:
+        return None, (f"GPU capability {capability[0]}.{capability[1]} is below Marlin FP4's "
+                      f"{MARLIN_MIN_CAPABILITY[0]}.{MARLIN_MIN_CAPABILITY[1]}")
+    try:
+        importer("vllm")
+    except Exception as ex:  # noqa: BLE001 -- any failure means "no vLLM here", not a crash
+        return None, f"vllm does not import: {_one_line(ex)}"
+    try:
+        importer("vllm._custom_ops")  # imports vllm._C_stable_libtorch, which registers torch.ops._C
+    except Exception as ex:  # noqa: BLE001
+        return None, f"vllm._custom_ops does not import: {_one_line(ex)}"
+    missing = [op for op in MARLIN_OPS if not has_op(op)]
+    if missing:
+        return None, f"vLLM's compiled ops lack torch.ops._C.{', '.join(missing)} (no vllm._C_stable_libtorch?)"
+    try:
+        mod = importer(MARLIN_MODULE)
+    except Exception as ex:  # noqa: BLE001
+        return None, f"{MARLIN_MODULE} does not import: {_one_line(ex)}"
+    missing = [f for f in MARLIN_FUNCS if not callable(getattr(mod, f, None))]
+    if missing:
+        return None, f"{MARLIN_MODULE} lacks {', '.join(missing)}"
+    try:
+        ok = bool(mod.is_fp4_marlin_supported())
+    except Exception as ex:  # noqa: BLE001
+        return None, f"is_fp4_marlin_supported() failed: {_one_line(ex)}"
+    if not ok:
+        return None, f"vLLM's is_fp4_marlin_supported() is False on capability {capability[0]}.{capability[1]}"
+    return mod, None
+
+
+def marlin_meta() -> tuple[str, dict]:
+    """(vLLM version, what the Marlin column calls) for the JSON; only after :func:`load_marlin` succeeded."""
+    try:
+        import vllm
+        from vllm.scalar_type import scalar_types
+
+        version, type_id = vllm.__version__, scalar_types.float4_e2m1f.id
+    except Exception as ex:  # noqa: BLE001 -- metadata only
+        version, type_id = f"unknown ({_one_line(ex)})", None
+    return version, {
+        "source": f"vllm {version} {MARLIN_MODULE}: prepare_fp4_layer_for_marlin(layer) once per weight set, "
+                  "apply_fp4_marlin_linear(...) per call (-> torch.ops._C.gptq_marlin_repack, torch.ops._C.marlin_gemm "
+                  "with scalar_types.float4_e2m1f)",
+        "float4_e2m1f_id": type_id,
+        "VLLM_MARLIN_USE_ATOMIC_ADD": os.environ.get("VLLM_MARLIN_USE_ATOMIC_ADD", "unset"),
+        "check": f"every weight set and M: relative norm error vs x @ dequantize_f64(W).T <= {MARLIN_TOL}, else the "
+                 "shape is not timed",
+    }
+
+
+def marlin_layer(mod, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor, n: int, k: int):
+    """One NVFP4 weight (our compressed-tensors tensors) through vLLM's own Marlin preparation.
+
+    The layer carries what vLLM's compressed-tensors NVFP4 W4A16 scheme hands to
+    ``MarlinNvFp4LinearKernel.process_weights_after_loading``: ``weight`` packed E2M1 uint8 [N, K/2],
+    ``weight_scale`` E4M3 [N, K/16] and ``weight_global_scale`` as a *multiplier* (the scheme stores
+    ``1 / weight_global_scale``; our global scale is compressed-tensors' divisor).
+    """
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
+    gmul = 1.0 / gs.to(torch.float32).reshape(-1).max()
+    layer.weight_global_scale = torch.nn.Parameter(gmul, requires_grad=False)
+    layer.output_size_per_partition = n
+    layer.input_size_per_partition = k
+    layer.params_dtype = torch.bfloat16
+    mod.prepare_fp4_layer_for_marlin(layer)
+    return layer
+
+
+def marlin_apply(mod, layer, n: int, k: int):
+    """``x -> apply_fp4_marlin_linear(...)`` with the arguments ``MarlinNvFp4LinearKernel.apply_weights`` passes."""
+    return lambda x: mod.apply_fp4_marlin_linear(
+        input=x, weight=layer.weight, weight_scale=layer.weight_scale,
+        weight_global_scale=layer.weight_global_scale, workspace=layer.workspace, size_n=n, size_k=k)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius-norm error of ``out`` vs the float64 ``ref`` (inf for a shape mismatch or NaN)."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return float("inf")
+    err = float((out.to(torch.float64) - ref).norm() / ref.norm())
+    return err if err == err else float("inf")
+
+
+def check_against_f64(apply_fns, q4, xs: dict[int, torch.Tensor]) -> float:
+    """Largest relative error of ``apply_fns[r](x)`` vs ``x @ W_r.T`` in float64, over every weight set r
+    (the exact dequantized weight, ``reference.dequantize_f64``) and every activation in ``xs``."""
+    worst = 0.0
+    for fn, (packed, scale, gs) in zip(apply_fns, q4, strict=True):
+        w64 = reference.dequantize_f64(packed, scale, gs)
+        for x in xs.values():
+            worst = max(worst, rel_err(fn(x), x.to(torch.float64) @ w64.T))
+        del w64
+    return worst
+
+
+def sum_layers(recs: list[dict], nlayers: int) -> dict[int, dict[str, float]]:
+    """Per M, the sum over the layer's GEMMs of every ``*_ms`` value; a key some GEMM lacks is dropped
+    (a sum with a missing layer would mislead)."""
+    sums: dict[int, dict[str, float]] = {}
+    counts: dict[int, dict[str, int]] = {}
+    for rec in recs:
+        m = rec["M"]
+        for key, v in rec.items():
+            if key.endswith("_ms") and v is not None:
+                sums.setdefault(m, {})[key] = sums.setdefault(m, {}).get(key, 0.0) + v
+                counts.setdefault(m, {})[key] = counts.setdefault(m, {}).get(key, 0) + 1
+    return {m: {k: round(v, 5) for k, v in d.items() if counts[m][k] == nlayers} for m, d in sums.items()}
+
+
+def add_marlin_ratio(row: dict) -> dict:
+    """``row["ours/marlin"]`` = marlin_graph_ms / ours_graph_ms (ours' speedup over vLLM's Marlin, CUDA-graph
+    timing; > 1 means ours is faster), where both are present."""
+    if row.get("marlin_graph_ms") and row.get("ours_graph_ms"):
+        row["ours/marlin"] = round(row["marlin_graph_ms"] / row["ours_graph_ms"], 3)
+    return row
+
+
+def build_targets(rows: list[dict]) -> list[dict]:
+    """Targets on the per-layer ("sum") rows: speedup vs BF16 cuBLAS per M band, and (where the Marlin
+    column was measured) speedup vs vLLM's Marlin FP4 at every M."""
+    targets = []
+    for r in rows:
+        if r["layer"] != "sum" or not r.get("ours_graph_ms"):
+            continue
+        for pred, tgt in TARGETS:
+            if pred(r["M"]) and r.get("bf16_graph_ms"):
+                targets.append({
+                    "name": f"{r['model']} M={r['M']} per-layer speedup vs BF16 cuBLAS (CUDA graph timing)",
+                    "measured": round(r["bf16_graph_ms"] / r["ours_graph_ms"], 3), "op": ">=", "target": tgt,
+                })
+    for r in rows:
+        if r["layer"] == "sum" and r.get("ours/marlin") is not None:
+            targets.append({
+                "name": f"{r['model']} M={r['M']} per-layer speedup vs vLLM Marlin FP4 (CUDA graph timing)",
+                "measured": r["ours/marlin"], "op": ">=", "target": MARLIN_TARGET,
+            })
+    return targets
+
+
+def device_tag(name: str | None) -> str:
+    """Short GPU tag for the result file name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'."""
+    words = (name or "").lower().replace("nvidia", " ").split()
+    tag = "".join(c for c in (words[0] if words else "") if c.isalnum() or c in "-_")
+    return tag or "gpu"
+
+
+def result_path(out_arg: str | None, env_out: str | None, device_name: str | None, default_dir: Path) -> Path:
+    """``--out`` (else ``$OUT``, else ``default_dir``); a folder (or a suffix-less path) gets
+    ``kernel-<gpu>.json`` so runs on different GPUs write different files."""
+    path = Path(out_arg) if out_arg else Path(env_out) if env_out else default_dir
+    if path.is_dir() or not path.suffix:
+        path = path / f"kernel-{device_tag(device_name)}.json"
+    return path
+
+
+def table_lines(rows: list[dict], device_name: str) -> list[str]:
+    """The printed per-layer table (one line per model and M)."""
+    lines = [
+        f"# {device_name}; per decoder layer (qkv+o+gate_up+down), ms; ratio = bf16 / method (higher is "
+        "better); ours/marlin = marlin / ours (CUDA graph)",
+        f"{'model':12s} {'M':>5s} | {'bf16 g':>8s} {'ours g':>8s} {'x':>5s} | {'bf16 e':>8s} {'ours e':>8s} "
+        f"{'x':>5s} | {'kern g':>8s} {'dqmm g':>8s} {'nf4 g':>8s} {'x nf4':>5s} | {'marlin g':>8s} "
+        f"{'o/mar':>5s} | {'fp4 floor':>9s}",
+    ]
+    for r in rows:
+        if r["layer"] != "sum":
+            continue
+
+        def f(key: str, r=r) -> str:
+            v = r.get(key)
+            return f"{v:8.4f}" if v else f"{'-':>8s}"
+
+        def ratio(a: str, b: str, r=r) -> str:
+            return f"{r[a] / r[b]:5.2f}" if r.get(a) and r.get(b) else f"{'-':>5s}"
+
+        floor = r.get("floor_fp4_ms")
+        lines.append(
+            f"{r['model']:12s} {r['M']:5d} | {f('bf16_graph_ms')} {f('ours_graph_ms')} "
+            f"{ratio('bf16_graph_ms', 'ours_graph_ms')} | {f('bf16_eager_ms')} {f('ours_eager_ms')} "
+            f"{ratio('bf16_eager_ms', 'ours_eager_ms')} | {f('kernel_graph_ms')} {f('dqmm_graph_ms')} "
+            f"{f('nf4_graph_ms')} {ratio('bf16_graph_ms', 'nf4_graph_ms')} | {f('marlin_graph_ms')} "
+            f"{ratio('marlin_graph_ms', 'ours_graph_ms')} | "
+            + (f"{floor:9.4f}" if floor is not None else f"{'-':>9s}"))
+    return lines
+
+
 def sanitize_run() -> int:
     """Small shapes through every kernel and split path, checked; meant for compute-sanitizer."""
     kernels.load_extension()
@@ -178,7 +409,27 @@ def tune_splits(models: dict, ms: list[int]) -> dict:
     return {"split_penalty": best, "totals_ms": totals}
 
 
-def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods) -> list[dict]:
+def prepare_marlin(mod, q4, n: int, k: int, xs: dict[int, torch.Tensor]) -> tuple[list | None, dict]:
+    """vLLM-Marlin-prepared copies of the ROT weight sets, checked against the float64 reference at every M;
+    ``(apply functions or None, record fields)``. A preparation error or an error above MARLIN_TOL drops
+    the Marlin column for this shape (so a wrong layout cannot produce a speed)."""
+    try:
+        layers = [marlin_layer(mod, p, s, g, n, k) for p, s, g in q4]
+        fns = [marlin_apply(mod, lay, n, k) for lay in layers]
+        err = check_against_f64(fns, q4, xs)
+    except Exception as ex:  # noqa: BLE001
+        _sync()
+        return None, {"marlin_error": _one_line(ex)}
+    _sync()
+    info = {"marlin_rel_err": float(f"{err:.3e}")}
+    if not err <= MARLIN_TOL:
+        info["marlin_error"] = f"relative error {err:.3e} vs float64 reference > {MARLIN_TOL}: not timed"
+        return None, info
+    return fns, info
+
+
+def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods,
+                  marlin_mod=None) -> list[dict]:
     """All methods, eager and graph, for one GEMM shape over ms (weights rotate over ROT sets)."""
     ext = kernels.extension()
     w_bf16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
@@ -186,6 +437,10 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
     rws = [kernels.repack(p, s) for p, s, _ in q4]
     gss = [g for _, _, g in q4]
     nf4 = [bnb_mods[1].quantize_4bit(w, quant_type="nf4", blocksize=64) for w in w_bf16] if bnb_mods else None
+    xs = {m: torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for m in ms}
+    mfns, minfo = prepare_marlin(marlin_mod, q4, n, k, xs) if marlin_mod is not None else (None, {})
+    if minfo:
+        print(f"# marlin {mname} {lname} {n}x{k}: {json.dumps(minfo)}", flush=True)
 
     def ours(mode: int, x: torch.Tensor):  # noqa: ANN202
         return lambda r: torch.ops.qerl.nvfp4_gemm(
@@ -193,7 +448,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
 
     recs = []
     for m in ms:
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        x = xs[m]
         fns = {
             "bf16": lambda r, x=x: F.linear(x, w_bf16[r % ROT]),
             "ours": ours(0, x),
@@ -206,14 +461,17 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(
                 xb, nf4[r % ROT][0].t(), quant_state=nf4[r % ROT][1])
-        rec = {"model": mname, "layer": lname, "N": n, "K": k, "M": m, "splits": int(ext.splits_for(m, n, k))}
+        if mfns is not None:
+            fns["marlin"] = lambda r, x=x: mfns[r % ROT](x)
+        rec = {"model": mname, "layer": lname, "N": n, "K": k, "M": m, "splits": int(ext.splits_for(m, n, k)),
+               **minfo}
         for key, fn in fns.items():
             if key == "kernel" and m > 1024:
                 continue  # the fused kernel is not meant for these sizes (and is slow there)
             rec[f"{key}_eager_ms"] = round(bench_eager(fn, iters), 5)
             g = bench_graph(fn, reps=iters)
             rec[f"{key}_graph_ms"] = round(g, 5) if g is not None else None
-        recs.append(rec)
+        recs.append(add_marlin_ratio(rec))
     return recs
 
 
@@ -300,6 +558,7 @@ def main() -> int:
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--threshold", type=int, default=-1, help="force the dispatch threshold (M)")
+    ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.sass:
@@ -340,6 +599,17 @@ def main() -> int:
         out["versions"]["bitsandbytes"] = f"unavailable: {ex}"
         bnb_mods = None
 
+    if args.no_marlin:
+        marlin_mod, reason = None, "disabled by --no-marlin"
+    else:
+        marlin_mod, reason = load_marlin(tuple(torch.cuda.get_device_capability()))
+    if marlin_mod is None:
+        out["marlin"] = {"skipped": reason}
+        print(f"# vLLM Marlin FP4 column skipped: {reason}", flush=True)
+    else:
+        out["versions"]["vllm"], out["marlin"] = marlin_meta()
+        print(f"# vLLM Marlin FP4 column: {out['marlin']['source']}", flush=True)
+
     if not args.no_tune:
         out["split_tuning"] = tune_splits(MODELS, [1, 16, 64])
     if args.threshold >= 0:
@@ -350,66 +620,41 @@ def main() -> int:
     rows = []
     t0 = time.time()
     for mname, cfg in MODELS.items():
-        per_m = {m: {} for m in ms}
-        counts = {m: {} for m in ms}
+        recs = []
         for lname, n, k in layer_shapes(cfg):
-            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods):
-                rows.append(rec)
+            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods, marlin_mod):
+                recs.append(rec)
                 print(json.dumps(rec), flush=True)
-                for key, v in rec.items():
-                    if key.endswith("_ms") and v is not None:
-                        per_m[rec["M"]][key] = per_m[rec["M"]].get(key, 0.0) + v
-                        counts[rec["M"]][key] = counts[rec["M"]].get(key, 0) + 1
             torch.cuda.empty_cache()
+        rows.extend(recs)
         nweights = sum(n * k for _, n, k in layer_shapes(cfg))
+        sums = sum_layers(recs, len(layer_shapes(cfg)))
         for m in ms:
-            nl = len(layer_shapes(cfg))  # a sum with a missing layer would mislead: drop it
-            lay = {"model": mname, "M": m, "layer": "sum",
-                   **{k: round(v, 5) for k, v in per_m[m].items() if counts[m][k] == nl}}
+            lay = {"model": mname, "M": m, "layer": "sum", **sums.get(m, {})}
             lay["floor_fp4_ms"] = round(nweights * 0.5625 / (bw * 1e12) * 1e3, 5)
             lay["floor_bf16_bytes_ms"] = round(nweights * 2 / (bw * 1e12) * 1e3, 5)
             lay["floor_compute_ms"] = round(2 * m * nweights / (tf * 1e12) * 1e3, 5)
-            rows.append(lay)
+            rows.append(add_marlin_ratio(lay))
     out["rows"] = rows
     out["elapsed_s"] = round(time.time() - t0, 1)
+    if marlin_mod is not None:
+        errs = [r["marlin_rel_err"] for r in rows if "marlin_rel_err" in r]
+        failed = sorted({f"{r['model']} {r['layer']}: {r['marlin_error']}" for r in rows if "marlin_error" in r})
+        out["marlin"]["max_rel_err"] = max(errs) if errs else None
+        if failed:
+            out["marlin"]["failed"] = failed
+            print("# marlin column dropped for:", *failed, sep="\n#   ", flush=True)
 
-    targets = []
-    for r in rows:
-        if r["layer"] != "sum":
-            continue
-        for pred, tgt in TARGETS:
-            if pred(r["M"]) and r.get("ours_graph_ms"):
-                targets.append({
-                    "name": f"{r['model']} M={r['M']} per-layer speedup vs BF16 cuBLAS (CUDA graph timing)",
-                    "measured": round(r["bf16_graph_ms"] / r["ours_graph_ms"], 3), "op": ">=", "target": tgt,
-                })
+    targets = build_targets(rows)
     out["targets"] = targets
 
-    dev_tag = name.lower().replace("nvidia", "").strip().split()[0] if name else "gpu"
-    path = Path(args.out) if args.out else Path(os.environ.get("OUT", Path(__file__).parent / "results"))
-    path = path / f"kernel-{dev_tag}.json" if path.is_dir() or not path.suffix else path
+    path = result_path(args.out, os.environ.get("OUT"), name, Path(__file__).parent / "results")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"# wrote {path}")
 
-    print(f"\n# {name}; per decoder layer (qkv+o+gate_up+down), ms; ratio = bf16 / method (higher is better)")
-    print(f"{'model':12s} {'M':>5s} | {'bf16 g':>8s} {'ours g':>8s} {'x':>5s} | {'bf16 e':>8s} {'ours e':>8s} "
-          f"{'x':>5s} | {'kern g':>8s} {'dqmm g':>8s} {'nf4 g':>8s} {'x nf4':>5s} | {'fp4 floor':>9s}")
-    for r in rows:
-        if r["layer"] != "sum":
-            continue
-
-        def f(key: str, r=r) -> str:
-            v = r.get(key)
-            return f"{v:8.4f}" if v else f"{'-':>8s}"
-
-        def ratio(a: str, b: str, r=r) -> str:
-            return f"{r[a] / r[b]:5.2f}" if r.get(a) and r.get(b) else f"{'-':>5s}"
-
-        print(f"{r['model']:12s} {r['M']:5d} | {f('bf16_graph_ms')} {f('ours_graph_ms')} "
-              f"{ratio('bf16_graph_ms', 'ours_graph_ms')} | {f('bf16_eager_ms')} {f('ours_eager_ms')} "
-              f"{ratio('bf16_eager_ms', 'ours_eager_ms')} | {f('kernel_graph_ms')} {f('dqmm_graph_ms')} "
-              f"{f('nf4_graph_ms')} {ratio('bf16_graph_ms', 'nf4_graph_ms')} | {r['floor_fp4_ms']:9.4f}")
+    print()
+    print("\n".join(table_lines(rows, name)))
     rec_thr = {}
     for mname in MODELS:
         faster = [r["M"] for r in rows if r["layer"] == "sum" and r["model"] == mname

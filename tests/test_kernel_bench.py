@@ -1,0 +1,235 @@
+"""benchmarks/kernel.py's pure pieces on CPU: the vLLM Marlin column's skip logic, its correctness gate,
+per-layer sums, ratios, targets, the result file name and the printed table."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verl_qerl.nvfp4 import dequantize
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "kernel.py"
+
+
+@pytest.fixture(scope="module")
+def kb():
+    spec = importlib.util.spec_from_file_location("kernel_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class FakeMarlin(types.SimpleNamespace):
+    """Stands in for vllm's marlin_utils_fp4 with the same call contract (weight, scale, multiplier in;
+    ``layer.weight`` / ``weight_scale`` / ``weight_global_scale`` / ``workspace`` out)."""
+
+    def __init__(self, swap_nibbles: bool = False, supported: bool = True, fail: bool = False):
+        super().__init__(swap_nibbles=swap_nibbles, supported=supported, fail=fail, prepared=[])
+
+    def is_fp4_marlin_supported(self) -> bool:
+        return self.supported
+
+    def prepare_fp4_layer_for_marlin(self, layer) -> None:
+        n, k = layer.output_size_per_partition, layer.input_size_per_partition
+        assert layer.weight.dtype == torch.uint8 and tuple(layer.weight.shape) == (n, k // 2)
+        assert layer.weight_scale.dtype == torch.float8_e4m3fn and tuple(layer.weight_scale.shape) == (n, k // 16)
+        assert layer.weight_global_scale.dtype == torch.float32 and layer.weight_global_scale.numel() == 1
+        assert layer.params_dtype == torch.bfloat16
+        if self.fail:
+            raise RuntimeError("marlin repack failed\nsecond line")
+        packed = layer.weight.data
+        if self.swap_nibbles:  # a wrong layout: must be caught by the check, never timed
+            packed = (packed >> 4) | (packed << 4)
+        divisor = 1.0 / layer.weight_global_scale.data.reshape(1)
+        w = dequantize(packed, layer.weight_scale.data, divisor, torch.bfloat16)
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        layer.workspace = torch.zeros(4, dtype=torch.int32)
+        self.prepared.append((n, k))
+
+    def apply_fp4_marlin_linear(self, input, weight, weight_scale, weight_global_scale, workspace, size_n, size_k,
+                                bias=None):
+        assert weight.shape == (size_n, size_k) and workspace is not None
+        return F.linear(input, weight)
+
+
+def _q4(n: int, k: int, sets: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(sets):
+        packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        scale = (torch.rand(n, k // 16, generator=g) * 2 + 0.5).to(torch.float8_e4m3fn)
+        out.append((packed, scale, torch.tensor([100.0])))
+    return out
+
+
+# --- skip logic -------------------------------------------------------------------------------------
+
+def _importer(fail: dict[str, BaseException] | None = None, module=None):
+    fail = fail or {}
+
+    def imp(name: str):
+        if name in fail:
+            raise fail[name]
+        return module if name.endswith("marlin_utils_fp4") else types.SimpleNamespace(__version__="0.24.0")
+    return imp
+
+
+def test_load_marlin_skips_without_gpu_or_old_gpu(kb):
+    assert kb.load_marlin(None, importer=_importer(), has_op=lambda n: True) == (None, "no CUDA GPU")
+    mod, reason = kb.load_marlin((7, 0), importer=_importer(), has_op=lambda n: True)
+    assert mod is None and "7.0" in reason and "7.5" in reason
+
+
+@pytest.mark.parametrize("failing", ["vllm", "vllm._custom_ops", "vllm.model_executor.layers.quantization.utils."
+                                                                    "marlin_utils_fp4"])
+@pytest.mark.parametrize("exc", [ImportError("No module named 'vllm'\nmore"), OSError("libcudart.so.13: cannot"),
+                                 RuntimeError("boom")])
+def test_load_marlin_import_failures_are_one_line_reasons(kb, failing, exc):
+    mod, reason = kb.load_marlin((9, 0), importer=_importer({failing: exc}, FakeMarlin()), has_op=lambda n: True)
+    assert mod is None
+    assert "\n" not in reason and failing in reason and type(exc).__name__ in reason
+
+
+def test_load_marlin_missing_ops_functions_or_support(kb):
+    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=FakeMarlin()), has_op=lambda n: n != "marlin_gemm")
+    assert mod is None and "marlin_gemm" in reason and "gptq_marlin_repack" not in reason
+    partial = types.SimpleNamespace(prepare_fp4_layer_for_marlin=lambda layer: None)
+    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=partial), has_op=lambda n: True)
+    assert mod is None and "apply_fp4_marlin_linear" in reason
+    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=FakeMarlin(supported=False)),
+                                 has_op=lambda n: True)
+    assert mod is None and "is_fp4_marlin_supported" in reason
+
+
+def test_load_marlin_ok(kb):
+    fake = FakeMarlin()
+    assert kb.load_marlin((9, 0), importer=_importer(module=fake), has_op=lambda n: True) == (fake, None)
+
+
+def test_load_marlin_real_environment_never_raises(kb):
+    """Whatever vLLM is (or is not) installed here, the answer is a module or a one-line reason."""
+    mod, reason = kb.load_marlin((9, 0))
+    assert (mod is None) != (reason is None)
+    if reason is not None:
+        assert "\n" not in reason
+
+
+# --- correctness gate ------------------------------------------------------------------------------
+
+def test_marlin_layer_passes_global_scale_as_multiplier(kb):
+    fake = FakeMarlin()
+    (packed, scale, gs), = _q4(32, 64, sets=1)
+    layer = kb.marlin_layer(fake, packed, scale, gs, 32, 64)
+    assert fake.prepared == [(32, 64)]
+    assert float(layer.weight_global_scale) == pytest.approx(0.01)
+    assert torch.equal(packed, _q4(32, 64, sets=1)[0][0])  # the caller's weight is not modified
+
+
+def test_prepare_marlin_correct_layout_is_timed(kb):
+    q4 = _q4(64, 256)
+    xs = {m: torch.randn(m, 256).to(torch.bfloat16) for m in (1, 5, 16)}
+    fns, info = kb.prepare_marlin(FakeMarlin(), q4, 64, 256, xs)
+    assert fns is not None and len(fns) == len(q4)
+    assert "marlin_error" not in info and 0 < info["marlin_rel_err"] <= kb.MARLIN_TOL
+    assert fns[1](xs[5]).shape == (5, 64)
+
+
+def test_prepare_marlin_wrong_layout_is_not_timed(kb):
+    q4 = _q4(64, 256)
+    xs = {m: torch.randn(m, 256).to(torch.bfloat16) for m in (1, 16)}
+    fns, info = kb.prepare_marlin(FakeMarlin(swap_nibbles=True), q4, 64, 256, xs)
+    assert fns is None and info["marlin_rel_err"] > kb.MARLIN_TOL and "not timed" in info["marlin_error"]
+
+
+def test_prepare_marlin_error_is_recorded(kb):
+    fns, info = kb.prepare_marlin(FakeMarlin(fail=True), _q4(64, 256), 64, 256, {1: torch.randn(1, 256)})
+    assert fns is None and "RuntimeError" in info["marlin_error"] and "\n" not in info["marlin_error"]
+
+
+def test_rel_err(kb):
+    ref = torch.ones(2, 3, dtype=torch.float64)
+    assert kb.rel_err(ref.float(), ref) == 0.0
+    assert kb.rel_err(torch.ones(3, 2), ref) == float("inf")
+    assert kb.rel_err(torch.full((2, 3), float("nan")), ref) == float("inf")
+
+
+# --- sums, ratios, targets, table, file name -------------------------------------------------------
+
+def _recs(marlin: bool = True, missing_marlin_layer: bool = False):
+    recs = []
+    for i, lname in enumerate(("qkv", "o", "gate_up", "down")):
+        for m in (1, 256):
+            rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 64, "M": m,
+                   "bf16_graph_ms": 0.04, "ours_graph_ms": 0.02, "bf16_eager_ms": 0.05, "ours_eager_ms": 0.04}
+            if marlin and not (missing_marlin_layer and i == 2):
+                rec["marlin_graph_ms"] = 0.025 if m == 1 else 0.015
+            recs.append(rec)
+    return recs
+
+
+def test_sum_layers_and_ratio(kb):
+    sums = kb.sum_layers(_recs(), 4)
+    assert sums[1]["bf16_graph_ms"] == pytest.approx(0.16) and sums[1]["marlin_graph_ms"] == pytest.approx(0.1)
+    row = kb.add_marlin_ratio({"model": "m", "M": 1, "layer": "sum", **sums[1]})
+    assert row["ours/marlin"] == pytest.approx(1.25)
+    sums = kb.sum_layers(_recs(missing_marlin_layer=True), 4)
+    assert "marlin_graph_ms" not in sums[1] and "ours_graph_ms" in sums[1]
+    assert "ours/marlin" not in kb.add_marlin_ratio({"M": 1, **sums[1]})
+
+
+def test_build_targets(kb):
+    rows = _recs()
+    for m, s in kb.sum_layers(_recs(), 4).items():
+        rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
+    targets = kb.build_targets(rows)
+    marlin = [t for t in targets if "vLLM Marlin FP4" in t["name"]]
+    assert [t["name"] for t in marlin] == [
+        "qwen2.5-7b M=1 per-layer speedup vs vLLM Marlin FP4 (CUDA graph timing)",
+        "qwen2.5-7b M=256 per-layer speedup vs vLLM Marlin FP4 (CUDA graph timing)"]
+    assert [t["measured"] for t in marlin] == [1.25, 0.75]
+    assert all(t["op"] == ">=" and t["target"] == 1.0 for t in marlin)
+    bf16 = [t for t in targets if "BF16 cuBLAS" in t["name"]]
+    assert [(t["measured"], t["target"]) for t in bf16] == [(2.0, 4.0), (2.0, 1.2)]
+    # without the Marlin column: only the BF16 targets
+    rows = _recs(marlin=False)
+    for m, s in kb.sum_layers(rows, 4).items():
+        rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
+    assert all("Marlin" not in t["name"] for t in kb.build_targets(rows)) and len(kb.build_targets(rows)) == 2
+
+
+def test_table_lines(kb):
+    rows = []
+    for marlin in (True, False):
+        for m, s in kb.sum_layers(_recs(marlin=marlin), 4).items():
+            rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", "floor_fp4_ms": 0.044,
+                                             **s}))
+    lines = kb.table_lines(rows, "NVIDIA H200")
+    assert "marlin g" in lines[1] and "o/mar" in lines[1]
+    assert len(lines) == 2 + 4
+    assert "  0.1000  1.25 |" in lines[2]  # marlin sum and ours/marlin at M=1
+    assert lines[4].count(" - ") >= 1 and "  0.0440" in lines[4]
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                      ("NVIDIA H200 NVL", "h200"), ("", "gpu"), (None, "gpu"), ("NVIDIA", "gpu")])
+def test_device_tag(kb, name, tag):
+    assert kb.device_tag(name) == tag
+
+
+def test_result_path(kb, tmp_path):
+    assert kb.result_path(str(tmp_path), None, "NVIDIA H200", Path("x")) == tmp_path / "kernel-h200.json"
+    assert kb.result_path(None, str(tmp_path), "NVIDIA H100 80GB HBM3", Path("x")) == tmp_path / "kernel-h100.json"
+    assert kb.result_path(None, None, "NVIDIA H200", tmp_path) == tmp_path / "kernel-h200.json"
+    f = tmp_path / "mine.json"
+    assert kb.result_path(str(f), str(tmp_path / "other"), "NVIDIA H200", Path("x")) == f
+
+
+def test_marlin_meta_never_raises(kb):
+    version, meta = kb.marlin_meta()
+    assert isinstance(version, str) and "marlin_gemm" in meta["source"] and str(kb.MARLIN_TOL) in meta["check"]
