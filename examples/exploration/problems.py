@@ -192,7 +192,7 @@ def generate(n: int, split: str, seed: int, difficulty: Difficulty = Difficulty(
     return out
 
 
-def write_splits(out_dir: str | Path, *, n_sft: int = 50000, n_train: int = 4096, n_dev: int = 256,
+def write_splits(out_dir: str | Path, *, n_sft: int = 100000, n_train: int = 4096, n_dev: int = 256,
                  n_test: int = 256, seed: int = 0, difficulty: Difficulty = Difficulty()) -> dict[str, Path]:
     """Write all splits under ``out_dir`` (see the module docstring); returns their paths."""
     import pandas as pd
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n-sft", type=int, default=50000)
+    ap.add_argument("--n-sft", type=int, default=100000)
     ap.add_argument("--n-train", type=int, default=4096, help="RL training prompts")
     ap.add_argument("--n-dev", type=int, default=256, help="SFT stopping set")
     ap.add_argument("--n-test", type=int, default=256, help="held-out RL validation set")

@@ -175,6 +175,9 @@ def plan(args: argparse.Namespace) -> list[Run]:
             "VERL_FILE_LOGGER_PATH": str(run_dir / "metrics.jsonl"),
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
             "VERL_QERL_QUIET": "1", "PYTHONUNBUFFERED": "1",
+            # Ray prestarts ~one idle worker per CPU for the first driver: x9 clusters that is hundreds of
+            # processes competing with the runs' start-up; workers start on demand instead
+            "RAY_prestart_worker_first_driver": "0",
         }
         if args.device == "cpu":
             env.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VLLM_CPU_KVCACHE_SPACE="1")
@@ -400,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
     ap.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache per run (GPU; 0: profile instead)")
     ap.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")
-    ap.add_argument("--ray-num-cpus", type=int, default=8, help="Ray logical CPUs per run on GPU (0: detect)")
+    ap.add_argument("--ray-num-cpus", type=int, default=0, help="Ray logical CPUs per run on GPU (0: detect)")
     ap.add_argument("--object-store-mb", type=int, default=1024, help="Ray object store per run")
     ap.add_argument("--ray-tmp-root", default="/tmp/qxr", help="short folder for the runs' RAY_TMPDIRs")
     ap.add_argument("--max-parallel", type=int, default=64, help="runs at once")
