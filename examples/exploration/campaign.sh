@@ -55,11 +55,21 @@ else
   log "problems FAILED:"; tail -20 "$W/logs/problems.log" | tee -a "$CLOG"
 fi
 
-# 1b. build the FP4 CUDA kernels once, beside SFT (else the NVFP4 runs would all JIT-build them at their start)
+# 1b. beside SFT: byte-compile the staged packages (installed --no-compile, so every process of every run would
+# compile them at import) and build the FP4 CUDA kernels once (else each NVFP4 run JIT-builds them at its start)
 KPID=
 if [ "$DEVICE" = gpu ]; then
-  "$PY" -c "from verl_qerl.kernels import load_extension, cuda_unavailable_reason as r; ok = load_extension(); \
-print('qerl kernels loaded' if ok else 'qerl kernels NOT loaded: ' + r())" >"$W/logs/kernels.log" 2>&1 &
+  (
+    SITE=$("$PY" -c "import os, vllm; print(os.path.dirname(os.path.dirname(vllm.__file__)))" 2>/dev/null)
+    t=$(date +%s)
+    if [ -n "$SITE" ] && [ -w "$SITE" ]; then
+      (timeout 120 "$PY" -m compileall -q -j 12 "$SITE" >/dev/null 2>&1; echo "compiled $SITE in $(( $(date +%s) - t )) s") &
+    fi
+    timeout 150 "$PY" -c "from verl_qerl.kernels import load_extension, cuda_unavailable_reason as r; ok = load_extension(); \
+print('qerl kernels loaded' if ok else 'qerl kernels NOT loaded: ' + r())"
+    echo "kernels after $(( $(date +%s) - t )) s"
+    wait
+  ) >"$W/logs/warmup.log" 2>&1 &
   KPID=$!
 fi
 
@@ -72,7 +82,7 @@ if [ -f "$W/data/sft.jsonl" ]; then
   [ $rc -eq 0 ] || tail -30 "$W/logs/sft.log" | tee -a "$CLOG"
 fi
 
-if [ -n "$KPID" ]; then wait "$KPID"; log "kernels: $(tail -1 "$W/logs/kernels.log")"; fi
+if [ -n "$KPID" ]; then wait "$KPID"; log "warm-up: $(tr '\n' ';' < "$W/logs/warmup.log" | tail -c 300)"; fi
 
 # 3. GRPO arms x seeds, concurrent, killed at the deadline minus the reserve
 if [ -f "$W/model/config.json" ]; then
