@@ -45,6 +45,7 @@ METRICS = {
     "response_length": "response_length/mean",
     "step_time": "timing_s/step",
     "gen_time": "timing_s/gen",
+    "test_time": "timing_s/testing",
 }
 VAL_PATTERN = re.compile(r"^val-core/openai/gsm8k/(acc|reward)/mean@\d+$")
 RUN_NAME = re.compile(r"^(?P<arm>.+)-s(?P<seed>\d+)$")
@@ -143,6 +144,9 @@ def run_stats(run: dict[str, Any], *, early_k: int, threshold: float | None, smo
                 reached = s
                 break
     stats["steps_to_threshold"] = reached
+    # start-up (Ray, vLLM, FSDP, step-0 validation) ~ wall minus the logged step and validation times
+    busy = sum(v for _, v in c.get("step_time", [])) + sum(v for _, v in c.get("test_time", []))
+    stats["startup_s"] = round(run["wall_s"] - busy, 1) if run.get("wall_s") and busy else None
     # censored runs count as (last step + 1): a lower bound, so a ratio from them is conservative
     stats["steps_to_threshold_censored"] = reached if reached is not None else (last + 1 if last else None)
     val = c.get("val_acc", [])
@@ -156,7 +160,7 @@ def arm_stats(runs: dict[str, dict[str, Any]], arm: str) -> dict[str, Any]:
     members = [r for r in runs.values() if r["arm"] == arm]
     out: dict[str, Any] = {"runs": len(members), "runs_with_steps": sum(1 for r in members if r["stats"]["last_step"])}
     for key in ("early_entropy", "early_rollout_nll", "final_reward", "steps_to_threshold_censored", "acc_step0",
-                "acc_final", "step_time", "last_step"):
+                "acc_final", "step_time", "last_step", "startup_s"):
         vals = [r["stats"][key] for r in members if r["stats"].get(key) is not None]
         out[key] = {"mean": _mean(vals), "std": _std(vals), "n": len(vals)}
     out["reached_threshold"] = sum(1 for r in members if r["stats"]["steps_to_threshold"] is not None)
@@ -333,6 +337,11 @@ def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early
     for t in result["targets"]:
         lines.append(f"- {t['name']}: measured {t['measured']} (target {t['op']} {t['target']})")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    for name, r in sorted(runs.items()):
+        st = r["stats"]
+        print(f"  run {name}: status={r['status']} wall={r['wall_s']} last_step={st['last_step']} "
+              f"acc0={st['acc_step0']} acc_final={st['acc_final']} s/step={st['step_time']} "
+              f"startup_s={st['startup_s']}")
     print(md)
     for t in result["targets"]:
         print(f"  {t['name']}: {t['measured']} ({t['op']} {t['target']})")
