@@ -533,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     n_gpu = gpu_count()
     on_gpu = n_gpu > 0
+    if n_gpu == 1:
+        raise TPError("tensor_parallel_size=2 needs 2 GPUs; nvidia-smi lists 1 (use a 2-GPU machine; --tiny runs "
+                      "on CPU-only machines)")
     if args.tiny:
         from verl_qerl.testing.tiny import TINY_SHAPE
 

@@ -148,7 +148,7 @@ def test_tiny_tp_parity_end_to_end(tmp_path):
     """The whole pipeline on CPU (gloo, 2 vLLM CPU workers), NVFP4 checkpoint quantized from the BF16 one.
 
     One checkpoint kind only (the bf16 kind's TP=2 path is covered by tests/test_vllm.py): 2 engine starts,
-    ~3 min on the 2-core CI machine; both kinds took 6.4 min there.
+    120 s on the 2-core CI machine (both kinds, 4 engines: 6.4 min there with other jobs running).
     """
     pytest.importorskip("vllm")
     out = tmp_path / "out"
