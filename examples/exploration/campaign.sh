@@ -11,6 +11,9 @@
 #   RESERVE_S  seconds kept for summary + packing (default 30)
 #   WORKDIR    scratch (default /tmp/qx; keep it short)   QERL_DEVICE gpu (default) | cpu
 #   PROBLEM_ARGS / SFT_ARGS / ARM_ARGS   extra flags for problems.py / sft.py / run_arms.py
+#   PHASES     comma list of problems,sft,arms,summary (default all). Without `problems` the data and SFT
+#              checkpoint already in WORKDIR are kept and reused: e.g. PHASES=problems,sft in one call (check
+#              the SFT accuracy in $OUT/sft_log.json), then PHASES=arms,summary in the next.
 # Degrades gracefully: runs still going at the deadline are killed (whole process trees) and whatever they
 # logged is summarized; a failed step is reported and the rest still packs.
 set -uo pipefail
@@ -23,7 +26,10 @@ W=${WORKDIR:-/tmp/qx}
 DEVICE=${QERL_DEVICE:-gpu}
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$OUT"
-rm -rf "$W" && mkdir -p "$W/logs" "$W/runs"
+PHASES=${PHASES:-problems,sft,arms,summary}
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+if has problems; then rm -rf "$W"; else rm -rf "$W/runs" "$W/logs"; fi
+mkdir -p "$W/logs" "$W/runs"
 CLOG="$OUT/campaign.log"; : > "$CLOG"
 log() { echo "[campaign +$(( $(date +%s) - T0 ))s] $*" | tee -a "$CLOG"; }
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -49,7 +55,9 @@ print("meta", meta)
 PYMETA
 
 # 1. problems
-if "$PY" examples/exploration/problems.py --out "$W/data" "${PROBLEM_EXTRA[@]}" >"$W/logs/problems.log" 2>&1; then
+if ! has problems; then
+  log "problems: reusing $W/data"
+elif "$PY" examples/exploration/problems.py --out "$W/data" "${PROBLEM_EXTRA[@]}" >"$W/logs/problems.log" 2>&1; then
   log "problems: $(tail -1 "$W/logs/problems.log")"
 else
   log "problems FAILED:"; tail -20 "$W/logs/problems.log" | tee -a "$CLOG"
@@ -74,7 +82,9 @@ print('qerl kernels loaded' if ok else 'qerl kernels NOT loaded: ' + r())"
 fi
 
 # 2. SFT warm start (training stops at SFT_S seconds; the hard limit leaves room for its last eval and save)
-if [ -f "$W/data/sft.jsonl" ]; then
+if ! has sft; then
+  log "sft: reusing $W/model"
+elif [ -f "$W/data/sft.jsonl" ]; then
   timeout $((SFT_S + 120)) "$PY" examples/exploration/sft.py --data "$W/data" --out "$W/model" --force \
     --time-limit "$SFT_S" "${SFT_EXTRA[@]}" >"$W/logs/sft.log" 2>&1
   rc=$?
@@ -84,8 +94,14 @@ fi
 
 if [ -n "$KPID" ]; then wait "$KPID"; log "warm-up: $(tr '\n' ';' < "$W/logs/warmup.log" | tail -c 300)"; fi
 
+if has sft; then
+  cp "$W/model/sft_log.json" "$OUT/" 2>/dev/null; tail -c 20000 "$W/logs/sft.log" > "$OUT/sft.log.tail" 2>/dev/null
+fi
+
 # 3. GRPO arms x seeds, concurrent, killed at the deadline minus the reserve
-if [ -f "$W/model/config.json" ]; then
+if ! has arms; then
+  log "arms: not in PHASES=$PHASES"
+elif [ -f "$W/model/config.json" ]; then
   DEV_FLAG=(--device "$DEVICE")
   "$PY" examples/exploration/run_arms.py --model "$W/model" --data "$W/data" --out "$W/runs" --arms "$ARMS" \
     --seeds "$SEEDS" --steps "$STEPS" --python "$PY" --deadline $((DEADLINE - RESERVE_S)) "${DEV_FLAG[@]}" \
@@ -100,7 +116,9 @@ else
 fi
 
 # 4. summary (works on partial logs) and packing
-if ls "$W"/runs/*/metrics.jsonl >/dev/null 2>&1; then
+if ! has summary; then
+  log "summary: not in PHASES=$PHASES"; exit 0
+elif ls "$W"/runs/*/metrics.jsonl >/dev/null 2>&1; then
   "$PY" examples/exploration/summarize.py "$W/runs" --out "$OUT" --sft-log "$W/model/sft_log.json" \
     --command "OUT=... SEEDS=$SEEDS STEPS=$STEPS BUDGET_S=$BUDGET_S SFT_S=$SFT_S ARMS=$ARMS bash examples/exploration/campaign.sh" \
     >"$W/logs/summarize.log" 2>&1
