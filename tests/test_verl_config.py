@@ -206,3 +206,37 @@ def test_fsdp_engine_hook_makes_nvfp4_layers_with_lora(tiny_bf16):
     plain = SimpleNamespace(model_config=SimpleNamespace(**{**vars(model_config), "lora": {}}))
     dense = FSDPEngine._build_lora_module(plain, AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32))
     assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
+
+
+@pytest.mark.parametrize("group", ["bf16", "nf4"])
+def test_nvfp4_model_path_is_refused_for_modes_that_train_from_bf16(group, tiny_nvfp4):
+    cfg = composed(f"+qerl={group}", f"actor_rollout_ref.model.path={tiny_nvfp4}")
+    with pytest.raises(QeRLConfigError, match=r"actor_rollout_ref.model.path=.* is an NVFP4 checkpoint "
+                                              rf"\(compressed-tensors\), but qerl.mode={group}"):
+        apply_qerl(cfg)
+
+
+def test_nvfp4_model_path_is_the_nvfp4_base(tiny_nvfp4, tiny_bf16):
+    cfg = composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tiny_nvfp4}")
+    qerl = apply_qerl(cfg)
+    assert qerl.quantized_checkpoint is None
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.quantization == "qerl_nvfp4"
+    # naming the same folder again is fine; a second, different source is not
+    path, twin = f"actor_rollout_ref.model.path={tiny_nvfp4}", f"qerl.quantized_checkpoint={tiny_nvfp4}"
+    cfg = composed("+qerl=nvfp4", path, twin)
+    apply_qerl(cfg)
+    cfg = composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={tiny_bf16}")
+    with pytest.raises(QeRLConfigError, match=r"qerl.quantized_checkpoint=.* is already an NVFP4 checkpoint"):
+        apply_qerl(cfg)
+    # a BF16 model.path with its NVFP4 twin (the other way) still passes
+    cfg = composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tiny_bf16}", twin)
+    assert apply_qerl(cfg).quantized_checkpoint == str(tiny_nvfp4)
+
+
+def test_verl_model_config_reads_an_nvfp4_model_path(tiny_nvfp4):
+    """verl's own HFModelConfig on the NVFP4 folder: config (with its quantization_config) and tokenizer load."""
+    from verl.workers.config import HFModelConfig
+
+    mc = HFModelConfig(path=str(tiny_nvfp4))
+    assert mc.hf_config.quantization_config["quant_method"] == "compressed-tensors"
+    assert mc.tokenizer is not None and mc.hf_config.model_type == "qwen2"

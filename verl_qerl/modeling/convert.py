@@ -393,3 +393,42 @@ def load_nvfp4_model(
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     return model
+
+
+def build_nvfp4_model(
+    hf_config,
+    checkpoint: str | os.PathLike | CheckpointReader,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    auto_class=None,
+    meta: bool = False,
+    **from_config_kwargs,
+) -> nn.Module:
+    """Build ``auto_class`` (default ``AutoModelForCausalLM``) from ``hf_config`` with NVFP4Linear layers.
+
+    The model is constructed with its parameters on the meta device and filled from ``checkpoint``
+    (an NVFP4 checkpoint: tensors copied into the buffers; a BF16 one: quantized one fused group at
+    a time), so no dense Linear weight is ever allocated; embeddings, norms, biases and ``ignore``d
+    layers take ``dtype``. A ``quantization_config`` in ``hf_config`` is dropped (on a copy) so that
+    transformers never runs its own quantizer. ``meta=True`` builds meta shells only (parameters
+    and NVFP4 buffers on meta, the NVFP4 layers being those the checkpoint stores): for the ranks
+    that receive their weights by broadcast from rank 0.
+    """
+    import copy
+
+    if auto_class is None:
+        from transformers import AutoModelForCausalLM as auto_class
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    cfg = copy.deepcopy(hf_config)
+    for key in ("quantization_config", "compression_config"):
+        if hasattr(cfg, key):
+            delattr(cfg, key)
+    with params_on_meta():  # buffers (rotary tables) real, in the caller's device context
+        model = auto_class.from_config(cfg, dtype=dtype, **from_config_kwargs)
+    if meta:
+        stored = reader.nvfp4_modules() if reader.format != FORMAT_BF16 else None
+        quantize_model(model, "nvfp4", ignore=ignore, targets=stored, device="meta", dtype=dtype)
+        return model
+    quantize_model(model, "nvfp4", checkpoint=reader, dtype=dtype, ignore=ignore)
+    return model

@@ -4,7 +4,7 @@ Users write one block (``+qerl=nvfp4`` from the shipped hydra group, or ``+qerl.
 
     qerl:
       mode: nvfp4                 # nvfp4 (QeRL) | bf16 (plain LoRA) | nf4 (QLoRA)
-      quantized_checkpoint: null  # an NVFP4 checkpoint of model.path to load the actor from (else quantize)
+      quantized_checkpoint: null  # an NVFP4 twin of a BF16 model.path to build the actor from (else quantize)
       ignore: [lm_head]           # modules kept in BF16
       aqn: {enable, sigma_start, sigma_end, num_stages, schedule, seed, apply_to, ...}
 
@@ -13,6 +13,18 @@ rest of the config (clear errors for combinations that cannot work) and fills in
 the mode needs — only where the user left verl's default, and with an error where they chose
 something incompatible. It then copies the block to ``actor_rollout_ref.model.lora.qerl``, a
 free-form dict that reaches the FSDP engine and the vLLM servers (top-level keys do not).
+
+Where the nvfp4 base weights come from (no BF16 copy of the Linear weights in the first two):
+
+* ``actor_rollout_ref.model.path`` = an NVFP4 checkpoint (compressed-tensors NVFP4A16 from
+  ``qerl-quantize`` or ``benchmarks/rollout.py``'s writer, or ModelOpt NVFP4): the actor is built
+  from its config on the meta device and filled from its tensors, vLLM loads it with
+  ``qerl_nvfp4`` directly. The way to train a model whose BF16 checkpoint does not fit (32B on
+  one 80 GB GPU). ``quantized_checkpoint`` stays null (or names the same folder); modes bf16 and
+  nf4 are refused (there are no BF16 weights to train from).
+* BF16 ``model.path`` + ``quantized_checkpoint`` = its NVFP4 twin: the actor is built from the
+  twin the same way; vLLM reads the BF16 ``model.path`` and quantizes it at load (same numbers).
+* BF16 ``model.path`` alone: verl loads it, the actor quantizes its Linear layers in place.
 """
 
 from __future__ import annotations
@@ -116,6 +128,46 @@ def read_qerl(config: Any) -> QeRLConfig | None:
     return QeRLConfig.from_dict(_plain(block))
 
 
+def checkpoint_format(path: Any) -> str | None:
+    """The weight format of a local checkpoint folder (``unquantized``, ``compressed-tensors``,
+    ``modelopt``), or None when ``path`` is not a local folder with a config.json (a hub id or a
+    remote path: verl copies it later and the actor hook checks it then)."""
+    import json
+    from pathlib import Path
+
+    from ..nvfp4.checkpoint import CheckpointError, detect_format
+
+    if not path:
+        return None
+    folder = Path(str(path)).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        return detect_format(json.loads((folder / "config.json").read_text()), folder)
+    except CheckpointError as err:
+        raise QeRLConfigError(f"actor_rollout_ref.model.path={str(path)!r}: {err}") from err
+
+
+def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
+    """A quantized ``model.path`` works only as the nvfp4 base (there are no BF16 weights in it)."""
+    from pathlib import Path
+
+    path = _get(config, "actor_rollout_ref.model.path")
+    fmt = checkpoint_format(path)
+    if fmt in (None, "unquantized"):
+        return
+    if qerl.mode != "nvfp4":
+        raise QeRLConfigError(
+            f"actor_rollout_ref.model.path={str(path)!r} is an NVFP4 checkpoint ({fmt}), but qerl.mode={qerl.mode} "
+            "trains from BF16 weights, which it does not have: use qerl.mode=nvfp4, or point "
+            "actor_rollout_ref.model.path at the BF16 model")
+    qc = qerl.quantized_checkpoint
+    if qc and Path(str(qc)).expanduser().resolve() != Path(str(path)).expanduser().resolve():
+        raise QeRLConfigError(
+            f"qerl.quantized_checkpoint={qc!r} with actor_rollout_ref.model.path={str(path)!r}, which is already an "
+            "NVFP4 checkpoint: the actor and vLLM both load model.path; leave qerl.quantized_checkpoint null")
+
+
 def _set(config: Any, dotted: str, value: Any, changes: list[str]) -> None:
     from omegaconf import OmegaConf, open_dict
 
@@ -145,6 +197,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
             "qerl.aqn.apply_to=both: not supported by the verl trainer yet (the actor would need each step's noise "
             "in compute_log_prob and update_actor); use apply_to=rollout, the paper's setting"
         )
+    _check_model_path(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
     if rollout != "vllm":
         raise QeRLConfigError(f"actor_rollout_ref.rollout.name={rollout!r}: QeRL rolls out on vLLM; set it to 'vllm'")

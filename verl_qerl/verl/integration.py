@@ -7,12 +7,19 @@
    mode's frozen base (``NVFP4Linear`` for nvfp4, bitsandbytes NF4 for nf4) right before verl calls
    ``get_peft_model``, and lets peft wrap them. This is the one patch verl cannot avoid today
    (``patches/`` has the upstream hook that replaces it).
+4. ``FSDPEngine._build_module`` (training workers): when the actor's weights come from an NVFP4
+   checkpoint (``model.path`` itself, or ``qerl.quantized_checkpoint``), the module is built from
+   the config with its parameters on the meta device and filled from that checkpoint
+   (``NVFP4Linear`` buffers copied, everything else in verl's dtype), instead of verl's
+   ``from_pretrained``: no dense copy of the Linear weights ever exists. Hook 3 then finds the
+   layers already converted and only wraps them in LoRA.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from types import ModuleType
 
 from ._hooks import when_imported
@@ -42,15 +49,94 @@ def _register_trainer(module: ModuleType) -> None:
     register_trainer(module)
 
 
-def convert_for_lora(module, model_config):
-    """Swap the Linear layers of the HF ``module`` for the QeRL mode's frozen base layers, in place."""
+def _qerl_of(model_config):
     from .config import QeRLConfig, _plain
 
     block = (_plain(getattr(model_config, "lora", None)) or {}).get("qerl")
-    qerl = QeRLConfig.from_dict(block) if block else None
+    return QeRLConfig.from_dict(block) if block else None
+
+
+def nvfp4_actor_source(model_config, qerl=None):
+    """The checkpoint folder the nvfp4 actor is built from without a dense copy, or None.
+
+    ``model.path`` when it is an NVFP4 checkpoint (then ``qerl.quantized_checkpoint`` must be unset
+    or the same folder), else ``qerl.quantized_checkpoint`` when set; None otherwise (verl loads
+    ``model.path`` in BF16 and hook 3 quantizes it).
+    """
+    from pathlib import Path
+
+    from .config import QeRLConfigError, checkpoint_format
+
+    qerl = qerl if qerl is not None else _qerl_of(model_config)
+    if qerl is None or qerl.mode != "nvfp4":
+        return None
+    local = getattr(model_config, "local_path", None) or getattr(model_config, "path", None)
+    fmt = checkpoint_format(local)
+    if fmt is not None and fmt != "unquantized":
+        qc = qerl.quantized_checkpoint
+        if qc and Path(qc).resolve() != Path(local).resolve():
+            raise QeRLConfigError(f"actor_rollout_ref.model.path={local!r} is already an NVFP4 checkpoint; "
+                                  f"qerl.quantized_checkpoint={qc!r} would be a second source: leave it null")
+        return str(local)
+    return qerl.quantized_checkpoint
+
+
+def build_nvfp4_actor(auto_class, source, qerl, *, torch_dtype, config, trust_remote_code=False,
+                      pretrained_model_name_or_path=None):
+    """``auto_class.from_pretrained`` for the nvfp4 actor: from ``config`` on meta, filled from ``source``.
+
+    Inside verl's init context: on a rank that builds on the meta device (``init_empty_weights``),
+    meta shells that FSDP fills by broadcast from rank 0; elsewhere the real weights.
+    """
+    import torch
+
+    from ..modeling.convert import build_nvfp4_model
+
+    probe = torch.nn.Module()
+    probe.register_parameter("p", torch.nn.Parameter(torch.empty(1)))
+    on_meta = probe.p.is_meta  # accelerate's init_empty_weights (verl's context on ranks that get a broadcast)
+    model = build_nvfp4_model(config, source, dtype=torch_dtype, ignore=qerl.ignore, auto_class=auto_class,
+                              meta=on_meta, trust_remote_code=trust_remote_code)
+    gen = None if pretrained_model_name_or_path is None else os.path.join(pretrained_model_name_or_path,
+                                                                          "generation_config.json")
+    if gen is not None and os.path.isfile(gen):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path)
+    logger.warning("[verl-qerl] actor: built from the NVFP4 checkpoint %s on %s (dtype %s; no dense Linear "
+                   "weights)", source, "meta (filled by broadcast)" if on_meta else "cpu", torch_dtype)
+    return model
+
+
+class _NVFP4AutoClass:
+    """Stands in for verl's HF auto class during ``_build_module``: ``from_pretrained`` builds the nvfp4 actor."""
+
+    def __init__(self, auto_class, source, qerl) -> None:
+        self._auto_class, self._source, self._qerl = auto_class, source, qerl
+
+    def from_pretrained(self, pretrained_model_name_or_path=None, *args, torch_dtype=None, config=None,
+                        trust_remote_code=False, **kwargs):
+        if args or config is None:
+            raise TypeError("verl-qerl: unexpected from_pretrained call in FSDPEngine._build_module "
+                            f"(args={args}, config={'set' if config is not None else None}); verl changed?")
+        return build_nvfp4_actor(self._auto_class, self._source, self._qerl, torch_dtype=torch_dtype or kwargs.get(
+            "dtype"), config=config, trust_remote_code=trust_remote_code,
+            pretrained_model_name_or_path=pretrained_model_name_or_path)
+
+    def __getattr__(self, name):
+        return getattr(self._auto_class, name)
+
+
+def convert_for_lora(module, model_config):
+    """Swap the Linear layers of the HF ``module`` for the QeRL mode's frozen base layers, in place."""
+    qerl = _qerl_of(model_config)
     if qerl is None or qerl.mode == "bf16":
         return qerl
-    from ..modeling import quantize_model
+    from ..modeling import NVFP4Linear, quantize_model
+
+    if qerl.mode == "nvfp4" and any(isinstance(m, NVFP4Linear) for m in module.modules()):
+        logger.warning("[verl-qerl] actor: Linear layers already NVFP4 (built from the checkpoint); LoRA only")
+        return qerl
 
     quantize_model(module, mode=qerl.mode, ignore=qerl.ignore, checkpoint=qerl.quantized_checkpoint)
     logger.warning("[verl-qerl] actor: Linear layers converted to %s (ignore=%s)", qerl.mode, list(qerl.ignore))
@@ -76,10 +162,36 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
     _build_lora_module._qerl_wrapped = True  # type: ignore[attr-defined]
     engine_cls._build_lora_module = _build_lora_module
 
+    original_build = engine_cls._build_module
+    if getattr(original_build, "_qerl_wrapped", False):
+        return
+
+    @functools.wraps(original_build)
+    def _build_module(self):
+        qerl = _qerl_of(self.model_config)
+        source = nvfp4_actor_source(self.model_config, qerl)
+        if source is None or getattr(self.model_config, "model_type", "language_model") != "language_model":
+            return original_build(self)
+        import verl.utils.model as verl_model
+
+        get_class = verl_model.get_hf_auto_model_class
+
+        def get_hf_auto_model_class(*args, **kwargs):
+            return _NVFP4AutoClass(get_class(*args, **kwargs), source, qerl)
+
+        verl_model.get_hf_auto_model_class = get_hf_auto_model_class  # _build_module imports it at call time
+        try:
+            return original_build(self)
+        finally:
+            verl_model.get_hf_auto_model_class = get_class
+
+    _build_module._qerl_wrapped = True  # type: ignore[attr-defined]
+    engine_cls._build_module = _build_module
+
 
 def install_hooks() -> list[str]:
     """Install the post-import hooks; returns a short description of each."""
     when_imported("verl.utils.config", _patch_validate_config)
     when_imported("verl.trainer.ppo.v1.trainer_sync", _register_trainer)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
-    return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook"]
+    return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook", "FSDP NVFP4 model build"]
