@@ -76,7 +76,12 @@ def _load_rollout():
 
 rb = _load_rollout()
 
-KINDS = ("bf16", "nvfp4")  # checkpoint kinds: BF16 quantized at load, NVFP4 (compressed-tensors) checkpoint
+#: checkpoint kinds: BF16 quantized at load, NVFP4 (compressed-tensors) checkpoint, and the control: stock vLLM
+#: BF16 (no quantization) on the BF16 checkpoint, which measures vLLM's own TP=2 vs TP=1 difference
+KINDS = ("bf16", "nvfp4", "plain")
+CONTROL = "plain"
+#: ours may differ between TP sizes by at most this multiple of the control's difference
+CONTROL_RATIO_TARGET = 1.5
 LOGPROB_TOL = 2e-2  # issue 9: max abs per-token logprob diff, TP=2 vs TP=1
 NEAR_TIE = 2 * LOGPROB_TOL  # a greedy step with a smaller margin may flip under perturbations within LOGPROB_TOL
 TOP_K = 2  # logprobs / prompt_logprobs: the token's own plus the top 2 (the runner-up for margins)
@@ -94,7 +99,7 @@ def log(msg: str) -> None:
 
 
 def label(kind: str) -> str:
-    return f"{kind}-ckpt"
+    return "plain-bf16 (control)" if kind == CONTROL else f"{kind}-ckpt"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,9 +266,12 @@ def make_targets(comparisons: dict, kinds: list[str], missing: dict | None = Non
     missing = missing or {}
     targets = []
     aqn_ok = []
+    control = comparisons.get(CONTROL)
     for kind in kinds:
         lab = label(kind)
         c = comparisons.get(kind)
+        if kind == CONTROL:
+            continue  # the control has no targets of its own; it scales the others (below)
         why = missing.get(kind, "TP=1 or TP=2 engine failed or not run")
         if c is None:
             for name, op, tgt in ((f"tp2_vs_tp1_logprob_max_abs_diff[{lab}]", "<=", LOGPROB_TOL),
@@ -293,6 +301,12 @@ def make_targets(comparisons: dict, kinds: list[str], missing: dict | None = Non
                                "fraction of quantized layers whose TP=2 shards have TP=1's global scale(s) and "
                                "half its N (column parallel) or K (row parallel) on both ranks"))
         aqn_ok.append(c["aqn"]["equal"])
+        if control is not None:
+            ctl = control["logprob"]["completion"]["max"]
+            ratio = c["logprob"]["completion"]["max"] / ctl if ctl else None
+            targets.append(_target(f"tp2_vs_tp1_logprob_max_abs_diff_over_control[{lab}]", ratio, "<=",
+                                   CONTROL_RATIO_TARGET, f"ours / stock vLLM BF16's own TP=2 vs TP=1 max diff "
+                                   f"({ctl:.4g}) on the same prompts, LoRA and TP=1 sequences of each kind"))
     known = [x for x in aqn_ok if x is not None]
     targets.append(_target("aqn_checksum_equal_ranks", (1.0 if all(known) else 0.0) if known else None, ">=", 1,
                            "AQN checksums (clean, noisy, restored) identical on both TP=2 ranks and equal to TP=1's, "
@@ -494,7 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, vLLM CPU workers (gloo)")
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma list of bf16 (quantized at load), nvfp4")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="comma list of bf16 (quantized at load), nvfp4 (checkpoint), plain (stock vLLM BF16 control)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 32; tiny 8)")
@@ -548,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu and not args.tiny:
         dev = f"{n_gpu}x {dev}"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    parallel_tp1 = on_gpu and n_gpu >= 2 and args.parallel_tp1 != "off" and len(args.kinds) == 2
+    parallel_tp1 = on_gpu and n_gpu >= 2 and args.parallel_tp1 != "off" and len(args.kinds) >= 2
     work = Path(args.work_dir or "/tmp/qerl-tp-parity") / model
     logs = work / "logs"
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
@@ -598,8 +613,10 @@ def main(argv: list[str] | None = None) -> int:
         out_file.write_text(json.dumps(result, indent=1))
 
     # -- checkpoints ------------------------------------------------------------------------------
-    folders = {"bf16": work / "bf16", "nvfp4": work / "nvfp4", "lora": work / f"lora-r{rb.LORA_RANK}"}
-    need_bf16 = "bf16" in args.kinds or ("nvfp4" in args.kinds and args.nvfp4_from == "quantize")
+    folders = {"bf16": work / "bf16", "plain": work / "bf16", "nvfp4": work / "nvfp4",
+               "lora": work / f"lora-r{rb.LORA_RANK}"}
+    need_bf16 = ("bf16" in args.kinds or CONTROL in args.kinds
+                 or ("nvfp4" in args.kinds and args.nvfp4_from == "quantize"))
     common = {"kind_of_job": "build", "shape": shape, "seed": args.seed}
     first = []
     if need_bf16:
@@ -628,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- engines ----------------------------------------------------------------------------------
     def engine_job(kind: str, tp: int, score_seqs: list | None) -> dict:
-        llm = dict(model=str(folders[kind]), quantization="qerl_nvfp4", dtype=dtype, tensor_parallel_size=tp,
+        llm = dict(model=str(folders[kind]), quantization=None if kind == CONTROL else "qerl_nvfp4", dtype=dtype,
+                   tensor_parallel_size=tp,
                    seed=args.seed, skip_tokenizer_init=True, enforce_eager=not args.cuda_graphs or not on_gpu,
                    max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(args.prompts, 8),
                    enable_prefix_caching=False, worker_extension_cls=EXTENSION)
@@ -662,8 +680,9 @@ def main(argv: list[str] | None = None) -> int:
             tp1_children.append((kind, ch))
         else:
             record(kind, 1, run_children([ch], args.timeout)[0])
-    if tp1_children:
-        for (kind, _), res in zip(tp1_children, run_children([c for _, c in tp1_children], args.timeout)):
+    for i in range(0, len(tp1_children), max(n_gpu, 1)):  # one TP=1 engine per GPU at a time
+        group = tp1_children[i:i + max(n_gpu, 1)]
+        for (kind, _), res in zip(group, run_children([c for _, c in group], args.timeout)):
             record(kind, 1, res)
     for kind in args.kinds:
         if (kind, 1) not in rows:

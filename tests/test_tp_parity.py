@@ -126,6 +126,23 @@ def test_targets_format_and_missing_kinds(tpp):
     assert any("failed: rc=1" in t["note"] for t in targets if "nvfp4" in t["name"])
 
 
+def test_control_scales_ours_and_has_no_targets_of_its_own(tpp):
+    """The stock-vLLM BF16 control (kind 'plain') turns each kind's TP diff into a ratio to vLLM's own."""
+    def comp(max_diff: float) -> dict:
+        return {"logprob": {"completion": {"max": max_diff}}, "logprob_aqn": {"completion": {"max": max_diff}},
+                "greedy_token_match_fraction": 1.0, "near_tie_free_prefix_fraction": 1.0, "tp1_near_ties": 0,
+                "greedy_tokens": 4, "first_divergence": [4], "argmax_flips_outside_near_ties": 0,
+                "teacher_forced_argmax_flips": 0, "layers": {"fraction": 1.0}, "aqn": {"equal": True}}
+
+    targets = tpp.make_targets({"nvfp4": comp(0.3), "plain": comp(0.25)}, ["nvfp4", "plain"])
+    names = [t["name"] for t in targets]
+    assert not any("control" in n and "over_control" not in n for n in names)  # no own targets for the control
+    ratio = {t["name"]: t for t in targets}["tp2_vs_tp1_logprob_max_abs_diff_over_control[nvfp4-ckpt]"]
+    assert ratio["measured"] == pytest.approx(1.2) and ratio["op"] == "<=" and ratio["target"] == 1.5
+    # without the control's comparison, no ratio target (rather than a wrong one)
+    assert not any("over_control" in t["name"] for t in tpp.make_targets({"nvfp4": comp(0.3)}, ["nvfp4", "plain"]))
+
+
 def _run(args: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
     full = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env)
     full.pop("OUT", None)
