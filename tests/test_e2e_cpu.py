@@ -2,7 +2,11 @@
 
 Three GRPO steps of a tiny Qwen2: the NVFP4 actor + LoRA (FSDP2, gloo), the `qerl_nvfp4` vLLM CPU rollout with
 the adapter synced each step, AQN on the rollout's RMSNorms (stage 0 noise-free, then sigma_start, sigma_end
-with num_stages=3). Takes ~2-4 minutes on the 2-core CI machine.
+with num_stages=3). Takes ~2-4 minutes on the 2-core CI machine, per variant:
+
+* ``bf16_path``: model.path is the BF16 tiny model; the actor quantizes it, vLLM quantizes it at load;
+* ``nvfp4_path``: model.path is its compressed-tensors NVFP4A16 checkpoint (``qerl-quantize``): the actor is built
+  from it with no dense Linear weight and vLLM loads it with ``qerl_nvfp4`` (the "32B on one GPU" route).
 """
 
 from __future__ import annotations
@@ -23,20 +27,35 @@ pytest.importorskip("vllm")
 
 
 @pytest.mark.slow
-def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path):
+@pytest.mark.parametrize("model_path", ["bf16_path", "nvfp4_path"])
+def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path, model_path):
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
+    work = tmp_path / "tiny"
+    extra = []
+    if model_path == "nvfp4_path":
+        from verl_qerl.convert import quantize_checkpoint
+
+        subprocess.run([os.sys.executable, str(REPO / "examples/tiny/prepare.py"), str(work)], cwd=REPO, check=True)
+        quantize_checkpoint(work / "model", work / "model-nvfp4")
+        extra = [f"actor_rollout_ref.model.path={work / 'model-nvfp4'}"]  # the last override wins
     # Ray's unix sockets live under RAY_TMPDIR and must stay below 108 bytes: keep the folder short
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    env = {**os.environ, "WORKDIR": str(tmp_path / "tiny"), "PYTHON": str(Path(os.sys.executable)),
+    env = {**os.environ, "WORKDIR": str(work), "PYTHON": str(Path(os.sys.executable)),
            "RAY_TMPDIR": ray_tmp, "QERL_DEVICE": "cpu", "TIMEOUT": "1200"}
-    res = subprocess.run(["bash", str(REPO / "examples/tiny/grpo.sh"), "nvfp4"], cwd=REPO, env=env,
+    res = subprocess.run(["bash", str(REPO / "examples/tiny/grpo.sh"), "nvfp4", *extra], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1500)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     log = res.stdout + res.stderr
     (tmp_path / "run.log").write_text(log)
     assert res.returncode == 0, log[-6000:]
-    assert "actor: Linear layers converted to nvfp4" in log  # the FSDP engine hook ran in the worker
+    if model_path == "bf16_path":
+        assert "actor: Linear layers converted to nvfp4" in log  # the FSDP engine hook ran in the worker
+    else:
+        # the actor was built from the NVFP4 checkpoint (no BF16 weights exist) and not converted again
+        assert "actor: built from the NVFP4 checkpoint" in log and "model-nvfp4" in log
+        assert "Linear layers already NVFP4" in log and "actor: Linear layers converted" not in log
+        assert f"model='{work / 'model-nvfp4'}'" in log  # vLLM loaded the NVFP4 checkpoint (with qerl_nvfp4)
     assert "qerl_nvfp4" in log  # vLLM was started with our quantization method
     rows = [json.loads(line) for line in (tmp_path / "tiny/metrics-nvfp4.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["data"] for r in rows}
