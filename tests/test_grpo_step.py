@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from verl_qerl.testing.scripts import load_script
 
-
-def _load():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("grpo_step", REPO / "benchmarks" / "grpo_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gs = _load()
+gs = load_script("benchmarks/grpo_step.py", "grpo_step")
 
 
 @pytest.mark.parametrize("variant", sorted(gs.VARIANTS))

@@ -3,7 +3,6 @@ per-layer sums, ratios, targets, the result file name and the printed table."""
 
 from __future__ import annotations
 
-import importlib.util
 import types
 from pathlib import Path
 
@@ -12,17 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from verl_qerl.nvfp4 import dequantize
+from verl_qerl.testing.scripts import load_script
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "benchmarks" / "kernel.py"
 
 
 @pytest.fixture(scope="module")
 def kb():
-    spec = importlib.util.spec_from_file_location("kernel_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/kernel.py", "kernel_bench")
 
 
 class FakeMarlin(types.SimpleNamespace):

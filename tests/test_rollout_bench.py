@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,15 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from verl_qerl.testing.scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "rollout.py"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("rollout_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/rollout.py", "rollout_bench")
 
 
 def test_direct_nvfp4_checkpoint_matches_quantize_checkpoint(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,16 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from verl_qerl.testing.scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "tp_parity.py"
 
 
 @pytest.fixture(scope="module")
 def tpp():
-    spec = importlib.util.spec_from_file_location("tp_parity_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/tp_parity.py", "tp_parity_bench")
 
 
 def _lp(logprob: float, rank: int) -> SimpleNamespace:
