@@ -68,7 +68,10 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
         if not (model / "config.json").is_file():
             make_tiny_model(model)
     elif args.model in SHAPES:
-        model = write_random_checkpoint(work / f"{args.model}-bf16", SHAPES[args.model], "bf16", seed=args.seed)
+        # NVFP4-only comparisons get the NVFP4 checkpoint written directly (the actor and vLLM both read it, no
+        # BF16 copy anywhere: 32B BF16 is 65 GB, over the GPU machine's disk); any BF16/NF4 variant needs BF16
+        fmt = "nvfp4" if all(VARIANTS[v].startswith("nvfp4") for v in args.variants.split(",")) else "bf16"
+        model = write_random_checkpoint(work / f"{args.model}-{fmt}", SHAPES[args.model], fmt, seed=args.seed)
     else:
         model = Path(args.model)
         if not (model / "config.json").is_file():
