@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from results_format import target_status  # benchmarks/: this script's own folder
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
@@ -422,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in ratios.items():
         print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
     for t in targets:
-        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']}")
+        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}")
     print(f"[grpo_step] wrote {path} ({time.perf_counter() - t0:.0f} s)")
     return 0 if all("error" not in r for r in rows) else 1
 

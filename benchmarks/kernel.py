@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from results_format import target_met, target_status  # benchmarks/: this script's own folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -664,10 +665,10 @@ def main() -> int:
     path.write_text(json.dumps(out, indent=1))
     print(f"# fused kernel faster than dequant+cuBLAS up to M = {rec_thr} (dispatch threshold now "
           f"{out['tuning']['gemm_max_m']:.0f})")
-    met = sum(t["measured"] >= t["target"] for t in targets)
+    met = sum(bool(target_met(t)) for t in targets)
     print(f"# targets met: {met}/{len(targets)}")
     for t in targets:
-        print(f"#  {'MET ' if t['measured'] >= t['target'] else 'MISS'} {t['name']}: {t['measured']} >= {t['target']}")
+        print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
     return 0
 
 

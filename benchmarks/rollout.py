@@ -55,6 +55,8 @@ import time
 import zlib
 from pathlib import Path
 
+from results_format import target_status  # benchmarks/: this script's own folder
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 
@@ -696,8 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for t in result["targets"]:
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
-        ok = "" if t["measured"] is None else ("met" if t["measured"] >= t["target"] else "MISSED")
-        print(f"  {t['name']}: {m} {t['op']} {t['target']} {ok}")
+        print(f"  {t['name']}: {m} {t['op']} {t['target']} {target_status(t)}")
     print(f"\nrollout, {dev}, prompt {args.prompt_tokens}, new {args.new_tokens}, "
           f"LoRA {'off' if args.no_lora else f'r{LORA_RANK}'}")
     print(ratio_table(result["rows"], args.models, args.batches), flush=True)

@@ -61,6 +61,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_format import target_status  # benchmarks/: this script's own folder
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 TAG = "[tp_parity]"
@@ -727,8 +729,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\ntargets:")
     for t in result["targets"]:
         m = t["measured"]
-        ok = "-" if m is None else ("met" if (m <= t["target"] if t["op"] == "<=" else m >= t["target"]) else "MISSED")
-        print(f"  {t['name']}: {'-' if m is None else f'{m:.4g}'} {t['op']} {t['target']:.4g} {ok}", flush=True)
+        print(f"  {t['name']}: {'-' if m is None else f'{m:.4g}'} {t['op']} {t['target']:.4g} {target_status(t)}",
+              flush=True)
     return 1 if result["errors"] else 0
 
 

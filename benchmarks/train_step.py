@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_format import target_status  # benchmarks/: this script's own folder
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
@@ -275,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['step_time_s']:7.3f}")
     for t in targets:
         m = t["measured"]
-        ok = m is not None and (m <= t["target"] if t["op"] == "<=" else m >= t["target"])
-        print(f"target {t['name']}: {m if m is None else round(m, 3)} {t['op']} {t['target']} -> "
-              f"{'met' if ok else 'MISSED'}")
+        print(f"target {t['name']}: {m if m is None else round(m, 3)} {t['op']} {t['target']} -> {target_status(t)}")
     print(f"wrote {out}")
     return 0
 
