@@ -73,7 +73,9 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
         # NVFP4-only comparisons get the NVFP4 checkpoint written directly (the actor and vLLM both read it, no
         # BF16 copy anywhere: 32B BF16 is 65 GB, over the GPU machine's disk); any BF16/NF4 variant needs BF16
         fmt = "nvfp4" if all(VARIANTS[v].startswith("nvfp4") for v in args.variants.split(",")) else "bf16"
-        model = write_random_checkpoint(work / f"{args.model}-{fmt}", SHAPES[args.model], fmt, seed=args.seed)
+        # the layout of benchmarks/rollout.py (<dir>/<model>/<fmt>): one random checkpoint serves both scripts
+        model = write_random_checkpoint(Path(args.ckpt_dir) / args.model / fmt, SHAPES[args.model], fmt,
+                                        seed=args.seed)
     else:
         model = Path(args.model)
         if not (model / "config.json").is_file():
@@ -370,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, verl-qerl's CPU platform")
     p.add_argument("--work-dir", default="/tmp/qerl-grpo-step")
+    p.add_argument("--ckpt-dir", default="/tmp/qerl-rollout",
+                   help="random 7b/32b checkpoints, <dir>/<model>/<fmt> (shared with benchmarks/rollout.py)")
     p.add_argument("--out", default=None, help="results folder (default $OUT or benchmarks/results)")
     p.add_argument("--tag", default=None, help="results file name suffix (default: model and compare mode)")
     p.add_argument("extra", nargs="*", help="more hydra overrides for every run")
