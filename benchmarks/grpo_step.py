@@ -14,6 +14,14 @@ JSON with the raw rows and the ``targets`` of the comparison asked for:
 * ``--compare gpus`` (issue 9): the first variant on 1 GPU, then on ``--gpus`` GPUs (FSDP2 over all
   ranks, one vLLM replica per GPU); throughput ratio target >= 1.6 and the reward/loss curves side by side.
 
+``--baseline FILE`` (repeatable) reuses the rows of an earlier results JSON of this script (same settings,
+same device) instead of running them again: a GPU call is limited to 10 minutes, so a comparison of long
+runs is split over calls and the last one writes the JSON with every row and the targets::
+
+    python benchmarks/grpo_step.py --variants lora                           # call 1: the BF16 LoRA run
+    python benchmarks/grpo_step.py --variants qerl,lora \
+        --baseline benchmarks/results/grpo_step-7b-variants-<gpu>.json     # call 2: runs qerl only
+
 Models: ``7b`` / ``32b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
 or the path of a local HF checkpoint. ``--tiny`` is the CPU smoke test (tiny model, verl-qerl's CPU
 platform).
@@ -47,6 +55,10 @@ VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "n
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 STEP_RATIO_TARGET = 0.75  # issue 8: QeRL step time <= 0.75x BF16 LoRA's
 SCALING_TARGET = 1.6      # issue 9: N-GPU throughput >= 1.6x of 1 GPU (N=2)
+#: settings a --baseline must share with this invocation for its rows to be comparable
+BASELINE_SETTINGS = ("model", "batch", "n", "prompt_length", "response_length", "micro_batch", "lora_rank", "lr",
+                     "steps", "seed", "tp", "gpu_memory_utilization", "gradient_checkpointing", "enforce_eager",
+                     "data", "reward", "tiny")
 
 
 class StepBenchError(RuntimeError):
@@ -284,6 +296,31 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def load_baselines(paths: list[str], args: argparse.Namespace, device: str) -> dict[tuple[str, int], dict]:
+    """{(variant, gpus): row} of earlier results JSONs (their rows without "error"), each row marked
+    ``from_baseline``; refused unless measured on ``device`` with this invocation's settings. Why: one remote call
+    is limited to 10 minutes, so a comparison's runs are spread over calls. A later file wins a duplicate row."""
+    found: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
+        if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("settings"), dict)):
+            raise StepBenchError(f"--baseline {path}: not a grpo_step.py results JSON (needs 'rows' and 'settings')")
+        if res.get("device") != device:
+            raise StepBenchError(f"--baseline {path}: measured on {res.get('device')!r}, this run is on {device!r}")
+        mine = vars(args)
+        diff = [f"{k}: {res['settings'].get(k)!r} there, {mine[k]!r} here" for k in BASELINE_SETTINGS
+                if res["settings"].get(k) != mine[k]]
+        if diff:
+            raise StepBenchError(f"--baseline {path}: other settings: " + "; ".join(diff))
+        for row in res["rows"]:
+            if "error" not in row:
+                found[(row["variant"], row["gpus"])] = {**row, "from_baseline": str(path)}
+    return found
+
+
 # ------------------------------------------------------------------------------------------------
 # Comparisons and targets
 # ------------------------------------------------------------------------------------------------
@@ -376,6 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="random 7b/32b checkpoints, <dir>/<model>/<fmt> (shared with benchmarks/rollout.py)")
     p.add_argument("--out", default=None, help="results folder (default $OUT or benchmarks/results)")
     p.add_argument("--tag", default=None, help="results file name suffix (default: model and compare mode)")
+    p.add_argument("--baseline", action="append", default=[], metavar="FILE",
+                   help="an earlier results JSON of this script (same settings and device): its rows are reused, "
+                        "not run again (repeatable)")
     p.add_argument("extra", nargs="*", help="more hydra overrides for every run")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -393,31 +433,38 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    device = "cpu (tiny smoke test)" if args.tiny else device_name()
+    wanted = [(variants[0], 1), (variants[0], args.gpus)] if args.compare == "gpus" else [(v, 1) for v in variants]
     try:
-        inputs = build_inputs(args, work)
+        reused = load_baselines(args.baseline, args, device)
+        todo = [job for job in wanted if job not in reused]
+        inputs = build_inputs(args, work) if todo else None
     except StepBenchError as exc:
         print(f"[grpo_step] error: {exc}", file=sys.stderr)
         return 2
-    print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
-    if args.compare == "gpus":
-        plan = [(variants[0], 1, [0]), (variants[0], args.gpus, list(range(args.gpus)))]
-    else:
-        plan = [(v, 1, [i if args.concurrent else 0]) for i, v in enumerate(variants)]
-    if args.compare == "variants" and args.concurrent:
+    for v, g in wanted:
+        if (v, g) in reused:
+            print(f"[grpo_step] {v}-{g}gpu: from baseline {reused[(v, g)]['from_baseline']}", flush=True)
+    if inputs:
+        print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
+    concurrent = args.compare == "variants" and args.concurrent
+    plan = [(v, g, list(range(g)) if g > 1 else [i if concurrent else 0]) for i, (v, g) in enumerate(todo)]
+    if concurrent and plan:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(len(plan)) as pool:
-            rows = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
+            ran = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
     else:
-        rows = [run_one(args, *job, inputs, work) for job in plan]
+        ran = [run_one(args, *job, inputs, work) for job in plan]
+    done = dict(zip(todo, ran, strict=True))
+    rows = [reused[job] if job in reused else done[job] for job in wanted]  # --variants order: first = numerator
     ratios, targets = compare(rows, args.compare)
-    device = "cpu (tiny smoke test)" if args.tiny else device_name()
     result = {
         "benchmark": "grpo_step", "compare": args.compare, "device": device, "versions": versions(),
         "command": "python " + " ".join([str(Path(sys.argv[0]))] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": "tiny" if args.tiny else args.model, "settings": {k: v for k, v in vars(args).items() if k != "extra"},
-        "rows": rows, "ratios": ratios, "targets": targets,
+        "rows": rows, "ratios": ratios, "targets": targets, "baselines": list(args.baseline),
     }
     model_tag = "tiny" if args.tiny else (args.model if args.model in SHAPES else Path(args.model).name)
     tag = args.tag or f"{model_tag}-{args.compare}"

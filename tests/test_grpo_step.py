@@ -74,3 +74,106 @@ def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         gs.parse_args(["--batch", "3", "--n", "3", "--micro-batch", "4"])
     assert "--micro-batch" in capsys.readouterr().err
+
+
+# --baseline: rows of an earlier results JSON are reused instead of run again (one remote call is 10 minutes)
+
+DEVICE = "NVIDIA H100 80GB HBM3"
+
+
+def _row(variant: str, gpus: int, step_s: float) -> dict:
+    return {"variant": variant, "qerl": gs.VARIANTS[variant], "gpus": gpus, "rc": 0,
+            **gs.summarize_run(_steps(4, step_s, 900), gpus)}
+
+
+def _baseline(tmp_path, argv: list[str], rows: list[dict], device: str = DEVICE, **settings) -> str:
+    args = gs.parse_args(argv)
+    res = {"benchmark": "grpo_step", "device": device, "rows": rows,
+           "settings": {k: v for k, v in vars(args).items() if k != "extra"} | settings}
+    path = tmp_path / f"base-{len(list(tmp_path.glob('base-*')))}.json"
+    path.write_text(json.dumps(res, default=str))
+    return str(path)
+
+
+@pytest.fixture
+def fake_runs(monkeypatch, tmp_path):
+    """main() without main_ppo: run_one records its calls and returns a fake row."""
+    calls: list[tuple] = []
+
+    def run_one(args, variant, gpus, gpu_ids, inputs, work):
+        calls.append((variant, gpus, gpu_ids))
+        return _row(variant, gpus, 3.0 if variant == "qerl" else 4.0)
+
+    monkeypatch.setattr(gs, "run_one", run_one)
+    monkeypatch.setattr(gs, "build_inputs", lambda args, work: (tmp_path / "m", tmp_path / "t", tmp_path / "v"))
+    monkeypatch.setattr(gs, "device_name", lambda: DEVICE)
+    monkeypatch.setattr(gs, "versions", lambda: {})
+    return calls
+
+
+def _main(tmp_path, argv: list[str]) -> tuple[int, dict]:
+    out = tmp_path / "out"
+    rc = gs.main(argv + ["--out", str(out), "--work-dir", str(tmp_path / "work")])
+    files = list(out.glob("grpo_step-*.json"))
+    return rc, (json.loads(files[0].read_text()) if files else {})
+
+
+def test_baseline_rows_are_reused_in_variants_order(fake_runs, tmp_path, capsys):
+    base = _baseline(tmp_path, ["--variants", "lora"], [_row("lora", 1, 4.0)])
+    rc, res = _main(tmp_path, ["--variants", "qerl,lora", "--baseline", base])
+    assert rc == 0 and fake_runs == [("qerl", 1, [0])]  # lora is not run again
+    assert [r["variant"] for r in res["rows"]] == ["qerl", "lora"]  # qerl stays the numerator
+    assert "from_baseline" not in res["rows"][0] and res["rows"][1]["from_baseline"] == base
+    assert res["baselines"] == [base]
+    assert res["targets"][0]["name"] == "grpo_step_time_ratio[qerl/lora]"
+    assert res["targets"][0]["measured"] == pytest.approx(0.75)
+    assert f"[grpo_step] lora-1gpu: from baseline {base}" in capsys.readouterr().out
+
+
+def test_baseline_skips_only_rows_it_holds(fake_runs, tmp_path):
+    # a failed row of the baseline is run again; --concurrent gives the runs left GPUs 0, 1, ...
+    base = _baseline(tmp_path, ["--variants", "qerl,lora,nvfp4"],
+                     [_row("qerl", 1, 3.0), {"variant": "lora", "gpus": 1, "error": "rc=1, 0 steps logged"}])
+    rc, res = _main(tmp_path, ["--variants", "qerl,lora,nvfp4", "--concurrent", "--baseline", base])
+    assert rc == 0 and sorted(fake_runs) == [("lora", 1, [0]), ("nvfp4", 1, [1])]
+    assert [r["variant"] for r in res["rows"]] == ["qerl", "lora", "nvfp4"]
+    assert [bool(r.get("from_baseline")) for r in res["rows"]] == [True, False, False]
+
+
+def test_baseline_for_gpus_comparison(fake_runs, tmp_path):
+    one = _baseline(tmp_path, ["--compare", "gpus"], [_row("qerl", 1, 3.0)])
+    rc, res = _main(tmp_path, ["--compare", "gpus", "--baseline", one])
+    assert rc == 0 and fake_runs == [("qerl", 2, [0, 1])]
+    assert [(r["variant"], r["gpus"]) for r in res["rows"]] == [("qerl", 1), ("qerl", 2)]
+    # both rows from baselines (a later file wins): nothing runs, no inputs are built, targets still computed
+    fake_runs.clear()
+    two = _baseline(tmp_path, ["--compare", "gpus"], [_row("qerl", 2, 2.0)])
+    rc, res = _main(tmp_path, ["--compare", "gpus", "--baseline", one, "--baseline", two])
+    assert rc == 0 and fake_runs == []
+    assert [r["from_baseline"] for r in res["rows"]] == [one, two] and res["baselines"] == [one, two]
+    assert res["targets"][0]["measured"] == pytest.approx(1.5)
+
+
+def test_baseline_with_other_settings_is_refused(fake_runs, tmp_path, capsys):
+    base = _baseline(tmp_path, ["--variants", "lora", "--steps", "6", "--lr", "2e-5"], [_row("lora", 1, 4.0)])
+    rc, _ = _main(tmp_path, ["--baseline", base])
+    err = capsys.readouterr().err
+    assert rc == 2 and fake_runs == []
+    assert base in err and "steps: 6 there, 4 here" in err and "lr: 2e-05 there, 1e-05 here" in err
+    assert "variants" not in err.split(base)[1]  # which variants ran is not a setting of the measurement
+
+
+def test_baseline_from_another_device_is_refused(fake_runs, tmp_path, capsys):
+    base = _baseline(tmp_path, ["--variants", "lora"], [_row("lora", 1, 4.0)], device="NVIDIA H200")
+    rc, _ = _main(tmp_path, ["--baseline", base])
+    err = capsys.readouterr().err
+    assert rc == 2 and fake_runs == []
+    assert "'NVIDIA H200'" in err and repr(DEVICE) in err
+
+
+def test_baseline_that_is_not_a_results_file(fake_runs, tmp_path, capsys):
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    for path in (tmp_path / "missing.json", tmp_path / "other.json"):
+        rc, _ = _main(tmp_path, ["--baseline", str(path)])
+        assert rc == 2 and str(path) in capsys.readouterr().err
+    assert fake_runs == []
