@@ -39,6 +39,18 @@ Output: a ratio table printed last and ``rollout-<gpu>.json`` in ``--out`` (defa
 ``device``, ``versions``, ``command``, ``date``, ``rows`` and ``targets`` (issue 8: qerl_nvfp4/bf16 >= 1.6 at
 B <= 8 for 7B and >= 2.0 for 32B; qerl_nvfp4/nf4 >= 2.5; qerl_nvfp4/ct_marlin >= 1.25; a target whose rows
 are missing has ``measured: null`` and a ``note``). The JSON is rewritten after every backend.
+
+``--merge FILE`` (repeatable) keeps the rows of an earlier ``rollout-<gpu>.json`` (same device, prompt and
+new tokens, LoRA rank and seed; read before this run rewrites its output, which may be that same file): a GPU
+call is limited to 10 minutes, so the models/backends are spread over calls, each merging the one before::
+
+    python3 benchmarks/rollout.py --models 7b --backends bf16,qerl_nvfp4                   # call 1
+    python3 benchmarks/rollout.py --models 7b --backends ct_marlin,nf4 \
+        --merge benchmarks/results/rollout-<gpu>.json   # call 2, with call 1's JSON in the working tree
+
+The (model, backend) pairs measured in this call replace the merged ones (a pair that fails here keeps its
+merged rows; earlier errors are not carried); the targets and the ratio table cover every model and batch
+size of the union, and each kept row names its file in ``merged_from``.
 """
 
 from __future__ import annotations
@@ -75,6 +87,8 @@ SHAPES = {
 BF16_TARGET = {"7b": 1.6, "32b": 2.0, "tiny": 1.6}
 NF4_TARGET = 2.5
 MARLIN_TARGET = 1.25
+#: workload keys a --merge file must share with this run for its rows to be comparable
+MERGE_KEYS = ("prompt_tokens", "new_tokens", "lora_rank", "seed")
 
 LORA_RANK = 32
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -538,6 +552,66 @@ def make_targets(rows: list[dict], models: list[str], batches: list[int], skippe
     return targets
 
 
+def read_previous(paths: list[str], workload: dict, device: str) -> list[tuple[str, dict]]:
+    """(path, result) of each --merge file, refused (BenchError) unless measured on ``device`` with ``workload``'s
+    MERGE_KEYS. Read before the first save: the output file may be one of them."""
+    previous = []
+    for path in paths:
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"--merge {path}: cannot read it ({exc})") from exc
+        if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("workload"), dict)):
+            raise BenchError(f"--merge {path}: not a rollout.py results JSON (needs 'rows' and 'workload')")
+        diff = [f"device {res.get('device')!r} there, {device!r} here"] if res.get("device") != device else []
+        diff += [f"{k} {res['workload'].get(k)!r} there, {workload[k]!r} here" for k in MERGE_KEYS
+                 if res["workload"].get(k) != workload[k]]
+        if diff:
+            raise BenchError(f"--merge {path}: measured otherwise: " + "; ".join(diff))
+        previous.append((str(path), res))
+    return previous
+
+
+def _model_key(model: str) -> tuple[int, str]:
+    order = [*SHAPES, "tiny"]
+    return (order.index(model) if model in order else len(order), model)
+
+
+def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[str], batches: list[int]) -> dict:
+    """``result`` plus the rows, skips and model info of ``previous`` (``read_previous``) for the (model, backend)
+    pairs without rows here (a later file wins a pair; a pair that failed here keeps its old rows), and the
+    targets over the union of models and batches (also set in ``workload``: models in SHAPES order, batches
+    sorted). Why: one GPU call (10 minutes) holds only part of the comparison."""
+    def pair(x: dict) -> tuple[str, str]:
+        return x["model"], x["backend"]
+
+    now = {pair(r) for r in result["rows"]}
+    old: dict[tuple[str, str], list[dict]] = {}
+    skipped: dict[tuple[str, str], str] = {}
+    info: dict = {}
+    all_batches = set(batches)
+    for path, prev in previous:
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for r in prev["rows"]:
+            groups.setdefault(pair(r), []).append({**r, "merged_from": r.get("merged_from", path)})
+        old.update(groups)
+        skipped.update({pair(s): s["reason"] for s in prev.get("skipped", [])})
+        info.update(prev.get("models", {}))
+        all_batches.update(prev["workload"].get("batches") or [])
+    rows = [r for p, rs in old.items() if p not in now for r in rs] + result["rows"]
+    have = {pair(r) for r in rows}
+    skipped.update({pair(s): s["reason"] for s in result["skipped"]})
+    skipped = {p: why for p, why in skipped.items() if p not in have}
+    all_models = sorted({*models, *(m for m, _ in have), *(m for m, _ in skipped), *info}, key=_model_key)
+    batch_list = sorted(all_batches | {r["batch"] for r in rows})
+    rows.sort(key=lambda r: (_model_key(r["model"]), BACKENDS.index(r["backend"]), r["batch"]))
+    return {**result, "workload": {**result["workload"], "models": all_models, "batches": batch_list},
+            "models": {**info, **result["models"]}, "rows": rows,
+            "skipped": [{"model": m, "backend": b, "reason": why} for (m, b), why in skipped.items()],
+            "targets": make_targets(rows, all_models, batch_list, skipped),
+            "merged_from": [path for path, _ in previous]}
+
+
 def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
     idx = {(r["model"], r["backend"], r["batch"]): r for r in rows}
     lines = []
@@ -578,6 +652,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results folder (default $OUT or .)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per subprocess (build or backend)")
+    p.add_argument("--merge", action="append", default=[], metavar="FILE",
+                   help="an earlier rollout JSON (same device and workload): its rows are kept except for the "
+                        "(model, backend) pairs measured now (repeatable; may be this run's own output file)")
     args = p.parse_args(argv)
     t = args.tiny
     args.models = (args.models or ("tiny" if t else "7b,32b")).split(",")
@@ -630,11 +707,16 @@ def main(argv: list[str] | None = None) -> int:
                                                 "VLLM_ATTENTION_BACKEND", "VLLM_CPU_KVCACHE_SPACE")},
         "models": {}, "rows": [], "skipped": [], "errors": [], "targets": [],
     }
+    previous = read_previous(args.merge, result["workload"], dev)  # before save() may overwrite one of them
+    for path, prev in previous:
+        print(f"[rollout] merging {len(prev['rows'])} rows of {path}", flush=True)
     skipped: dict[tuple[str, str], str] = {}
 
-    def save() -> None:
-        result["targets"] = make_targets(result["rows"], args.models, args.batches, skipped)
-        out_file.write_text(json.dumps(result, indent=1))
+    def save() -> dict:
+        result["skipped"] = [{"model": m, "backend": b, "reason": r} for (m, b), r in skipped.items()]
+        final = merge_previous(result, previous, args.models, args.batches)
+        out_file.write_text(json.dumps(final, indent=1))
+        return final
 
     for model in args.models:
         backends = list(args.backends)
@@ -688,20 +770,19 @@ def main(argv: list[str] | None = None) -> int:
                     row["llm_kwargs"] = llm
                 result["rows"].extend(res["rows"])
             save()
-    result["skipped"] = [{"model": m, "backend": b, "reason": r} for (m, b), r in skipped.items()]
-    save()
+    final = save()
     print(f"\n[rollout] wrote {out_file}")
     for err in result["errors"]:
         print(f"[rollout] ERROR {err.get('model')} {err.get('backend', err.get('stage'))}: {err['error']}")
-    for s in result["skipped"]:
+    for s in final["skipped"]:
         print(f"[rollout] skipped {s['model']} {s['backend']}: {s['reason']}")
     print("\ntargets:")
-    for t in result["targets"]:
+    for t in final["targets"]:
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
         print(f"  {t['name']}: {m} {t['op']} {t['target']} {target_status(t)}")
     print(f"\nrollout, {dev}, prompt {args.prompt_tokens}, new {args.new_tokens}, "
           f"LoRA {'off' if args.no_lora else f'r{LORA_RANK}'}")
-    print(ratio_table(result["rows"], args.models, args.batches), flush=True)
+    print(ratio_table(final["rows"], final["workload"]["models"], final["workload"]["batches"]), flush=True)
     return 1 if result["errors"] else 0
 
 

@@ -92,3 +92,97 @@ def test_tiny_rollout_writes_rows_and_targets(tmp_path):
     assert all(t["measured"] is None and t["note"] for t in targets if "/ bf16" not in t["name"])
     tail = proc.stdout.strip().splitlines()
     assert tail[-1].startswith("| tiny | 2 |")  # the ratio table comes last
+
+
+# --merge: rows of an earlier rollout JSON are kept (one GPU call is 10 minutes), re-run pairs replace them
+
+WORKLOAD = {"prompt_tokens": 256, "new_tokens": 1024, "batches": [1, 8], "lora_rank": 32, "seed": 0}
+
+
+def _rows(model: str, backend: str, batches, tok_s: float) -> list[dict]:
+    return [{"model": model, "backend": backend, "batch": b, "tok_s": tok_s * b, "decode_tok_s": tok_s * b,
+             "prefill_tok_s": 1000.0} for b in batches]
+
+
+def _result(rows, skipped=(), models=None, batches=(1, 8), device="NVIDIA H100") -> dict:
+    return {"benchmark": "rollout", "device": device, "workload": {**WORKLOAD, "batches": list(batches)},
+            "models": models or {}, "rows": rows, "skipped": list(skipped), "errors": [], "targets": []}
+
+
+def _write(tmp_path, name: str, res: dict) -> str:
+    (tmp_path / name).write_text(json.dumps(res))
+    return str(tmp_path / name)
+
+
+def test_merge_keeps_old_rows_and_replaces_rerun_pairs(tmp_path):
+    rb = _load_script()
+    old = _result(_rows("7b", "bf16", (1, 8, 64), 100.0) + _rows("7b", "qerl_nvfp4", (1, 8, 64), 120.0),
+                  skipped=[{"model": "32b", "backend": "nf4", "reason": "no BF16 checkpoint"},
+                           {"model": "7b", "backend": "ct_marlin", "reason": "old skip"}],
+                  models={"7b": {"build_s": 1.0}}, batches=(1, 8, 64))
+    path = _write(tmp_path, "rollout-old.json", old)
+    previous = rb.read_previous([path], WORKLOAD, "NVIDIA H100")
+    # now: 7b qerl_nvfp4 re-run (B=1,8 only) and ct_marlin measured; 32b bf16 measured
+    now = _result(_rows("7b", "qerl_nvfp4", (1, 8), 170.0) + _rows("7b", "ct_marlin", (1, 8), 160.0)
+                  + _rows("32b", "bf16", (1, 8), 40.0), models={"32b": {"build_s": 2.0}})
+    final = rb.merge_previous(now, previous, ["32b", "7b"], [8, 1])
+    got = {(r["model"], r["backend"], r["batch"]): r for r in final["rows"]}
+    # the re-run pair replaces all its old rows (its B=64 row too), untouched pairs stay with their file named
+    assert {k for k in got if k[1] == "qerl_nvfp4"} == {("7b", "qerl_nvfp4", 1), ("7b", "qerl_nvfp4", 8)}
+    assert got[("7b", "qerl_nvfp4", 8)]["tok_s"] == 1360.0 and "merged_from" not in got[("7b", "qerl_nvfp4", 8)]
+    assert {k for k in got if k[1] == "bf16" and k[0] == "7b"} == {("7b", "bf16", b) for b in (1, 8, 64)}
+    assert got[("7b", "bf16", 64)]["merged_from"] == path
+    assert [(r["model"], r["backend"], r["batch"]) for r in final["rows"]][:3] == [
+        ("7b", "bf16", 1), ("7b", "bf16", 8), ("7b", "bf16", 64)]  # SHAPES, BACKENDS, batch order
+    # skips: the old 32b nf4 stays, the old 7b ct_marlin goes (measured now)
+    assert final["skipped"] == [{"model": "32b", "backend": "nf4", "reason": "no BF16 checkpoint"}]
+    assert final["models"] == {"7b": {"build_s": 1.0}, "32b": {"build_s": 2.0}}
+    assert final["merged_from"] == [path]
+    assert final["workload"]["models"] == ["7b", "32b"] and final["workload"]["batches"] == [1, 8, 64]
+    # targets over the union: 7b B=1 ratio from the new qerl_nvfp4 row over the merged bf16 row
+    t = {x["name"]: x for x in final["targets"]}
+    assert t["7b B=1: qerl_nvfp4 / bf16 output tok/s (LoRA)"]["measured"] == pytest.approx(1.7)
+    assert t["7b B=8: qerl_nvfp4 / ct_marlin output tok/s (LoRA)"]["measured"] == pytest.approx(170 / 160)
+    assert t["32b B=1: qerl_nvfp4 / nf4 output tok/s (LoRA)"]["note"] == "no BF16 checkpoint"
+    assert t["7b B=64: qerl_nvfp4 / nf4 output tok/s (LoRA)"]["measured"] is None
+    assert len(final["targets"]) == len(rb.make_targets([], ["7b", "32b"], [1, 8, 64], {}))
+    table = rb.ratio_table(final["rows"], final["workload"]["models"], final["workload"]["batches"])
+    assert "| 7b | 64 |" in table and "| 32b | 8 |" in table
+    assert now["rows"] and len(now["rows"]) == 6  # the current result itself is not changed
+
+
+def test_merge_later_file_wins_a_pair_and_nothing_merged_is_a_no_op(tmp_path):
+    rb = _load_script()
+    a = _write(tmp_path, "a.json", _result(_rows("7b", "bf16", (1, 8), 100.0)))
+    b = _write(tmp_path, "b.json", _result(_rows("7b", "bf16", (1,), 90.0)))
+    final = rb.merge_previous(_result([]), rb.read_previous([a, b], WORKLOAD, "NVIDIA H100"), ["7b"], [1, 8])
+    assert [(r["batch"], r["tok_s"], r["merged_from"]) for r in final["rows"]] == [(1, 90.0, b)]
+    now = _result(_rows("7b", "bf16", (1, 8), 100.0) + _rows("7b", "qerl_nvfp4", (1, 8), 150.0))
+    plain = rb.merge_previous(now, [], ["7b"], [1, 8])
+    assert plain["rows"] == now["rows"] and plain["merged_from"] == []
+    assert plain["targets"] == rb.make_targets(now["rows"], ["7b"], [1, 8], {})
+
+
+def test_merge_with_other_workload_or_device_is_refused(tmp_path):
+    rb = _load_script()
+    path = _write(tmp_path, "old.json", _result(_rows("7b", "bf16", (1,), 100.0)))
+    for key, value in (("new_tokens", 512), ("prompt_tokens", 128), ("lora_rank", None), ("seed", 1)):
+        with pytest.raises(rb.BenchError, match=rf"{path}.*{key} .* there, {value!r} here"):
+            rb.read_previous([path], {**WORKLOAD, key: value}, "NVIDIA H100")
+    with pytest.raises(rb.BenchError, match=rf"{path}.*device 'NVIDIA H100' there, 'NVIDIA H200' here"):
+        rb.read_previous([path], WORKLOAD, "NVIDIA H200")
+    assert rb.read_previous([path], {**WORKLOAD, "batches": [64]}, "NVIDIA H100")[0][0] == path  # batches may differ
+    bad = _write(tmp_path, "bad.json", {"rows": []})
+    for p in (bad, str(tmp_path / "missing.json")):
+        with pytest.raises(rb.BenchError, match=p):
+            rb.read_previous([p], WORKLOAD, "NVIDIA H100")
+
+
+def test_merge_error_exits_2_naming_the_file(tmp_path):
+    path = _write(tmp_path, "old.json", _result(_rows("tiny", "bf16", (1,), 100.0), device="cpu"))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--new-tokens", "4", "--merge", path,
+                           "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert path in proc.stderr and "new_tokens 1024 there, 4 here" in proc.stderr
+    assert not list((tmp_path / "out").glob("*.json"))  # refused before anything was written
