@@ -70,6 +70,7 @@ from pathlib import Path
 from results_format import target_status  # benchmarks/: this script's own folder
 
 HERE = Path(__file__).resolve()
+ROW_PREFIX = "[rollout-row] "  # one JSON row per measured batch in a child's log
 REPO = HERE.parent.parent
 
 BACKENDS = ("bf16", "qerl_nvfp4", "ct_marlin", "nf4")
@@ -432,6 +433,8 @@ def bench_backend(job: dict) -> dict:
                 "load_format": kw.get("load_format", "auto"),
             }
             rows.append(row)
+            # machine-readable too: the parent keeps these rows when a later batch times out or crashes
+            print(ROW_PREFIX + json.dumps(row), flush=True)
             print(f"[rollout] {job['model']} {backend:10s} B={b:4d} {row['tok_s']:10.1f} tok/s  prefill "
                   f"{prefill_s * 1e3:8.1f} ms  decode {row['decode_tok_s']:10.1f} tok/s", flush=True)
     finally:
@@ -476,7 +479,9 @@ def run_child(job: dict, work: Path, timeout: float, log_name: str) -> dict:
     tail = "\n".join(text.splitlines()[-40:])
     print(f"[rollout] {log_name} FAILED (rc={rc}, {wall:.0f} s); log tail:\n{tail}", flush=True)
     err = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-    return {"error": f"rc={rc}: " + (err[-1].strip() if err else "see log"), "log": str(log), "wall_s": wall}
+    done = [json.loads(ln[len(ROW_PREFIX):]) for ln in text.splitlines() if ln.startswith(ROW_PREFIX)]
+    return {"error": f"rc={rc}: " + (err[-1].strip() if err else "see log"), "log": str(log), "wall_s": wall,
+            "rows": done}
 
 
 def _child_main(job_file: str, out_file: str) -> int:
@@ -763,12 +768,15 @@ def main(argv: list[str] | None = None) -> int:
                    "lora": None if args.no_lora else build.get("lora")}
             print(f"[rollout] {model} {backend}: starting engine ({ckpt})", flush=True)
             res = run_child(job, work / "logs", args.timeout, f"{model}-{backend}")
+            for row in res.get("rows", []):
+                row["llm_kwargs"] = llm
+                if "error" in res:  # batches measured before the engine died or timed out: kept, marked
+                    row["run_error"] = res["error"]
+            result["rows"].extend(res.get("rows", []))
             if "error" in res:
-                result["errors"].append({"model": model, "backend": backend, "llm": llm, **res})
-            else:
-                for row in res["rows"]:
-                    row["llm_kwargs"] = llm
-                result["rows"].extend(res["rows"])
+                result["errors"].append({"model": model, "backend": backend, "llm": llm,
+                                         **{k: v for k, v in res.items() if k != "rows"},
+                                         "batches_measured": [r["batch"] for r in res.get("rows", [])]})
             save()
     final = save()
     print(f"\n[rollout] wrote {out_file}")

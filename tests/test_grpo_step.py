@@ -177,3 +177,13 @@ def test_baseline_that_is_not_a_results_file(fake_runs, tmp_path, capsys):
         rc, _ = _main(tmp_path, ["--baseline", str(path)])
         assert rc == 2 and str(path) in capsys.readouterr().err
     assert fake_runs == []
+
+
+def test_memory_targets_count_a_run_that_timed_out_after_its_first_step():
+    """Issue 8's 32B claim: a logged step and the nvidia-smi peak, even when step 2 ran into --timeout."""
+    rows = [{"variant": "qerl", "gpus": 1, "steps_logged": 1, "gpu_peak_used_gb_max": 65.1, "error": "rc=timeout"},
+            {"variant": "qerl", "gpus": 1, "steps_logged": 0}]
+    t = gs.memory_targets(rows, 80.0)
+    assert [(x["measured"], x["op"], x["target"]) for x in t] == [(1, ">=", 1), (65.1, "<=", 80.0), (0, ">=", 1),
+                                                                 (None, "<=", 80.0)]
+    assert [gs.target_status(x) for x in t] == ["met", "met", "MISSED", "-"]

@@ -186,3 +186,22 @@ def test_merge_error_exits_2_naming_the_file(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert path in proc.stderr and "new_tokens 1024 there, 4 here" in proc.stderr
     assert not list((tmp_path / "out").glob("*.json"))  # refused before anything was written
+
+
+def test_child_that_dies_keeps_the_batches_it_measured(tmp_path, monkeypatch):
+    """A 32B engine that times out at B=256 must not lose B=1..64 (session 3 lost them once): the parent keeps
+    every row the child logged before dying, and a child that logged none returns no rows."""
+    rb = _load_script()
+    row = {"model": "32b", "backend": "qerl_nvfp4", "batch": 8, "tok_s": 496.9}
+    fake = tmp_path / "fake_child.py"
+    fake.write_text("import json, sys, time\n"
+                    f"print({rb.ROW_PREFIX!r} + json.dumps({row!r}), flush=True)\n"
+                    "print('[rollout] 32b qerl_nvfp4 B=   8 ...', flush=True)\n"
+                    "time.sleep(30) if 'sleep' in open(sys.argv[2]).read() else sys.exit(3)\n")
+    monkeypatch.setattr(rb, "HERE", fake)
+    crashed = rb.run_child({"kind": "bench"}, tmp_path / "a", 60, "crash")
+    assert crashed["error"].startswith("rc=3") and crashed["rows"] == [row]
+    timed_out = rb.run_child({"kind": "bench", "sleep": 1}, tmp_path / "b", 2, "slow")
+    assert timed_out["error"].startswith("rc=timeout") and timed_out["rows"] == [row]
+    fake.write_text("import sys; sys.exit(4)\n")
+    assert rb.run_child({"kind": "bench"}, tmp_path / "c", 60, "none")["rows"] == []
