@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from verl_qerl.testing import procs
+
 HERE = Path(__file__).resolve().parents[1] / "examples" / "exploration"
 sys.path.insert(0, str(HERE))
 
@@ -200,15 +202,21 @@ def test_kill_runs_reaps_detached_children(tmp_path):
     proc = subprocess.Popen(["bash", "-c", "setsid sleep 300 & sleep 300"], env=env, start_new_session=True)
     run = run_arms.Run(name="x", arm="bf16", seed=0, gpu=None, run_dir=tmp_path, cmd=[], env={run_arms.MARKER: marker},
                        proc=proc)
+
+    def tree() -> set[int]:
+        return {proc.pid} | procs.descendants(proc.pid) | procs.marked_processes(run_arms.MARKER, marker)
+
     deadline = time.time() + 10
-    while len(run_arms.run_processes(run)) < 3 and time.time() < deadline:
+    while len(tree()) < 3 and time.time() < deadline:
         time.sleep(0.1)
-    pids = run_arms.run_processes(run)
+    pids = tree()
     assert len(pids) >= 3
     run_arms.kill_runs([run], grace_s=2)
     assert proc.returncode is not None
-    time.sleep(0.2)
-    assert not any(run_arms._alive(p) for p in pids)
+    deadline = time.time() + 5  # the detached sleep is init's child now: a zombie until init reaps it
+    while any(procs.is_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(procs.is_alive(p) for p in pids)
 
 
 def _synthetic_runs(root: Path, steps: int = 9) -> None:

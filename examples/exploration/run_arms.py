@@ -35,6 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # verl_qerl without an install
+
+from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
+
 #: arm name -> the verl-qerl hydra group it selects
 ARMS = {"bf16": "bf16", "nvfp4_noaqn": "nvfp4_noaqn", "nvfp4": "nvfp4"}
 AQN_ARMS = {"nvfp4"}
@@ -190,95 +195,12 @@ def plan(args: argparse.Namespace) -> list[Run]:
 
 # ---- process-tree handling -------------------------------------------------------------------------------------
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
-def _marked(marker_value: str) -> list[int]:
-    needle = f"{MARKER}={marker_value}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def run_processes(run: Run) -> set[int]:
-    """The driver, its descendants, and every process carrying this run's marker variable."""
-    pids: set[int] = set()
-    if run.proc is not None:
-        kids = _children_map()
-        stack = [run.proc.pid]
-        while stack:
-            pid = stack.pop()
-            if pid in pids:
-                continue
-            pids.add(pid)
-            stack += kids.get(pid, [])
-    pids |= set(_marked(run.env[MARKER]))
-    pids.discard(os.getpid())
-    return pids
-
-
 def kill_runs(runs: list[Run], grace_s: float = 5.0) -> None:
-    """SIGTERM the runs' whole trees (and process groups) at once, then SIGKILL what is left after ``grace_s``."""
-    trees = {id(r): run_processes(r) for r in runs}
-    for r in runs:
-        if r.proc is not None:
-            try:
-                os.killpg(r.proc.pid, signal.SIGTERM)
-            except OSError:
-                pass
-        for pid in trees[id(r)]:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-    t = time.time()
-    while time.time() - t < grace_s:
-        for r in runs:
-            if r.proc is not None:
-                r.proc.poll()
-        if not any(_alive(p) for pids in trees.values() for p in pids):
-            break
-        time.sleep(0.5)
-    for r in runs:
-        for pid in trees[id(r)] | run_processes(r):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    for r in runs:
-        if r.proc is not None:
-            try:
-                r.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """SIGTERM the runs' whole trees at once (process groups, descendants, and every process carrying a run's
+    marker variable, since Ray daemons and vLLM engines leave the driver's group and tree), then SIGKILL what is
+    left after ``grace_s``; reaps the drivers."""
+    kill_process_trees([r.proc for r in runs if r.proc is not None], grace_s,
+                       env_markers=[(MARKER, r.env[MARKER]) for r in runs], reap_timeout_s=10)
 
 
 # ---- main loop ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""verl_qerl.testing.procs: killing a child's whole process tree, including what left its session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from verl_qerl.testing import procs
+
+# The child starts a grandchild in a new session (as Ray's daemons do: out of the child's process group),
+# writes its pid, and sleeps.
+_PARENT = """
+import os, subprocess, sys, time
+ignore = sys.argv[2] == "ignore"
+if ignore:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+code = "import signal, time\\n" + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" if ignore else "")
+code += "open(__import__('sys').argv[1], 'w').close()\\ntime.sleep(300)"
+ready = sys.argv[1] + ".g"
+g = subprocess.Popen([sys.executable, "-c", code, ready], start_new_session=True)
+while not os.path.exists(ready):
+    time.sleep(0.02)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(g.pid))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(300)
+"""
+
+
+def _spawn(tmp_path: Path, ignore_term: bool) -> tuple[subprocess.Popen, int]:
+    pid_file = tmp_path / "grandchild.pid"
+    proc = subprocess.Popen([sys.executable, "-c", _PARENT, str(pid_file), "ignore" if ignore_term else "-"],
+                            start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists():
+        assert proc.poll() is None, f"child exited early (rc={proc.returncode})"
+        assert time.monotonic() < deadline, "grandchild pid never written"
+        time.sleep(0.05)
+    return proc, int(pid_file.read_text())
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether ``pid`` is gone or a zombie (its parent died: init reaps it, when it does) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while procs.is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_kills_grandchild_in_its_own_session(tmp_path):
+    proc, grandchild = _spawn(tmp_path, ignore_term=False)
+    try:
+        assert grandchild in procs.descendants(proc.pid)
+        assert os.getsid(grandchild) != os.getsid(proc.pid)  # out of the child's session and group
+        assert os.getpgid(grandchild) != proc.pid
+        t0 = time.monotonic()
+        procs.kill_process_trees([proc], grace_s=3.0)
+        assert time.monotonic() - t0 < 3.0  # SIGTERM was enough: no need to sit out the grace period
+        assert proc.returncode == -signal.SIGTERM
+        assert _gone(grandchild)
+    finally:
+        for pid in (proc.pid, grandchild):
+            if procs.is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_ignored_is_killed_after_grace(tmp_path):
+    proc, grandchild = _spawn(tmp_path, ignore_term=True)
+    try:
+        t0 = time.monotonic()
+        procs.kill_process_trees([proc], grace_s=1.0)
+        elapsed = time.monotonic() - t0
+        assert 1.0 <= elapsed < 15.0
+        assert proc.returncode == -signal.SIGKILL
+        assert _gone(grandchild)
+    finally:
+        for pid in (proc.pid, grandchild):
+            if procs.is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_already_exited_and_empty():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    proc.wait()
+    procs.kill_process_trees([proc], grace_s=0)  # reaped, group empty: nothing to do, no error
+    assert proc.returncode == 0
+    procs.kill_process_trees([])
+    assert not procs.is_alive(2**22 + 12345)  # beyond pid_max's default: no such process
