@@ -34,7 +34,6 @@ import datetime as _dt
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,13 +41,15 @@ import threading
 import time
 from pathlib import Path
 
-from results_format import target_status  # benchmarks/: this script's own folder
+from results_format import read_earlier, target_status  # benchmarks/: this script's own folder
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
 from rollout import SHAPES, device_name, versions, write_random_checkpoint  # noqa: E402
+
+from verl_qerl.testing.procs import kill_process_trees  # noqa: E402 - rollout put REPO on sys.path
 
 #: variant -> the hydra group option of ``+qerl=`` (verl_qerl/verl/hydra/qerl/*.yaml)
 VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "nf4"}
@@ -263,8 +264,8 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
             rc: int | str = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
-        finally:
-            _kill_tree(proc)
+        finally:  # main_ppo leaves Ray workers and vLLM engines behind, some outside its session
+            kill_process_trees([proc], grace_s=3.0)
     wall = time.perf_counter() - t0
     steps = read_metrics(metrics)
     row = {"variant": variant, "qerl": VARIANTS[variant], "gpus": gpus, "gpu_ids": gpu_ids, "rc": rc,
@@ -285,17 +286,6 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
     return row
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """main_ppo leaves Ray workers and vLLM engines behind on failure: kill its whole session."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        time.sleep(3)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def load_baselines(paths: list[str], args: argparse.Namespace, device: str) -> dict[tuple[str, int], dict]:
     """{(variant, gpus): row} of earlier results JSONs (their rows without "error"), each row marked
     ``from_baseline``; refused unless measured on ``device`` with this invocation's settings. Why: one remote call
@@ -303,18 +293,10 @@ def load_baselines(paths: list[str], args: argparse.Namespace, device: str) -> d
     found: dict[tuple[str, int], dict] = {}
     for path in paths:
         try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
-        if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("settings"), dict)):
-            raise StepBenchError(f"--baseline {path}: not a grpo_step.py results JSON (needs 'rows' and 'settings')")
-        if res.get("device") != device:
-            raise StepBenchError(f"--baseline {path}: measured on {res.get('device')!r}, this run is on {device!r}")
-        mine = vars(args)
-        diff = [f"{k}: {res['settings'].get(k)!r} there, {mine[k]!r} here" for k in BASELINE_SETTINGS
-                if res["settings"].get(k) != mine[k]]
-        if diff:
-            raise StepBenchError(f"--baseline {path}: other settings: " + "; ".join(diff))
+            res = read_earlier(path, flag="--baseline", script="grpo_step.py", section="settings", device=device,
+                               keys=BASELINE_SETTINGS, here=vars(args))
+        except ValueError as exc:
+            raise StepBenchError(str(exc)) from exc
         for row in res["rows"]:
             if "error" not in row:
                 found[(row["variant"], row["gpus"])] = {**row, "from_baseline": str(path)}

@@ -7,6 +7,9 @@ so "met" means the same everywhere (the op is honoured, None is never "met").
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 def target_met(t: dict) -> bool | None:
     """True/False by the entry's op, None when nothing was measured."""
@@ -23,3 +26,22 @@ def target_met(t: dict) -> bool | None:
 def target_status(t: dict) -> str:
     """'met', 'MISSED' or '-' (not measured)."""
     return {True: "met", False: "MISSED", None: "-"}[target_met(t)]
+
+
+def read_earlier(path: str, *, flag: str, script: str, section: str, device: str, keys: tuple[str, ...],
+                 here: dict) -> dict:
+    """An earlier results JSON of ``script`` that a later call extends (``--baseline``, ``--merge``): one remote
+    GPU call is limited to 10 minutes, so a comparison's runs are spread over calls. Raises ValueError naming
+    ``flag`` and the file when it cannot be read, is not such a JSON (``rows`` and ``section``), or was measured
+    on another device or with other ``keys`` of ``section`` than ``here`` (each difference with both values)."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc})") from exc
+    if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get(section), dict)):
+        raise ValueError(f"{flag} {path}: not a {script} results JSON (needs 'rows' and '{section}')")
+    diff = [f"device {res.get('device')!r} there, {device!r} here"] if res.get("device") != device else []
+    diff += [f"{k}: {res[section].get(k)!r} there, {here[k]!r} here" for k in keys if res[section].get(k) != here[k]]
+    if diff:
+        raise ValueError(f"{flag} {path}: measured otherwise: " + "; ".join(diff))
+    return res

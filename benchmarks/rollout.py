@@ -67,11 +67,15 @@ import time
 import zlib
 from pathlib import Path
 
-from results_format import target_status  # benchmarks/: this script's own folder
+from results_format import read_earlier, target_status  # benchmarks/: this script's own folder
 
 HERE = Path(__file__).resolve()
 ROW_PREFIX = "[rollout-row] "  # one JSON row per measured batch in a child's log
 REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # verl_qerl without an install, as the children get it through PYTHONPATH
+
+from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
 
 BACKENDS = ("bf16", "qerl_nvfp4", "ct_marlin", "nf4")
 GPU_ONLY = {"ct_marlin": "vLLM's compressed-tensors NVFP4 (Marlin) path needs a CUDA GPU",
@@ -464,8 +468,7 @@ def run_child(job: dict, work: Path, timeout: float, log_name: str) -> dict:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+            kill_process_trees([proc], grace_s=0)  # with the engine processes that left its session
             rc = "timeout"
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
@@ -563,16 +566,10 @@ def read_previous(paths: list[str], workload: dict, device: str) -> list[tuple[s
     previous = []
     for path in paths:
         try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise BenchError(f"--merge {path}: cannot read it ({exc})") from exc
-        if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get("workload"), dict)):
-            raise BenchError(f"--merge {path}: not a rollout.py results JSON (needs 'rows' and 'workload')")
-        diff = [f"device {res.get('device')!r} there, {device!r} here"] if res.get("device") != device else []
-        diff += [f"{k} {res['workload'].get(k)!r} there, {workload[k]!r} here" for k in MERGE_KEYS
-                 if res["workload"].get(k) != workload[k]]
-        if diff:
-            raise BenchError(f"--merge {path}: measured otherwise: " + "; ".join(diff))
+            res = read_earlier(path, flag="--merge", script="rollout.py", section="workload", device=device,
+                               keys=MERGE_KEYS, here=workload)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
         previous.append((str(path), res))
     return previous
 
@@ -794,11 +791,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result["errors"] else 0
 
 
-if __name__ == "__main__":
+def child_cli(main_fn, child_fn, errors: tuple[type[Exception], ...]) -> None:
+    """The command line of a script that runs each engine in a child process of itself (rollout.py, tp_parity.py):
+    ``--child JOB OUT`` runs one job; anything else is the parent, whose setup errors (``errors``) exit 2 with
+    their message and no traceback."""
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        sys.exit(_child_main(sys.argv[2], sys.argv[3]))
+        sys.exit(child_fn(sys.argv[2], sys.argv[3]))
     try:
-        sys.exit(main())
-    except BenchError as exc:
+        sys.exit(main_fn())
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    child_cli(main, _child_main, (BenchError,))

@@ -65,6 +65,11 @@ from results_format import target_status  # benchmarks/: this script's own folde
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # verl_qerl without an install, as the children get it through PYTHONPATH
+
+from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
+
 TAG = "[tp_parity]"
 
 
@@ -452,11 +457,7 @@ class Child:
         self.seen = len(lines)
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        kill_process_trees([self.proc], grace_s=0)  # with the engine processes that left its session
         self.rc = "timeout"
 
     def finish(self) -> dict:
@@ -735,10 +736,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        sys.exit(_child_main(sys.argv[2], sys.argv[3]))
-    try:
-        sys.exit(main())
-    except (TPError, rb.BenchError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    rb.child_cli(main, _child_main, (TPError, rb.BenchError))

@@ -167,7 +167,7 @@ def test_merge_with_other_workload_or_device_is_refused(tmp_path):
     rb = _load_script()
     path = _write(tmp_path, "old.json", _result(_rows("7b", "bf16", (1,), 100.0)))
     for key, value in (("new_tokens", 512), ("prompt_tokens", 128), ("lora_rank", None), ("seed", 1)):
-        with pytest.raises(rb.BenchError, match=rf"{path}.*{key} .* there, {value!r} here"):
+        with pytest.raises(rb.BenchError, match=rf"{path}.*{key}: .* there, {value!r} here"):
             rb.read_previous([path], {**WORKLOAD, key: value}, "NVIDIA H100")
     with pytest.raises(rb.BenchError, match=rf"{path}.*device 'NVIDIA H100' there, 'NVIDIA H200' here"):
         rb.read_previous([path], WORKLOAD, "NVIDIA H200")
@@ -184,7 +184,7 @@ def test_merge_error_exits_2_naming_the_file(tmp_path):
                            "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert path in proc.stderr and "new_tokens 1024 there, 4 here" in proc.stderr
+    assert path in proc.stderr and "new_tokens: 1024 there, 4 here" in proc.stderr
     assert not list((tmp_path / "out").glob("*.json"))  # refused before anything was written
 
 
