@@ -260,3 +260,20 @@ def test_summarize_synthetic(tmp_path):
     assert js["arms"]["nvfp4"]["acc_final"]["mean"] == pytest.approx(0.30 + 0.04 * 9)
     assert (tmp_path / "out" / "exploration-testdev.png").stat().st_size > 10_000
     assert "NVFP4 LoRA + AQN" in (tmp_path / "out" / "exploration-testdev.md").read_text()
+
+
+def test_status_keeps_runs_of_earlier_calls(tmp_path):
+    """Seeds spread over GPU calls (--seed0, campaign KEEP_RUNS=1): a later call's runs.json keeps the earlier
+    runs' rows (the summary reads their status from it) and replaces only the runs it launched again."""
+    first = _plan(tmp_path, "--seeds", "1", "--gpus", "1")
+    for r in first:
+        r.status = "ok"
+    args = run_arms.parse_args(["--model", "m", "--data", "d", "--out", str(tmp_path), "--dry-run"])
+    run_arms.write_status(first, tmp_path, args)
+    second = _plan(tmp_path, "--seeds", "1", "--seed0", "1", "--gpus", "1")
+    second[0].name = first[0].name  # one run launched again
+    second[0].status = "failed"
+    run_arms.write_status(second, tmp_path, args)
+    rows = {r["name"]: r["status"] for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
+    assert set(rows) == {r.name for r in first} | {r.name for r in second} and len(rows) == 5
+    assert rows[first[0].name] == "failed" and rows[first[1].name] == "ok" and rows["nvfp4-s1"] == "pending"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from verl_qerl.testing import procs
@@ -32,6 +34,18 @@ time.sleep(300)
 """
 
 
+@contextlib.contextmanager
+def _spawned(tmp_path: Path, ignore_term: bool) -> Iterator[tuple[subprocess.Popen, int]]:
+    """The child and its grandchild's pid; whatever the test leaves alive is SIGKILLed afterwards."""
+    proc, grandchild = _spawn(tmp_path, ignore_term)
+    try:
+        yield proc, grandchild
+    finally:
+        for pid in (proc.pid, grandchild):
+            if procs.is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _spawn(tmp_path: Path, ignore_term: bool) -> tuple[subprocess.Popen, int]:
     pid_file = tmp_path / "grandchild.pid"
     proc = subprocess.Popen([sys.executable, "-c", _PARENT, str(pid_file), "ignore" if ignore_term else "-"],
@@ -55,8 +69,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
 
 
 def test_kills_grandchild_in_its_own_session(tmp_path):
-    proc, grandchild = _spawn(tmp_path, ignore_term=False)
-    try:
+    with _spawned(tmp_path, ignore_term=False) as (proc, grandchild):
         assert grandchild in procs.descendants(proc.pid)
         assert os.getsid(grandchild) != os.getsid(proc.pid)  # out of the child's session and group
         assert os.getpgid(grandchild) != proc.pid
@@ -65,25 +78,16 @@ def test_kills_grandchild_in_its_own_session(tmp_path):
         assert time.monotonic() - t0 < 3.0  # SIGTERM was enough: no need to sit out the grace period
         assert proc.returncode == -signal.SIGTERM
         assert _gone(grandchild)
-    finally:
-        for pid in (proc.pid, grandchild):
-            if procs.is_alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_sigterm_ignored_is_killed_after_grace(tmp_path):
-    proc, grandchild = _spawn(tmp_path, ignore_term=True)
-    try:
+    with _spawned(tmp_path, ignore_term=True) as (proc, grandchild):
         t0 = time.monotonic()
         procs.kill_process_trees([proc], grace_s=1.0)
         elapsed = time.monotonic() - t0
         assert 1.0 <= elapsed < 15.0
         assert proc.returncode == -signal.SIGKILL
         assert _gone(grandchild)
-    finally:
-        for pid in (proc.pid, grandchild):
-            if procs.is_alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_already_exited_and_empty():

@@ -14,6 +14,8 @@
 #   PHASES     comma list of problems,sft,arms,summary (default all). Without `problems` the data and SFT
 #              checkpoint already in WORKDIR are kept and reused: e.g. PHASES=problems,sft in one call (check
 #              the SFT accuracy in $OUT/sft_log.json), then PHASES=arms,summary in the next.
+#   KEEP_RUNS  1: keep the runs of earlier calls in WORKDIR (seeds spread over calls on one warm machine:
+#              SEEDS=1 ARM_ARGS="--seed0 1" KEEP_RUNS=1 PHASES=arms,summary; the summary covers all of them)
 # Degrades gracefully: runs still going at the deadline are killed (whole process trees) and whatever they
 # logged is summarized; a failed step is reported and the rest still packs.
 set -uo pipefail
@@ -28,7 +30,7 @@ T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$OUT"
 PHASES=${PHASES:-problems,sft,arms,summary}
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
-if has problems; then rm -rf "$W"; else rm -rf "$W/runs" "$W/logs"; fi
+if has problems; then rm -rf "$W"; elif [ "${KEEP_RUNS:-0}" = 1 ]; then rm -rf "$W/logs"; else rm -rf "$W/runs" "$W/logs"; fi
 mkdir -p "$W/logs" "$W/runs"
 CLOG="$OUT/campaign.log"; : > "$CLOG"
 log() { echo "[campaign +$(( $(date +%s) - T0 ))s] $*" | tee -a "$CLOG"; }

@@ -192,6 +192,10 @@ def write_status(runs: list[Run], out: Path, args: argparse.Namespace) -> None:
                      "wall_s": round((r.end or time.time()) - r.start, 1) if r.start else None,
                      "metrics": str(r.run_dir / "metrics.jsonl"), "log": str(r.run_dir / "log.txt"),
                      "env": r.env, "command": shlex.join(r.cmd)})
+    # runs of earlier invocations into the same folder (seeds spread over GPU calls with --seed0) keep their rows
+    names = {r["name"] for r in rows}
+    earlier = json.loads((out / "runs.json").read_text()).get("runs", []) if (out / "runs.json").is_file() else []
+    rows = [r for r in earlier if r.get("name") not in names] + rows
     meta = {"device": args.device, "steps": args.steps, "lr": args.lr, "arms": args.arms, "seeds": args.seeds,
             "runs": rows}
     tmp = out / "runs.json.tmp"
