@@ -48,9 +48,10 @@ call is limited to 10 minutes, so the models/backends are spread over calls, eac
     python3 benchmarks/rollout.py --models 7b --backends ct_marlin,nf4 \
         --merge benchmarks/results/rollout-<gpu>.json   # call 2, with call 1's JSON in the working tree
 
-The (model, backend) pairs measured in this call replace the merged ones (a pair that fails here keeps its
-merged rows; earlier errors are not carried); the targets and the ratio table cover every model and batch
-size of the union, and each kept row names its file in ``merged_from``.
+The (model, backend) pairs measured in this call replace the merged ones, also when only some batches were
+measured before the engine died (a pair that measured nothing here keeps its merged rows; earlier errors are
+not carried); the targets and the ratio table cover every model and batch size of the union, and each kept row
+names its file in ``merged_from``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 from results_format import read_earlier, target_status  # benchmarks/: this script's own folder
@@ -581,7 +583,8 @@ def _model_key(model: str) -> tuple[int, str]:
 
 def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[str], batches: list[int]) -> dict:
     """``result`` plus the rows, skips and model info of ``previous`` (``read_previous``) for the (model, backend)
-    pairs without rows here (a later file wins a pair; a pair that failed here keeps its old rows), and the
+    pairs without rows here (a later file wins a pair; a pair that failed here before any batch keeps its old
+    rows), and the
     targets over the union of models and batches (also set in ``workload``: models in SHAPES order, batches
     sorted). Why: one GPU call (10 minutes) holds only part of the comparison."""
     def pair(x: dict) -> tuple[str, str]:
@@ -791,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result["errors"] else 0
 
 
-def child_cli(main_fn, child_fn, errors: tuple[type[Exception], ...]) -> None:
+def child_cli(main_fn: Callable[[], int], child_fn: Callable[[str, str], int],
+              errors: tuple[type[Exception], ...]) -> None:
     """The command line of a script that runs each engine in a child process of itself (rollout.py, tp_parity.py):
     ``--child JOB OUT`` runs one job; anything else is the parent, whose setup errors (``errors``) exit 2 with
     their message and no traceback."""
