@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from verl_qerl.verl.config import (  # noqa: E402
     TRAINER_MODE,
     WORKER_EXTENSION,
+    QeRLConfig,
     QeRLConfigError,
     apply_qerl,
     read_qerl,
@@ -240,3 +241,28 @@ def test_verl_model_config_reads_an_nvfp4_model_path(tiny_nvfp4):
     mc = HFModelConfig(path=str(tiny_nvfp4))
     assert mc.hf_config.quantization_config["quant_method"] == "compressed-tensors"
     assert mc.tokenizer is not None and mc.hf_config.model_type == "qwen2"
+
+
+@pytest.mark.parametrize("extra, expected", [((), 0.1), (("qerl.replay_poll_s=0.5",), 0.5)])
+def test_qerl_trainer_polls_finished_rollouts_faster_than_verls_2s(extra, expected, monkeypatch):
+    """verl's sync ReplayBuffer sleeps 2 s between checks (each step's rollout rounded up to 2 s); ours sets it."""
+    import inspect
+
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    assert inspect.signature(ReplayBuffer.__init__).parameters["poll_interval"].default == 2.0  # why we override
+    built = ReplayBuffer.__new__(ReplayBuffer)
+    built.poll_interval = 2.0
+    monkeypatch.setattr(PPOTrainerSync, "_build_replay_buffer", lambda self: built)
+    cfg = composed("+qerl=nvfp4", *extra)
+    apply_qerl(cfg)
+    trainer = get_trainer_cls(TRAINER_MODE).__new__(get_trainer_cls(TRAINER_MODE))
+    trainer.config = cfg
+    assert trainer._build_replay_buffer() is built and built.poll_interval == expected
+
+
+def test_replay_poll_interval_must_be_positive_seconds():
+    with pytest.raises(QeRLConfigError, match="qerl.replay_poll_s"):
+        QeRLConfig(replay_poll_s=0)

@@ -121,6 +121,14 @@ def register_trainer(trainer_sync: ModuleType) -> None:
                 logger.warning("[verl-qerl] trainer %s: %s", TRAINER_MODE, driver.describe())
             return driver
 
+        def _build_replay_buffer(self):
+            """verl's buffer, polled every ``qerl.replay_poll_s`` instead of its fixed 2 s (see QeRLConfig)."""
+            buffer = super()._build_replay_buffer()
+            qerl = read_qerl(self.config)
+            if qerl is not None and hasattr(buffer, "poll_interval"):
+                buffer.poll_interval = float(qerl.replay_poll_s)
+            return buffer
+
         def on_init_end(self):
             super().on_init_end()
             self._qerl_driver()
