@@ -67,8 +67,8 @@ class QeRLConfig:
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     aqn: AQNConfig = field(default_factory=lambda: AQNConfig(enable=False))
     #: seconds between the sync trainer's checks for finished rollouts. verl 0.9.1's ReplayBuffer polls every
-    #: 2.0 s, so every step's rollout phase is rounded up to a multiple of 2 s (measured: a 25M-model rollout
-    #: of ~1 s logged as 4.05 s, 7B ones as 6.2 / 8.2 s); the qerl_sync trainer sets this interval instead.
+    #: 2.0 s, so every step's rollout phase is rounded up to a multiple of 2 s (seen on H200: 25M-model steps log
+    #: gen = 4.05 / 6.05 / 10.05 s, 7B ones 6.2 / 8.2 s); the qerl_sync trainer sets this interval instead.
     replay_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
