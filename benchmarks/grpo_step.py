@@ -12,7 +12,10 @@ JSON with the raw rows and the ``targets`` of the comparison asked for:
   (QeRL) over the second (BF16 LoRA), target <= 0.75. ``--concurrent`` runs the variants at the same
   time on different GPUs (halves the wall time; each still owns its GPU).
 * ``--compare gpus`` (issue 9): the first variant on 1 GPU, then on ``--gpus`` GPUs (FSDP2 over all
-  ranks, one vLLM replica per GPU); throughput ratio target >= 1.6 and the reward/loss curves side by side.
+  ranks, one vLLM replica per GPU); throughput ratio target >= 1.6, and learning parity: the reward,
+  pg_loss and entropy curves step by step, paired z of their differences <= 3 (sampling noise only;
+  use a model that earns rewards, e.g. the exploration SFT model, or the check is degenerate).
+  ``--concurrent`` runs both at once (GPU 0 shared): parity only, no time target.
 
 ``--baseline FILE`` (repeatable) reuses the rows of an earlier results JSON of this script (same settings,
 same device) instead of running them again: a GPU call is limited to 10 minutes, so a comparison of long
@@ -309,8 +312,35 @@ def memory_targets(rows: list[dict], limit_gb: float) -> list[dict]:
     return targets
 
 
-def compare(rows: list[dict], mode: str) -> tuple[dict, list[dict]]:
-    """Ratios and the ``targets`` entries for ``mode`` ('variants' or 'gpus')."""
+#: learning parity (issue 9): the N-GPU run's curves may differ from the 1-GPU run's by sampling noise only
+PARITY_METRICS = ("critic/score/mean", "actor/pg_loss", "actor/entropy")
+PARITY_Z_LIMIT = 3.0
+
+
+def paired_z(x: list[float | None], y: list[float | None]) -> tuple[float | None, dict]:
+    """|mean(d)| / (sd(d) / sqrt(k)) of the per-step differences d = y - x over the steps both logged.
+
+    Both runs see the same prompts at the same step (same seed, no shuffle), so the step-wise difference
+    removes the prompt-difficulty variance; what is left is sampling noise (different replicas sample
+    differently) unless the runs learn differently. Curves equal at every step give 0 (flagged
+    ``constant`` when neither moves: a degenerate check, e.g. rewards 0 throughout on a random model)."""
+    d = [b - a for a, b in zip(x, y, strict=False) if a is not None and b is not None]
+    info = {"steps": len(d), "mean_diff": statistics.fmean(d) if d else None,
+            "constant": len({v for v in x if v is not None} | {v for v in y if v is not None}) <= 1}
+    if len(d) < 3:
+        return None, info
+    sd = statistics.stdev(d)
+    mean = abs(statistics.fmean(d))
+    if sd == 0:
+        return (0.0 if mean == 0 else float("inf")), info
+    return mean / (sd / len(d) ** 0.5), info
+
+
+def compare(rows: list[dict], mode: str, concurrent: bool = False) -> tuple[dict, list[dict]]:
+    """Ratios and the ``targets`` entries for ``mode`` ('variants' or 'gpus').
+
+    ``concurrent`` (mode 'gpus'): the runs shared GPU 0, so their times are not comparable and no time target is set
+    (the learning-parity targets of mode 'gpus' still are)."""
     ok = [r for r in rows if "error" not in r]
     ratios: dict = {}
     targets: list[dict] = []
@@ -328,12 +358,20 @@ def compare(rows: list[dict], mode: str) -> tuple[dict, list[dict]]:
         ratios["scaling_efficiency"] = ratios["throughput_ratio"] / n if ratios["throughput_ratio"] else None
         for p in PHASES:
             ratios[f"{p}_time_ratio[{n}gpu/1gpu]"] = _ratio(many.get(f"{p}_s"), one.get(f"{p}_s"))
-        for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy"):
+        if not concurrent:
+            targets.append({"name": f"throughput_{n}gpu_over_1gpu", "measured": ratios["throughput_ratio"],
+                            "op": ">=", "target": SCALING_TARGET})
+        for key in PARITY_METRICS:
             x, y = one["curves"][key], many["curves"][key]
             pairs = [(u, v) for u, v in zip(x, y, strict=False) if u is not None and v is not None]
             ratios[f"max_abs_diff[{key}]"] = max((abs(u - v) for u, v in pairs), default=None)
-        targets.append({"name": f"throughput_{n}gpu_over_1gpu", "measured": ratios["throughput_ratio"], "op": ">=",
-                        "target": SCALING_TARGET})
+            z, info = paired_z(x, y)
+            ratios[f"paired_z[{key}]"] = z
+            if z is not None:
+                note = f"{info['steps']} steps, mean diff {info['mean_diff']:.4g}"
+                targets.append({"name": f"learning_parity_paired_z[{key}]", "measured": z, "op": "<=",
+                                "target": PARITY_Z_LIMIT,
+                                "note": note + ("; degenerate: both curves constant" if info["constant"] else "")})
     return ratios, targets
 
 
@@ -368,7 +406,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="qerl,lora", help=f"comma list of {','.join(VARIANTS)} (first = numerator)")
     p.add_argument("--compare", choices=("variants", "gpus"), default="variants")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of the multi-GPU run (--compare gpus)")
-    p.add_argument("--concurrent", action="store_true", help="run the variants at once, one GPU each")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run at once: the variants one GPU each; with --compare gpus the 1-GPU run shares GPU 0 "
+                        "with the N-GPU run (learning parity only: no time target)")
     p.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is dropped from means)")
     p.add_argument("--batch", type=int, default=16, help="prompts per step (data.train_batch_size)")
     p.add_argument("--n", type=int, default=8, help="responses per prompt")
@@ -428,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[grpo_step] {v}-{g}gpu: from baseline {reused[(v, g)]['from_baseline']}", flush=True)
     if inputs:
         print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
-    concurrent = args.compare == "variants" and args.concurrent
+    concurrent = args.concurrent
     plan = [(v, g, list(range(g)) if g > 1 else [i if concurrent else 0]) for i, (v, g) in enumerate(todo)]
     if concurrent and plan:
         from concurrent.futures import ThreadPoolExecutor
@@ -439,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         ran = [run_one(args, *job, inputs, work) for job in plan]
     done = dict(zip(todo, ran, strict=True))
     rows = [reused[job] if job in reused else done[job] for job in wanted]  # --variants order: first = numerator
-    ratios, targets = compare(rows, args.compare)
+    ratios, targets = compare(rows, args.compare, concurrent=args.compare == "gpus" and concurrent and len(todo) > 1)
     if args.memory_limit_gb:
         targets += memory_targets(rows, args.memory_limit_gb)
     result = {

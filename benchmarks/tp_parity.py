@@ -566,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu and not args.tiny:
         dev = f"{n_gpu}x {dev}"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    if on_gpu and dtype not in ("bfloat16", "float16") and not args.no_lora:
+        # seen on an H200: the engine dies in its first step at lora_shrink's dtype assert
+        raise TPError(f"--dtype {dtype} with the LoRA adapter on GPU: vLLM 0.24's LoRA kernels take float16/"
+                      "bfloat16 only; add --no-lora")
     parallel_tp1 = on_gpu and n_gpu >= 2 and args.parallel_tp1 != "off" and len(args.kinds) >= 2
     work = Path(args.work_dir or "/tmp/qerl-tp-parity") / model
     logs = work / "logs"

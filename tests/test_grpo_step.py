@@ -55,7 +55,8 @@ def test_targets_for_both_comparisons():
     ratios, targets = gs.compare(rows, "gpus")
     assert ratios["throughput_ratio"] == pytest.approx(1.6) and ratios["scaling_efficiency"] == pytest.approx(0.8)
     assert ratios["max_abs_diff[critic/score/mean]"] == pytest.approx(0.1)
-    assert targets[0]["op"] == ">=" and targets[0]["measured"] == pytest.approx(1.6)
+    thr = next(t for t in targets if t["name"] == "throughput_2gpu_over_1gpu")
+    assert thr["op"] == ">=" and thr["measured"] == pytest.approx(1.6)
     # a failed run gives no target rather than a wrong one
     assert gs.compare([rows[0], {"variant": "qerl", "gpus": 2, "error": "rc=1"}], "gpus")[1] == []
 
@@ -187,3 +188,22 @@ def test_memory_targets_count_a_run_that_timed_out_after_its_first_step():
     assert [(x["measured"], x["op"], x["target"]) for x in t] == [(1, ">=", 1), (65.1, "<=", 80.0), (0, ">=", 1),
                                                                  (None, "<=", 80.0)]
     assert [gs.target_status(x) for x in t] == ["met", "met", "MISSED", "-"]
+
+
+def test_learning_parity_is_a_paired_z_of_the_step_differences():
+    x = [0.30, 0.35, 0.32, 0.40, 0.38, 0.41]
+    noise = [0.01, -0.02, 0.015, -0.01, 0.005, -0.004]
+    z, info = gs.paired_z(x, [a + e for a, e in zip(x, noise, strict=True)])
+    assert z < 1 and info["steps"] == 6 and not info["constant"]
+    z, _ = gs.paired_z(x, [a + 0.05 + e / 5 for a, e in zip(x, noise, strict=True)])  # learns differently
+    assert z > gs.PARITY_Z_LIMIT
+    assert gs.paired_z([0.0] * 5, [0.0] * 5) == (0.0, {"steps": 5, "mean_diff": 0.0, "constant": True})
+    assert gs.paired_z([1.0, None, 2.0], [1.0, 3.0, None])[0] is None  # fewer than 3 shared steps
+    rows = [{"variant": "qerl", "gpus": g, **gs.summarize_run(_steps(6, 2.0, 1000, score0=s), g)}
+            for g, s in ((1, 0.1), (2, 0.5))]
+    _, targets = gs.compare(rows, "gpus")
+    z_score = next(t for t in targets if t["name"] == "learning_parity_paired_z[critic/score/mean]")
+    assert z_score["measured"] > 1e6 and gs.target_status(z_score) == "MISSED"  # a constant +0.4 shift
+    _, targets = gs.compare(rows, "gpus", concurrent=True)  # GPUs shared: parity targets, no time target
+    assert [t["name"] for t in targets if "throughput" in t["name"]] == []
+    assert {t["name"] for t in targets} == {f"learning_parity_paired_z[{k}]" for k in gs.PARITY_METRICS}
