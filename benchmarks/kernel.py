@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import importlib
 import json
 import os
@@ -494,17 +495,32 @@ def repro_throw() -> int:
     return 0
 
 
-def profile_run() -> int:
-    """One fused-kernel call per decode shape (for ncu), after a warm-up call each."""
+#: (M, N, K) of the profiled GEMMs: 7B gate_up / o / down at decode, gate_up at M = 16, 64, 256
+PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584),
+                  (256, 37888, 3584)]
+
+
+def profile_run(marlin: bool = False, ms: set[int] | None = None) -> int:
+    """One fused-kernel call per shape (for ncu), after a warm-up call each; with ``marlin`` vLLM's Marlin FP4
+    GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the two GEMMs)."""
     kernels.load_extension()
-    gs = torch.tensor([100.0], device=DEV)
-    for m, n, k in [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584)]:
-        rw = kernels.repack(*random_nvfp4(n, k)[:2])
+    mod = None
+    if marlin:
+        mod, why = load_marlin(torch.cuda.get_device_capability())
+        if mod is None:
+            print(f"# marlin profile skipped: {why}", flush=True)
+    for m, n, k in [s for s in PROFILE_SHAPES if ms is None or s[0] in ms]:
+        packed, scale, gs = random_nvfp4(n, k)
+        rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
-        torch.cuda.synchronize()
-        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
-        torch.cuda.synchronize()
+        calls = [functools.partial(torch.ops.qerl.nvfp4_gemm, x, rw.qweight, rw.qscale, gs, None, n, 1)]
+        if mod is not None:
+            calls.append(functools.partial(marlin_apply(mod, marlin_layer(mod, packed, scale, gs, n, k), n, k), x))
+        for call in calls:
+            for _ in range(2):
+                call()
+                torch.cuda.synchronize()
+        print(f"# profiled M={m} N={n} K={k}: {len(calls)} GEMM(s) x 2 calls", flush=True)
     return 0
 
 
@@ -555,6 +571,8 @@ def main() -> int:
     ap.add_argument("--sass", default=None, help="summarize a cuobjdump -sass listing and exit")
     ap.add_argument("--repro-throw", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one call per decode shape (run under ncu)")
+    ap.add_argument("--profile-marlin", action="store_true", help="with --profile: vLLM's Marlin on the same weights")
+    ap.add_argument("--profile-m", default=None, help="with --profile: comma list of M to keep (default all)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--no-tune", action="store_true")
@@ -569,7 +587,8 @@ def main() -> int:
     if args.repro_throw:
         return repro_throw()
     if args.profile:
-        return profile_run()
+        keep = {int(v) for v in args.profile_m.split(",")} if args.profile_m else None
+        return profile_run(marlin=args.profile_marlin, ms=keep)
     torch.backends.cuda.matmul.allow_tf32 = True
     if not kernels.load_extension(verbose=False):
         print("extension failed:", kernels.cuda_unavailable_reason())
