@@ -544,6 +544,34 @@ def dequant_bandwidth(bw: float) -> dict:
     return res
 
 
+#: the ncu "details" metrics the NOTES tables quote, per profiled kernel
+NCU_METRICS = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Executed Ipc Active", "Issue Slots Busy",
+               "Warp Cycles Per Issued Instruction", "Registers Per Thread", "Theoretical Occupancy",
+               "Dynamic Shared Memory Per Block", "Waves Per SM", "L2 Hit Rate")
+
+
+def ncu_summary(path: str) -> list[dict]:
+    """One row per kernel launch of an ``ncu --csv --page details`` listing (plain or .gz): ID, kernel, grid,
+    block and :data:`NCU_METRICS` (values as ncu prints them, with their unit)."""
+    import csv
+    import gzip
+    import io
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as fh:
+        lines = fh.read().splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if head is None:
+        raise SystemExit(f"{path}: no ncu CSV header (\"ID\", ...); run ncu with --csv --page details")
+    rows: dict[str, dict] = {}
+    for rec in csv.DictReader(io.StringIO("\n".join(lines[head:]))):
+        row = rows.setdefault(rec["ID"], {"ID": int(rec["ID"]), "kernel": rec["Kernel Name"].split("(")[0],
+                                          "grid": rec["Grid Size"], "block": rec["Block Size"]})
+        if rec["Metric Name"] in NCU_METRICS:
+            row[rec["Metric Name"]] = f"{rec['Metric Value']} {rec['Metric Unit']}".strip()
+    return sorted(rows.values(), key=lambda r: r["ID"])
+
+
 def sass_summary(path: str) -> int:
     """Opcode histogram per kernel of a ``cuobjdump -sass`` listing (instruction mix of the loops)."""
     import collections
@@ -569,6 +597,7 @@ def sass_summary(path: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", default=None, help="summarize a cuobjdump -sass listing and exit")
+    ap.add_argument("--ncu-summary", default=None, help="print the key metrics of an ncu --csv listing and exit")
     ap.add_argument("--repro-throw", action="store_true")
     ap.add_argument("--profile", action="store_true", help="one call per decode shape (run under ncu)")
     ap.add_argument("--profile-marlin", action="store_true", help="with --profile: vLLM's Marlin on the same weights")
@@ -580,6 +609,10 @@ def main() -> int:
     ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ncu_summary:
+        for row in ncu_summary(args.ncu_summary):
+            print(json.dumps(row))
+        return 0
     if args.sass:
         return sass_summary(args.sass)
     if args.sanitize:

@@ -229,3 +229,27 @@ def test_result_path(kb, tmp_path):
 def test_marlin_meta_never_raises(kb):
     version, meta = kb.marlin_meta()
     assert isinstance(version, str) and "marlin_gemm" in meta["source"] and str(kb.MARLIN_TOL) in meta["check"]
+
+
+def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_path):
+    import gzip
+
+    header = ('"ID","Process ID","Kernel Name","Block Size","Grid Size","Section Name","Metric Name","Metric Unit",'
+              '"Metric Value"')
+    recs = [(0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Duration", "ns", "35,072"),
+            (0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Registers Per Thread", "register/thread", "90"),
+            (0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Block Limit SM", "block", "32"),  # not a quoted metric
+            (1, "void marlin::Marlin<1>(y)", "Duration", "ns", "36,672")]
+    body = [f'"{i}","1","{k}","(256, 1, 1)","(132, 1, 1)","S","{m}","{u}","{v}"' for i, k, m, u, v in recs]
+    text = "==PROF== Connected to process 1\n" + "\n".join([header, *body]) + "\n"
+    plain, packed = tmp_path / "n.csv", tmp_path / "n.csv.gz"
+    plain.write_text(text)
+    packed.write_bytes(gzip.compress(text.encode()))
+    for path in (plain, packed):
+        rows = kb.ncu_summary(str(path))
+        assert [r["kernel"] for r in rows] == ["void qerl::nvfp4_gemm_kernel<8>", "void marlin::Marlin<1>"]
+        assert rows[0]["Duration"] == "35,072 ns" and rows[0]["Registers Per Thread"] == "90 register/thread"
+        assert "Block Limit SM" not in rows[0] and rows[1]["grid"] == "(132, 1, 1)"
+    (tmp_path / "bad.csv").write_text("no header here\n")
+    with pytest.raises(SystemExit, match="no ncu CSV header"):
+        kb.ncu_summary(str(tmp_path / "bad.csv"))
