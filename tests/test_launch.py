@@ -162,3 +162,24 @@ def test_both_launchers_cpu_lists_compose_in_verls_config(tmp_path):
         assert cfg.trainer.n_gpus_per_node == gpus and cfg.actor_rollout_ref.rollout.seed == seed
         assert list(cfg.trainer.logger) == ["console", "file"]
         apply_qerl(cfg)  # the plugin's own validation accepts it
+
+
+def _keys(overrides) -> set[str]:
+    return {o.split("=", 1)[0] for o in overrides}
+
+
+def test_tiny_shell_launcher_keeps_up_with_launch_py():
+    """examples/tiny/grpo.sh spells the README main job's overrides out for readers; it must set every key that
+    launch.py's GRPO core and CPU platform set (apart from the seeds and shuffle it leaves at verl's defaults),
+    so a key added to launch.py fails here until the shell twin has it too."""
+    import re
+
+    text = (REPO / "examples" / "tiny" / "grpo.sh").read_text()
+    shell = set(re.findall(r"(?<![\w.$/-])(\+[a-z_]\w*(?:\.\w+)*|[a-z_]\w*(?:\.\w+)+)=", text))
+    left_at_defaults = {"data.shuffle", "data.seed", "actor_rollout_ref.actor.data_loader_seed",
+                        "actor_rollout_ref.actor.fsdp_config.seed", "actor_rollout_ref.rollout.seed",
+                        "actor_rollout_ref.rollout.temperature"}
+    missing = _keys(grpo_overrides(**CORE)) - left_at_defaults - shell
+    assert not missing, f"examples/tiny/grpo.sh lacks {sorted(missing)} (set in verl_qerl/verl/launch.py)"
+    missing = _keys(cpu_platform_overrides(1)) - shell
+    assert not missing, f"examples/tiny/grpo.sh's CPU branch lacks {sorted(missing)}"
