@@ -264,5 +264,7 @@ def test_qerl_trainer_polls_finished_rollouts_faster_than_verls_2s(extra, expect
 
 
 def test_replay_poll_interval_must_be_positive_seconds():
-    with pytest.raises(QeRLConfigError, match="qerl.replay_poll_s"):
-        QeRLConfig(replay_poll_s=0)
+    for bad in (0, -1, 11, True, "0.1"):
+        with pytest.raises(QeRLConfigError, match="qerl.replay_poll_s"):
+            QeRLConfig(replay_poll_s=bad)
+    assert QeRLConfig.from_dict({"replay_poll_s": 0.5}).to_dict()["replay_poll_s"] == 0.5

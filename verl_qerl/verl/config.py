@@ -72,7 +72,8 @@ class QeRLConfig:
     replay_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.replay_poll_s, (int, float)) and 0 < float(self.replay_poll_s) <= 10):
+        poll = self.replay_poll_s
+        if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < float(poll) <= 10:
             raise QeRLConfigError(f"qerl.replay_poll_s={self.replay_poll_s!r}: must be seconds in (0, 10]")
         if self.mode not in MODES:
             raise QeRLConfigError(f"qerl.mode={self.mode!r}: unknown mode; choose one of {', '.join(MODES)}")
