@@ -9,6 +9,7 @@ turns synthetic metrics into a results JSON with targets and a PNG.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -277,3 +278,68 @@ def test_status_keeps_runs_of_earlier_calls(tmp_path):
     rows = {r["name"]: r["status"] for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
     assert set(rows) == {r.name for r in first} | {r.name for r in second} and len(rows) == 5
     assert rows[first[0].name] == "failed" and rows[first[1].name] == "ok" and rows["nvfp4-s1"] == "pending"
+
+
+def test_entropy_probe_pieces_are_exact_on_hand_made_logits():
+    import entropy_probe as ep
+    import torch
+
+    vocab = 8
+    ref = torch.zeros(1, 4, vocab)  # uniform: entropy log(8) at every position
+    other = ref.clone()
+    other[0, :, 3] = 5.0  # peaked on token 3
+    labels = torch.tensor([[-100, -100, 3, 1]])  # completion = the last two tokens (predicted at positions 1, 2)
+    same = ep.position_stats(ref, ref, labels)
+    assert same["n"].item() == 2 and same["kl_from_bf16"].abs().max() < 1e-6 and same["top1_agree"].item() == 2
+    assert abs(same["entropy"].item() - 2 * math.log(vocab)) < 1e-5
+    assert abs(same["ref_nll"].item() - 2 * math.log(vocab)) < 1e-5
+    peaked = ep.position_stats(ref, other, labels)
+    assert peaked["entropy"].item() < same["entropy"].item() and peaked["kl_from_bf16"].item() > 0
+    z = math.exp(5.0) + vocab - 1  # softmax denominator of the peaked rows: label 3 likely, label 1 not
+    assert abs(peaked["ref_nll"].item() - (-(5.0 - math.log(z)) + math.log(z))) < 1e-4
+    ratio, lo, hi = ep.bootstrap_ratio(torch.tensor([2.0, 4.0, 6.0]), torch.tensor([1.0, 2.0, 3.0]))
+    assert ratio == 2.0 and abs(lo - 2.0) < 1e-9 and abs(hi - 2.0) < 1e-9  # every resample has ratio 2
+
+
+def test_entropy_probe_on_a_tiny_sft_model(tmp_path):
+    import entropy_probe as ep
+    import sft
+
+    problems.write_splits(tmp_path / "data", n_sft=200, n_train=8, n_dev=12, n_test=8, seed=0)
+    out = tmp_path / "model"
+    sft.train(sft.parse_args(["--data", str(tmp_path / "data"), "--out", str(out), "--hidden", "128", "--layers", "1",
+                              "--heads", "2", "--kv-heads", "2", "--intermediate", "256", "--vocab", "400",
+                              "--batch-size", "8", "--max-steps", "4", "--warmup", "1", "--eval-every", "4",
+                              "--eval-n", "2", "--max-new-tokens", "4", "--device", "cpu"]))
+    res_file = tmp_path / "probe.json"
+    assert ep.main(["--model", str(out), "--data", str(tmp_path / "data"), "--out", str(res_file), "--n", "10",
+                    "--sigmas", "0.05", "--batch-size", "4", "--device", "cpu"]) == 0
+    res = json.loads(res_file.read_text())
+    v = res["variants"]
+    assert list(v) == ["bf16", "nvfp4", "nvfp4+aqn@0.05"] and res["n_problems"] == 10 and res["aqn_norms"] >= 2
+    assert v["bf16"]["kl_from_bf16"] == 0 and v["bf16"]["top1_agree"] == 1.0
+    assert v["nvfp4"]["kl_from_bf16"] > 0  # 4-bit weights change the distribution
+    assert v["nvfp4+aqn@0.05"]["kl_from_bf16"] != v["nvfp4"]["kl_from_bf16"]  # the noise reached the forward
+    for name, r in res["entropy_ratio_to_bf16"].items():
+        assert r["ci95"][0] <= r["ratio"] <= r["ci95"][1], name
+        assert abs(r["ratio"] - v[name]["entropy"] / v["bf16"]["entropy"]) < 1e-6
+    assert [t["op"] for t in res["targets"]] == [">=", ">="] and res["command"].startswith("python ")
+    with pytest.raises(SystemExit):
+        ep.main(["--model", str(out), "--data", str(tmp_path / "data"), "--out", str(tmp_path), "--n", "2"])
+
+
+def test_summary_embeds_the_entropy_probe(tmp_path):
+    runs = tmp_path / "runs"
+    _synthetic_runs(runs)
+    probe = {"variants": {"bf16": {"entropy": 0.1, "kl_from_bf16": 0.0, "top1_agree": 1.0, "ref_nll": 0.2},
+                          "nvfp4": {"entropy": 0.11, "kl_from_bf16": 1e-3, "top1_agree": 0.99, "ref_nll": 0.21}},
+             "entropy_ratio_to_bf16": {"nvfp4": {"ratio": 1.1, "ci95": [1.05, 1.15]}}, "n_problems": 4,
+             "n_tokens": 100, "targets": [{"name": "step0_entropy_ratio[nvfp4/bf16]", "measured": 1.1, "op": ">=",
+                                           "target": 1.0}]}
+    (tmp_path / "probe.json").write_text(json.dumps(probe))
+    res = summarize.summarize(runs, tmp_path / "out", device="testdev", probe=tmp_path / "probe.json")
+    assert res["entropy_probe"] == probe and res["targets"][-1]["name"] == "step0_entropy_ratio[nvfp4/bf16]"
+    md = (tmp_path / "out" / "exploration-testdev.md").read_text()
+    assert "Step-0 entropy probe" in md and "| nvfp4 | 0.1100 | 1.00e-03 | 0.9900 | 1.1000 [1.0500, 1.1500] |" in md
+    # a campaign whose probe did not run still summarizes
+    assert "entropy_probe" not in summarize.summarize(runs, tmp_path / "o2", device="d", probe=tmp_path / "none")

@@ -11,7 +11,8 @@
 #   RESERVE_S  seconds kept for summary + packing (default 30)
 #   WORKDIR    scratch (default /tmp/qx; keep it short)   QERL_DEVICE gpu (default) | cpu
 #   PROBLEM_ARGS / SFT_ARGS / ARM_ARGS   extra flags for problems.py / sft.py / run_arms.py
-#   PHASES     comma list of problems,sft,arms,summary (default all). Without `problems` the data and SFT
+#   PHASES     comma list of problems,sft,probe,arms,summary (default all; probe = entropy_probe.py, the
+#              step-0 paired entropy of bf16 / nvfp4 / nvfp4+AQN on the SFT policy, seconds on a GPU). Without `problems` the data and SFT
 #              checkpoint already in WORKDIR are kept and reused: e.g. PHASES=problems,sft in one call (check
 #              the SFT accuracy in $OUT/sft_log.json), then PHASES=arms,summary in the next.
 #   KEEP_RUNS  1: keep the runs of earlier calls in WORKDIR (seeds spread over calls on one warm machine:
@@ -28,7 +29,7 @@ W=${WORKDIR:-/tmp/qx}
 DEVICE=${QERL_DEVICE:-gpu}
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
 mkdir -p "$OUT"
-PHASES=${PHASES:-problems,sft,arms,summary}
+PHASES=${PHASES:-problems,sft,probe,arms,summary}
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 if has problems; then rm -rf "$W"; elif [ "${KEEP_RUNS:-0}" = 1 ]; then rm -rf "$W/logs"; else rm -rf "$W/runs" "$W/logs"; fi
 mkdir -p "$W/logs" "$W/runs"
@@ -100,6 +101,13 @@ if has sft; then
   cp "$W/model/sft_log.json" "$OUT/" 2>/dev/null; tail -c 20000 "$W/logs/sft.log" > "$OUT/sft.log.tail" 2>/dev/null
 fi
 
+# 2b. step-0 entropy probe on the SFT policy (same weights scored by each variant; embedded by the summary)
+if has probe && [ -f "$W/model/config.json" ]; then
+  timeout 180 "$PY" examples/exploration/entropy_probe.py --model "$W/model" --data "$W/data" \
+    --out "$W/probe.json" >"$W/logs/probe.log" 2>&1
+  rc=$?; log "probe rc=$rc: $(grep '^\[probe\]' "$W/logs/probe.log" | tr '\n' ';' | tail -c 600)"
+fi
+
 # 3. GRPO arms x seeds, concurrent, killed at the deadline minus the reserve
 if ! has arms; then
   log "arms: not in PHASES=$PHASES"
@@ -121,7 +129,7 @@ fi
 if ! has summary; then
   log "summary: not in PHASES=$PHASES"; exit 0
 elif ls "$W"/runs/*/metrics.jsonl >/dev/null 2>&1; then
-  "$PY" examples/exploration/summarize.py "$W/runs" --out "$OUT" --sft-log "$W/model/sft_log.json" \
+  "$PY" examples/exploration/summarize.py "$W/runs" --out "$OUT" --sft-log "$W/model/sft_log.json" --probe "$W/probe.json" \
     --command "OUT=... SEEDS=$SEEDS STEPS=$STEPS BUDGET_S=$BUDGET_S SFT_S=$SFT_S ARMS=$ARMS bash examples/exploration/campaign.sh" \
     >"$W/logs/summarize.log" 2>&1
   rc=$?; log "summarize rc=$rc"
@@ -131,7 +139,7 @@ else
 fi
 cp "$OUT"/exploration-*.{json,md,png} "$W/" 2>/dev/null
 (cd "$W" && tar czf "$OUT/exploration.tar.gz" --ignore-failed-read \
-  logs data/problems.json model/sft_log.json model/config.json runs/meta.json runs/runs.json \
+  logs data/problems.json model/sft_log.json model/config.json probe.json runs/meta.json runs/runs.json \
   runs/*/metrics.jsonl runs/*/log.tail runs/*/command.sh exploration-* 2>/dev/null)
 log "packed $(du -h "$OUT/exploration.tar.gz" | cut -f1) -> $OUT/exploration.tar.gz; total $(( $(date +%s) - T0 )) s"
 cat "$OUT"/exploration-*.md 2>/dev/null

@@ -286,7 +286,8 @@ def device_slug() -> str:
 
 def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early_k: int = 0,
               reward_threshold: float | None = None, reward_gain: float = 0.1, smooth: int = 3,
-              command: str | None = None, sft_log: Path | None = None) -> dict[str, Any]:
+              command: str | None = None, sft_log: Path | None = None,
+              probe: Path | None = None) -> dict[str, Any]:
     runs = load_runs(runs_dir)
     if not runs:
         raise SystemExit(f"summarize.py: no <arm>-s<seed>/metrics.jsonl under {runs_dir}")
@@ -328,6 +329,9 @@ def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early
         log = json.loads(Path(sft_path).read_text())
         result["sft"] = {k: log.get(k) for k in ("n_params", "steps", "stopped_by", "final_dev_acc",
                                                  "saved_bf16_dev_acc", "wall_s", "device", "eval")}
+    if probe and Path(probe).is_file():  # entropy_probe.py: the step-0 paired entropy measurement
+        result["entropy_probe"] = json.loads(Path(probe).read_text())
+        result["targets"] += result["entropy_probe"].get("targets", [])
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"exploration-{device}"
     png = out_dir / f"{stem}.png"
@@ -336,6 +340,16 @@ def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early
     lines = [f"# Exploration study ({device})", "", md, "", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['name']}: measured {t['measured']} (target {t['op']} {t['target']})")
+    if "entropy_probe" in result:
+        pr = result["entropy_probe"]
+        lines += ["", f"Step-0 entropy probe (same weights, teacher-forced, {pr['n_problems']} problems, "
+                  f"{pr['n_tokens']} tokens):", "",
+                  "| variant | entropy (nats) | KL from bf16 | top-1 agree | ratio [95% CI] |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for v, st in pr["variants"].items():
+            r = pr["entropy_ratio_to_bf16"].get(v)
+            ci = f"{r['ratio']:.4f} [{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]" if r else "1"
+            lines.append(f"| {v} | {st['entropy']:.4f} | {st['kl_from_bf16']:.2e} | {st['top1_agree']:.4f} | {ci} |")
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     for name, r in sorted(runs.items()):
         st = r["stats"]
@@ -361,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smooth", type=int, default=3, help="trailing window for the threshold crossing")
     ap.add_argument("--command", default=None, help="the command that produced the runs (for the JSON)")
     ap.add_argument("--sft-log", default=None, help="sft_log.json of the policy's warm start")
+    ap.add_argument("--probe", default=None, help="entropy_probe.py's JSON, embedded with its targets")
     args = ap.parse_args(argv)
     runs_dir = Path(args.runs_dir)
     if not runs_dir.is_dir():
@@ -369,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--early-k must be >= 0 and --smooth >= 1")
     summarize(runs_dir, Path(args.out or runs_dir), device=args.device, early_k=args.early_k,
               reward_threshold=args.reward_threshold, reward_gain=args.reward_gain, smooth=args.smooth,
-              command=args.command, sft_log=Path(args.sft_log) if args.sft_log else None)
+              command=args.command, sft_log=Path(args.sft_log) if args.sft_log else None,
+              probe=Path(args.probe) if args.probe else None)
     return 0
 
 
