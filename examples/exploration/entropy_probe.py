@@ -25,7 +25,6 @@ import argparse
 import copy
 import datetime as dt
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,8 +98,6 @@ def probe(model_dir: Path, data: Path, *, n: int = 256, sigmas: tuple[float, ...
 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
-    torch.manual_seed(seed)
-    random.seed(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
     quant = quantize_model(copy.deepcopy(base), "nvfp4").eval()
