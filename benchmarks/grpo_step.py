@@ -63,7 +63,10 @@ SCALING_TARGET = 1.6      # issue 9: N-GPU throughput >= 1.6x of 1 GPU (N=2)
 #: settings a --baseline must share with this invocation for its rows to be comparable
 BASELINE_SETTINGS = ("model", "batch", "n", "prompt_length", "response_length", "micro_batch", "lora_rank", "lr",
                      "steps", "seed", "tp", "gpu_memory_utilization", "gradient_checkpointing", "enforce_eager",
-                     "data", "reward", "tiny")
+                     "data", "reward", "tiny", "replay_poll_s")
+#: what a setting missing from an older results JSON meant: files written before ``qerl.replay_poll_s`` existed
+#: ran under verl's own 2 s rollout polling
+BASELINE_DEFAULTS = {"replay_poll_s": 2.0}
 
 
 class StepBenchError(RuntimeError):
@@ -120,6 +123,7 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
         max_model_len=args.prompt_length + args.response_length + 8,
     ) + [
         f"actor_rollout_ref.model.enable_gradient_checkpointing={args.gradient_checkpointing}",
+        f"qerl.replay_poll_s={args.replay_poll_s}",
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.project_name=qerl-grpo-step",
         f"trainer.experiment_name={variant}-{gpus}gpu",
     ]
@@ -279,7 +283,7 @@ def load_baselines(paths: list[str], args: argparse.Namespace, device: str) -> d
     for path in paths:
         try:
             res = read_earlier(path, flag="--baseline", script="grpo_step.py", section="settings", device=device,
-                               keys=BASELINE_SETTINGS, here=vars(args))
+                               keys=BASELINE_SETTINGS, here=vars(args), defaults=BASELINE_DEFAULTS)
         except ValueError as exc:
             raise StepBenchError(str(exc)) from exc
         for row in res["rows"]:
@@ -425,6 +429,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "GSM8K-format problems, verl_qerl.testing.data)")
     p.add_argument("--reward", default=None, help="a reward .py with compute_score (default: verl's GSM8K scorer)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replay-poll-s", type=float, default=0.1,
+                   help="qerl.replay_poll_s: seconds between the trainer's checks for finished rollouts (2.0 = "
+                        "verl's own polling, as in results written before this option)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="add targets: each run logs >= 1 step with its GPUs' nvidia-smi peak <= this (32B: 80)")
@@ -444,6 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
     if args.batch * args.n % args.micro_batch:
         p.error(f"--batch {args.batch} x --n {args.n} must be a multiple of --micro-batch {args.micro_batch}")
+    if not 0 < args.replay_poll_s <= 10:
+        p.error(f"--replay-poll-s {args.replay_poll_s}: must be seconds in (0, 10]")
     return args
 
 

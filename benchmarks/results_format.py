@@ -29,11 +29,12 @@ def target_status(t: dict) -> str:
 
 
 def read_earlier(path: str, *, flag: str, script: str, section: str, device: str, keys: tuple[str, ...],
-                 here: dict) -> dict:
+                 here: dict, defaults: dict | None = None) -> dict:
     """An earlier results JSON of ``script`` that a later call extends (``--baseline``, ``--merge``): one remote
     GPU call is limited to 10 minutes, so a comparison's runs are spread over calls. Raises ValueError naming
     ``flag`` and the file when it cannot be read, is not such a JSON (``rows`` and ``section``), or was measured
-    on another device or with other ``keys`` of ``section`` than ``here`` (each difference with both values)."""
+    on another device or with other ``keys`` of ``section`` than ``here`` (each difference with both values).
+    ``defaults``: what a key that an older file lacks meant when that file was written."""
     try:
         res = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -41,7 +42,8 @@ def read_earlier(path: str, *, flag: str, script: str, section: str, device: str
     if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get(section), dict)):
         raise ValueError(f"{flag} {path}: not a {script} results JSON (needs 'rows' and '{section}')")
     diff = [f"device {res.get('device')!r} there, {device!r} here"] if res.get("device") != device else []
-    diff += [f"{k}: {res[section].get(k)!r} there, {here[k]!r} here" for k in keys if res[section].get(k) != here[k]]
+    there = {**(defaults or {}), **res[section]}
+    diff += [f"{k}: {there.get(k)!r} there, {here[k]!r} here" for k in keys if there.get(k) != here[k]]
     if diff:
         raise ValueError(f"{flag} {path}: measured otherwise: " + "; ".join(diff))
     return res

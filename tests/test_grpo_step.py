@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_overrides_compose_in_verls_config(variant, tiny, tmp_path):
         cfg = compose(config_name="ppo_trainer", overrides=ov)
     assert cfg.qerl.mode == gs.VARIANTS[variant].split("_")[0]
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.actor_rollout_ref.rollout.seed == 7
-    assert cfg.actor_rollout_ref.model.lora_rank == 32
+    assert cfg.actor_rollout_ref.model.lora_rank == 32 and cfg.qerl.replay_poll_s == 0.1
     apply_qerl(cfg)  # the plugin's own validation accepts it
 
 
@@ -207,3 +208,24 @@ def test_learning_parity_is_a_paired_z_of_the_step_differences():
     _, targets = gs.compare(rows, "gpus", concurrent=True)  # GPUs shared: parity targets, no time target
     assert [t["name"] for t in targets if "throughput" in t["name"]] == []
     assert {t["name"] for t in targets} == {f"learning_parity_paired_z[{k}]" for k in gs.PARITY_METRICS}
+
+
+def test_baseline_from_before_the_polling_option_counts_as_verls_2s(fake_runs, tmp_path, capsys):
+    """Results written before --replay-poll-s ran under verl's 2 s polling: they only merge with --replay-poll-s 2."""
+    base = _baseline(tmp_path, ["--variants", "lora"], [_row("lora", 1, 4.0)])
+    res = json.loads(Path(base).read_text())
+    assert res["settings"]["replay_poll_s"] == 0.1
+    del res["settings"]["replay_poll_s"]
+    Path(base).write_text(json.dumps(res))
+    rc, _ = _main(tmp_path, ["--baseline", base])
+    assert rc == 2 and fake_runs == [] and "replay_poll_s: 2.0 there, 0.1 here" in capsys.readouterr().err
+    rc, res = _main(tmp_path, ["--baseline", base, "--replay-poll-s", "2"])
+    assert rc == 0 and fake_runs == [("qerl", 1, [0])] and res["rows"][1]["from_baseline"] == base
+
+
+def test_the_polling_interval_reaches_main_ppo(tmp_path):
+    args = gs.parse_args(["--replay-poll-s", "0.25"])
+    ov = gs.main_ppo_overrides(args, "qerl", 1, tmp_path / "m", tmp_path / "t", tmp_path / "v")
+    assert "qerl.replay_poll_s=0.25" in ov
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--replay-poll-s", "0"])
