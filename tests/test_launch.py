@@ -71,7 +71,7 @@ def _run_arms_cpu(tmp_path: Path) -> list[str]:
     return run_arms.overrides(args, "nvfp4", 3, tmp_path / "run", flash_attn=False)
 
 
-#: grpo_step.py --tiny (CPU), variant qerl, 2 GPUs, before the refactor
+#: grpo_step.py --tiny (CPU), variant qerl, 2 GPUs, before the refactor (+ qerl.replay_poll_s since session 4)
 GRPO_STEP_CPU = {
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "+actor_rollout_ref.rollout.enable_sleep_mode=False", "+qerl=nvfp4", "+ray_kwargs.ray_init.num_gpus=2",
@@ -88,8 +88,9 @@ GRPO_STEP_CPU = {
     "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
     "algorithm.adv_estimator=grpo", "data.dataloader_num_workers=0", "data.max_prompt_length=128",
     "data.max_response_length=512", "data.seed=7", "data.shuffle=False", "data.train_batch_size=4",
-    "data.train_files=/x/t", "data.val_files=/x/v", "qerl.aqn.num_stages=3", "ray_kwargs.ray_init.num_cpus=32",
-    "reward.num_workers=1", "trainer.device=cpu", "trainer.experiment_name=qerl-2gpu",
+    "data.train_files=/x/t", "data.val_files=/x/v", "qerl.aqn.num_stages=3", "qerl.replay_poll_s=0.1",
+    "ray_kwargs.ray_init.num_cpus=32", "reward.num_workers=1", "trainer.device=cpu",
+    "trainer.experiment_name=qerl-2gpu",
     "trainer.logger=[console,file]", "trainer.n_gpus_per_node=2", "trainer.nnodes=1",
     "trainer.project_name=qerl-grpo-step", "trainer.save_freq=-1", "trainer.test_freq=-1",
     "trainer.total_training_steps=4", "trainer.val_before_train=False",
