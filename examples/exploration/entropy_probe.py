@@ -34,17 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sft import encode_examples, make_batch  # noqa: E402
+from summarize import versions  # noqa: E402
 
 STATS = ("entropy", "kl_from_bf16", "top1_agree", "ref_nll")
 
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def read_rows(data: Path, n: int) -> list[dict[str, Any]]:
@@ -167,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     res.update(benchmark="exploration_entropy_probe", model=str(args.model),
                command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               versions={"torch": torch.__version__, "transformers": _version("transformers")})
+               versions=versions())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     for v, s in res["variants"].items():
