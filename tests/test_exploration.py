@@ -220,7 +220,7 @@ def test_kill_runs_reaps_detached_children(tmp_path):
     assert not any(procs.is_alive(p) for p in pids)
 
 
-def _synthetic_runs(root: Path, steps: int = 9) -> None:
+def _synthetic_runs(root: Path, steps: int = 9, cut: dict[str, int] | None = None) -> None:
     vk = "val-core/openai/gsm8k/acc/mean@1"  # as verl 0.9.1 logs it (CPU smoke run)
     rows = []
     for arm, ent, speed in (("bf16", 0.50, 0.02), ("nvfp4_noaqn", 0.60, 0.03), ("nvfp4", 0.70, 0.04)):
@@ -228,7 +228,7 @@ def _synthetic_runs(root: Path, steps: int = 9) -> None:
             d = root / f"{arm}-s{seed}"
             d.mkdir(parents=True)
             lines = [{"step": 0, "data": {vk: 0.30}}]
-            for s in range(1, steps + 1):
+            for s in range(1, (cut or {}).get(d.name, steps) + 1):
                 data = {"critic/score/mean": 0.2 + speed * s + 0.01 * seed, "actor/entropy": ent - 0.01 * s,
                         "rollout_corr/rollout_log_ppl": ent + 0.05, "qerl/aqn_sigma": 0.01 if arm == "nvfp4" else 0.0,
                         "response_length/mean": 40.0, "timing_s/step": 3.0}
@@ -250,7 +250,7 @@ def test_summarize_synthetic(tmp_path):
         assert key in js
     assert js["device"] == "testdev" and js["settings"]["val_metric"] == ["val-core/openai/gsm8k/acc/mean@1"]
     names = [t["name"] for t in js["targets"]]
-    assert len(names) == 6 and all(set(t) == {"name", "measured", "op", "target"} for t in js["targets"])
+    assert len(names) == 8 and all(set(t) == {"name", "measured", "op", "target"} for t in js["targets"])
     assert all(t["op"] in (">=", "<=") for t in js["targets"])
     ratio = next(t for t in js["targets"] if t["name"].startswith("early entropy ratio nvfp4/bf16"))
     k = js["settings"]["early_k"]
@@ -261,6 +261,34 @@ def test_summarize_synthetic(tmp_path):
     assert js["arms"]["nvfp4"]["acc_final"]["mean"] == pytest.approx(0.30 + 0.04 * 9)
     assert (tmp_path / "out" / "exploration-testdev.png").stat().st_size > 10_000
     assert "NVFP4 LoRA + AQN" in (tmp_path / "out" / "exploration-testdev.md").read_text()
+
+
+def test_summary_uses_the_common_horizon_and_pairs_by_seed(tmp_path):
+    """Runs cut at different steps: statistics stop at the last step every run reached (the raw curves stay whole),
+    --horizon 0 uses the whole curves, --seeds keeps a subset, and the paired differences are per seed."""
+    runs = tmp_path / "runs"
+    _synthetic_runs(runs, cut={"nvfp4-s1": 6})
+    js = summarize.summarize(runs, tmp_path / "out", device="t", command="pytest")
+    assert js["settings"]["horizon"] == 6 and js["settings"]["early_k"] == 3
+    assert len(js["runs"]["bf16-s0"]["curves"]["reward"]) == 9  # raw curves kept
+    st = js["runs"]["bf16-s0"]["stats"]
+    assert st["last_step"] == 6 and st["logged_last_step"] == 9
+    assert st["final_reward"] == pytest.approx(0.2 + 0.02 * 5)  # steps 4-6, not 7-9
+    assert st["mean_reward"] == pytest.approx(0.2 + 0.02 * 3.5)
+    assert st["acc_final"] == pytest.approx(0.30 + 0.02 * 6) and st["acc_final_step"] == 6
+    pair = js["paired"]["nvfp4"]
+    assert pair["seeds"] == [0, 1] and pair["final_reward"]["diffs"] == pytest.approx([0.02 * 5, 0.02 * 5])
+    assert pair["mean_reward"]["mean"] == pytest.approx(0.02 * 3.5) and pair["mean_reward"]["t"] is None
+    assert "paired by seed" in (tmp_path / "out" / "exploration-t.md").read_text()
+    whole = summarize.summarize(runs, tmp_path / "whole", device="t", command="pytest", horizon=0)
+    assert whole["settings"]["horizon"] == 0 and whole["runs"]["bf16-s0"]["stats"]["last_step"] == 9
+    only0 = summarize.summarize(runs, tmp_path / "s0", device="t", command="pytest", seeds={0})
+    assert only0["settings"]["seeds"] == [0] and only0["settings"]["horizon"] == 9
+    assert set(only0["runs"]) == {"bf16-s0", "nvfp4_noaqn-s0", "nvfp4-s0"}
+    with pytest.raises(SystemExit, match="seeds \\[7\\]"):
+        summarize.summarize(runs, tmp_path / "none", device="t", seeds={7})
+    with pytest.raises(SystemExit, match="--horizon -1"):
+        summarize.summarize(runs, tmp_path / "neg", device="t", horizon=-1)
 
 
 def test_status_keeps_runs_of_earlier_calls(tmp_path):
