@@ -38,6 +38,25 @@ size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m);
 // Resident CTAs per SM of the GEMM for this block_m (0 on error).
 int qerl_nvfp4_gemm_ctas_per_sm(int block_m);
 
+// Opt-in medium-M variant (cuda/nvfp4_gemm_streamk.cu): persistent stream-K over 256-row tiles, block_m in
+// {32, 64}. `grid` = CTAs requested (SMs x qerl_nvfp4_gemm_streamk_ctas_per_sm); the launch uses the CTAs
+// with non-empty ranges. `workspace` must hold qerl_nvfp4_gemm_streamk_workspace_floats(...) floats (may be
+// null when that is 0); `counters` >= qerl_nvfp4_gemm_streamk_tiles(...) ints, zero on entry, left zero.
+cudaError_t qerl_nvfp4_gemm_streamk_launch(const void* x, const void* qweight, const void* qscale,
+                                           const float* global_scale, const void* bias, void* out,
+                                           float* workspace, int* counters, int M, int N, int K, int grid,
+                                           int block_m, cudaStream_t stream);
+
+// Floats of stream-K workspace for one launch: 2 partial slots x CTAs x block_m x 256 (0: no partials).
+size_t qerl_nvfp4_gemm_streamk_workspace_floats(int M, int N, int K, int grid, int block_m);
+
+// Output tiles (256 rows x block_m tokens) = counters the stream-K launch uses.
+int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m);
+
+// Resident CTAs per SM of the stream-K kernel (0: unsupported block_m, or the device's per-CTA shared
+// memory is too small for its ring, e.g. sm_89: callers fall back to qerl_nvfp4_gemm_launch).
+int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m);
+
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,
                                       const float* global_scale, void* out, int N, int K,

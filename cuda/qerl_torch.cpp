@@ -255,8 +255,35 @@ int pick_splits(int64_t tiles, int64_t stages, int block_m, int sms) {
   return best;
 }
 
+// Stream-K variant (opt-in, cuda/nvfp4_gemm_streamk.cu): resident CTAs per SM for block_m, cached per device
+// (0 where the variant does not apply: block_m other than 32 / 64, or too little shared memory per CTA).
+int streamk_ctas_per_sm(int block_m) {
+  if (block_m != 32 && block_m != 64) return 0;
+  static int cache[64][2];
+  static bool known[64][2] = {};
+  const int dev = at::cuda::current_device();
+  const int b = block_m == 64 ? 1 : 0;
+  if (dev < 0 || dev >= 64) return qerl_nvfp4_gemm_streamk_ctas_per_sm(block_m);
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!known[dev][b]) {
+    cache[dev][b] = qerl_nvfp4_gemm_streamk_ctas_per_sm(block_m);
+    known[dev][b] = true;
+  }
+  return cache[dev][b];
+}
+
+// CTAs requested from the stream-K kernel for (M, N) on the current device: SMs x resident CTAs per SM, or 0
+// when the variant does not apply to this shape / device (then v5 runs).
+int64_t streamk_grid(int64_t m, int64_t n) {
+  const int block_m = pick_block_m(m);
+  const int per_sm = streamk_ctas_per_sm(block_m);
+  if (per_sm <= 0 || qerl_nvfp4_gemm_streamk_tiles(int(m), int(n), block_m) > kCounterCap) return 0;
+  return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
+}
+
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
-                            const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override) {
+                            const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
+                            bool streamk = false) {
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -275,6 +302,20 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     bptr = b.data_ptr();
   }
   const int block_m = pick_block_m(m);
+  if (streamk) {
+    const int64_t grid = streamk_grid(m, n);
+    if (grid > 0) {
+      const size_t wsf = qerl_nvfp4_gemm_streamk_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
+      at::Tensor sws;
+      if (wsf > 0) sws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
+      check_cuda(qerl_nvfp4_gemm_streamk_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
+                                                bptr, out.data_ptr(), wsf > 0 ? sws.data_ptr<float>() : nullptr,
+                                                counters_for(x.device()), int(m), int(n), int(k), int(grid),
+                                                block_m, at::cuda::getCurrentCUDAStream()),
+                 "nvfp4_gemm (stream-K) launch");
+      return out;
+    }
+  }
   const int64_t n_tiles = (n + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
   const int64_t m_tiles = (m + block_m - 1) / block_m;
   const int64_t stages = k / QERL_GEMM_BK;
@@ -299,7 +340,10 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
 // mode: 0 = auto (kernel for M <= threshold and supported shapes, else dequant + cuBLAS),
 //       1 = kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
 //       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
-//           slower than 2 on the H100: kept for experiments), >= 16: kernel with splits = mode - 16.
+//           slower than 2 on the H100: kept for experiments), >= 16: kernel with splits = mode - 16,
+//       4 = as 0, 5 = as 1, but the fused kernel is the stream-K variant where it applies (block_m 32 / 64
+//           on a device with enough shared memory per CTA; v5 elsewhere). Python picks 4 over 0 when
+//           QERL_GEMM_KERNEL=streamk (verl_qerl/kernels/__init__.py).
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                      const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
   QCHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
@@ -310,8 +354,12 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
   const bool kernel_ok = x.scalar_type() == at::kBFloat16 && x.size(1) % QERL_GEMM_BK == 0;
-  const bool use_kernel = mode == 1 || mode >= 16 || (mode == 0 && kernel_ok && x.size(0) <= gemm_max_m());
-  if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0);
+  QCHECK(mode >= 0 && (mode <= 5 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
+         " (0 auto, 1 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 16 + splits)");
+  const bool streamk = mode == 4 || mode == 5;
+  const bool use_kernel = mode == 1 || mode == 5 || mode >= 16 ||
+                          ((mode == 0 || mode == 4) && kernel_ok && x.size(0) <= gemm_max_m());
+  if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, streamk);
   return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
 
@@ -342,5 +390,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
   m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty); negative keeps a value");
   m.def("get_tuning", &get_tuning, "(gemm_max_m, split penalty)");
+  m.def("streamk_grid", &streamk_grid,
+        "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
 }

@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 #: Kernel sources, torch-free (compiled alone by .ci/compile_cuda.sh).
-CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_dequant.cu")
+CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_gemm_streamk.cu", "nvfp4_dequant.cu")
 #: The thin torch binding.
 CPP_SOURCES = ("qerl_torch.cpp",)
 JIT_NAME = "qerl_nvfp4_jit"

@@ -1,0 +1,427 @@
+// FP4 x BF16 GEMM (W4A16, NVFP4 weights), medium-M variant "v5.5": persistent stream-K, 256-row tiles.
+// Opt-in (QERL_GEMM_KERNEL=streamk), used for block_m 32 / 64 only; nvfp4_gemm.cu (v5) stays the default.
+//
+// Why a second kernel (ncu numbers in benchmarks/NOTES.md, "v5.5"): at M = 64 v5 is bound by shared-memory
+// traffic and latency, not by the tensor pipe. Each v5 warp owns 32 weight rows, so per k16 step it issues
+// 4 ldmatrix.x4 of activations for only 16 MMAs, and its 296 N-tiles each re-read all activations from L2;
+// 4.5 waves of CTAs leave a partial last wave and every split-K CTA pays a fence. Here:
+//  * CTA tile = 256 weight rows x BM tokens, 8 warps: warp w owns rows [64 (w % 4), +64) (4 n16 blocks) and
+//    the k64 half w / 4 of every 128-wide stage (the two halves are summed through smem, as in v5). Per k16
+//    step a warp issues BM/16 ldmatrix.x4 for 4 * BM/8 MMAs: twice v5's MMAs per activation load, and half
+//    the tiles re-reading activations from L2.
+//  * The repacked layout is read unchanged: a 256-row tile is the two consecutive 128-row tiles 2t, 2t+1
+//    (per stage two 8 KB weight blocks and two 1 KB scale blocks). When 2t+1 does not exist (N % 256 in
+//    (0, 128]) its half is neither loaded nor computed; rows >= N are never stored.
+//  * A 6-deep (BM = 64) / 8-deep (BM = 32) cp.async ring of ~212 KB: one CTA per SM, twice v5's bytes in flight.
+//  * Persistent stream-K: the grid is (SMs x CTAs/SM); the flattened (m_tile, n_tile, k_stage) unit space is
+//    cut into equal contiguous ranges of `units_per_cta`, one per CTA, so every SM gets the same number of
+//    stages whatever the tile count (no partial wave). A CTA walks the tile segments of its range. A segment
+//    that is a whole tile stores bf16 directly; a partial one writes an FP32 partial to workspace slot
+//    (CTA, 0 = the first tile of its range / 1 = its last tile) and the last segment of the tile to arrive
+//    (atomic counter, re-zeroed by it) sums every partial of the tile in CTA order (deterministic whichever
+//    CTA arrives last) and runs the epilogue. A CTA writes at most 2 partials (its middle tiles are whole),
+//    so the workspace is 2 x CTAs x BM x 256 floats; verl_qerl/kernels/streamk.py mirrors this schedule.
+//  * Epilogue math identical to v5: acc * (128 / global_scale) + bias -> bf16, only rows < M and < N.
+// Known cost kept in this version: the ring drains at each segment boundary (about 2 segments per CTA at
+// the 7B gate_up shape), one pipeline refill each.
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+
+namespace qerl {
+namespace {
+
+constexpr int BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile (two tiles of the repacked layout)
+constexpr int BK = QERL_GEMM_BK;      // K per pipeline stage
+constexpr int THREADS = QERL_GEMM_THREADS;
+constexpr int XPAD = 8;  // bf16 of padding per smem activation row (ldmatrix without bank conflicts)
+constexpr int XROW_BYTES = (BK + XPAD) * 2;
+constexpr int HALF_W_BYTES = (QERL_GEMM_BN / 16) * (BK / 64) * 512;  // one 128-row tile, one stage
+constexpr int HALF_S_BYTES = (QERL_GEMM_BN / 16) * (BK / 64) * 64;
+constexpr int W_STAGE_BYTES = 2 * HALF_W_BYTES;
+constexpr int S_STAGE_BYTES = 2 * HALF_S_BYTES;
+constexpr int HALF_W_VEC = HALF_W_BYTES / 16;  // uint4 per half-tile stage of weights
+constexpr int HALF_S_VEC = HALF_S_BYTES / 16;
+
+template <int BM>
+struct SkCfg {
+  static constexpr int MT = BM / 8;  // n8 token tiles
+  static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
+  static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
+  // As deep as fits in ~212 KB (Hopper allows 227 KB per CTA): 6 x 35 KB at BM = 64, 8 x 26.5 KB at 32.
+  static constexpr int STAGES = BM == 64 ? 6 : 8;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+  // k-half reduction buffer (reuses the drained ring): 4 n16 blocks x MT x 4 floats x 128 threads.
+  static constexpr int RED_BYTES = 4 * MT * 4 * 128 * 4;
+  static_assert(BM == 32 || BM == 64, "stream-K kernel: block_m 32 or 64");
+  static_assert(RED_BYTES <= SMEM_BYTES, "reduction buffer must fit in the ring");
+  static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
+};
+
+template <int BM>
+__global__ void __launch_bounds__(THREADS, 1)
+    nvfp4_gemm_streamk_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+                              const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                              const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                              float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                              int units_per_cta) {
+  using C = SkCfg<BM>;
+  constexpr int MT = C::MT;
+  constexpr int STAGES = C::STAGES;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_is_last;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wn = warp & 3;   // 64-row group of the 256-row tile
+  const int kh = warp >> 2;  // k64 half of each stage
+  const int half = wn >> 1;  // which 128-row tile of the repacked layout this warp reads
+  const int rt = wn * 32 + lane;  // index among the 128 threads holding one output fragment set
+
+  const int S = K / BK;  // stages per tile
+  const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
+  const int n_tiles = (N + BN - 1) / BN;
+  const int m_tiles = (M + BM - 1) / BM;
+  const int total_units = n_tiles * m_tiles * S;
+  const int L = units_per_cta;
+  const int u_begin = blockIdx.x * L;
+  const int u_end = min(u_begin + L, total_units);
+  const int my_first_tile = u_begin / S;
+  const uint32_t smem_base = smem_u32(smem);
+
+  constexpr int XCHUNKS = BM * (BK / 8);
+  constexpr int XPER = XCHUNKS / THREADS;
+  static_assert(XCHUNKS % THREADS == 0, "activation chunks per thread");
+
+  for (int u = u_begin; u < u_end;) {
+    const int tile = u / S;
+    const int kb = u - tile * S;
+    const int ke = min(S, u_end - tile * S);
+    const int count = ke - kb;
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * BM;
+    const bool has_hi = 2 * ntile + 1 < tiles_128;  // the second 128-row half exists
+    const bool active = half == 0 || has_hi;        // warp-uniform
+
+    float acc[4][MT][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < MT; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+    // Stage-contiguous layout: tile 2*ntile + h, stage s is at qw[((2*ntile + h) * S + s) * HALF_W_VEC].
+    const uint4* wsrc = qw + (size_t(2 * ntile) * S + kb) * HALF_W_VEC;
+    const uint4* ssrc = qs + (size_t(2 * ntile) * S + kb) * HALF_S_VEC;
+    const size_t half_w_stride = size_t(S) * HALF_W_VEC;
+    const size_t half_s_stride = size_t(S) * HALF_S_VEC;
+
+    auto load_stage = [&](int buf, int s_rel) {
+      const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < W_STAGE_BYTES / 16 / THREADS; ++i) {
+        const int c = tid + i * THREADS;
+        const int h = c / HALF_W_VEC;  // compile-time per i
+        if (h == 0 || has_hi)
+          cp_async16_u32(base + c * 16, wsrc + h * half_w_stride + size_t(s_rel) * HALF_W_VEC + (c % HALF_W_VEC),
+                         16);
+      }
+      if (tid < S_STAGE_BYTES / 16) {
+        const int h = tid / HALF_S_VEC;
+        if (h == 0 || has_hi)
+          cp_async16_u32(base + W_STAGE_BYTES + tid * 16,
+                         ssrc + h * half_s_stride + size_t(s_rel) * HALF_S_VEC + (tid % HALF_S_VEC), 16);
+      }
+#pragma unroll
+      for (int i = 0; i < XPER; ++i) {
+        const int c = tid + i * THREADS;
+        const int row = c / (BK / 8), ch = c % (BK / 8);
+        const bool valid = m0 + row < M;
+        const __nv_bfloat16* src = x + size_t(valid ? m0 + row : 0) * K + size_t(kb + s_rel) * BK + ch * 8;
+        cp_async16_u32(base + W_STAGE_BYTES + S_STAGE_BYTES + row * XROW_BYTES + ch * 16, src, valid ? 16 : 0);
+      }
+    };
+
+    auto compute_stage = [&](int buf) {
+      const uint8_t* base = smem + buf * C::STAGE_BYTES;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base) + half * HALF_W_VEC;
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES) + half * (HALF_S_BYTES / 8);
+      const uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
+      uint4 wv[4];
+      uint2 sv[4];
+#pragma unroll
+      for (int nbw = 0; nbw < 4; ++nbw) {
+        const int blk = ((wn & 1) * 4 + nbw) * (BK / 64) + kh;  // n16 block within the 128-row half
+        wv[nbw] = wsm[blk * 32 + lane];
+        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int kk = kh * 64 + j * 16;
+        uint32_t a[4][4];
+#pragma unroll
+        for (int nbw = 0; nbw < 4; ++nbw) {
+          const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
+          const uint32_t s2 = scale_two(sword, (j & 1) * 2);  // {S(row r), S(row r+8)}
+          decode_raw(word_of(wv[nbw], j), a[nbw]);
+          a[nbw][0] = bf16x2_mul_lo(a[nbw][0], s2);
+          a[nbw][1] = bf16x2_mul_hi(a[nbw][1], s2);
+          a[nbw][2] = bf16x2_mul_lo(a[nbw][2], s2);
+          a[nbw][3] = bf16x2_mul_hi(a[nbw][3], s2);
+        }
+#pragma unroll
+        for (int mp = 0; mp < MT / 2; ++mp) {
+          const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
+          const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+          uint32_t b0[2], b1[2];
+          ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], p);
+#pragma unroll
+          for (int nbw = 0; nbw < 4; ++nbw) {
+            mma_bf16(acc[nbw][2 * mp], a[nbw], b0);
+            mma_bf16(acc[nbw][2 * mp + 1], a[nbw], b1);
+          }
+        }
+      }
+    };
+
+    // ---- this segment's stages [kb, ke) through the STAGES-deep ring (drained at the end)
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < count) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int it = 0; it < count; ++it) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      const int nxt = it + STAGES - 1;
+      if (nxt < count) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+      if (active) compute_stage(it % STAGES);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring: reuse it to sum the two k halves
+
+    {
+      float* red = reinterpret_cast<float*>(smem);
+      if (kh == 1) {
+#pragma unroll
+        for (int nbw = 0; nbw < 4; ++nbw)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) red[((nbw * MT + mt) * 4 + c) * 128 + rt] = acc[nbw][mt][c];
+      }
+      __syncthreads();
+      if (kh == 0) {
+#pragma unroll
+        for (int nbw = 0; nbw < 4; ++nbw)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[nbw][mt][c] += red[((nbw * MT + mt) * 4 + c) * 128 + rt];
+      }
+    }
+
+    // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
+    const int c_first = (tile * S) / L;
+    const int c_last = (tile * S + S - 1) / L;
+    bool do_store = true;
+    if (c_first != c_last) {
+      const int slot = tile == my_first_tile ? 0 : 1;
+      if (kh == 0) {
+        float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN));
+#pragma unroll
+        for (int nbw = 0; nbw < 4; ++nbw)
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            if (m0 + mt * 8 + (lane & 3) * 2 < M)  // only token rows that exist
+              mine[(nbw * MT + mt) * 128 + rt] =
+                  make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
+      }
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        const int prev = atomicAdd(&counters[tile], 1);
+        s_is_last = (prev == c_last - c_first);
+      }
+      __syncthreads();
+      do_store = s_is_last != 0;
+      if (do_store) {
+        __threadfence();
+        if (kh == 0) {
+          // Every partial, this CTA's included, is read back and summed in CTA order whoever arrives
+          // last: bit-identical results run to run. One n16 block at a time (MT float4 loads in flight
+          // per CTA), its sum replacing this CTA's accumulators of that block: the blocks not yet
+          // summed are dead, so registers stay within the main loop's (no spills at BM = 64).
+#pragma unroll
+          for (int nbw = 0; nbw < 4; ++nbw) {
+            float4 sum[MT];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+            for (int c = c_first; c <= c_last; ++c) {
+              const int cslot = tile == (c * L) / S ? 0 : 1;
+              const float4* part =
+                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (BM * BN)) + nbw * MT * 128 + rt;
+              float4 v[MT];
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt)
+                v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                sum[mt].x += v[mt].x;
+                sum[mt].y += v[mt].y;
+                sum[mt].z += v[mt].z;
+                sum[mt].w += v[mt].w;
+              }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              acc[nbw][mt][0] = sum[mt].x;
+              acc[nbw][mt][1] = sum[mt].y;
+              acc[nbw][mt][2] = sum[mt].z;
+              acc[nbw][mt][3] = sum[mt].w;
+            }
+          }
+        }
+        if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
+      }
+    }
+
+    // ---- epilogue (v5's math): scale by 128 / global_scale, add bias, store bf16
+    if (do_store && kh == 0 && active) {
+      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+      for (int nbw = 0; nbw < 4; ++nbw) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = (ntile * (BN / 16) + wn * 4 + nbw) * 16 + (lane >> 2) + 8 * h;
+          if (n >= N) continue;
+          const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
+              if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nbw][mt][2 * h + e] * alpha + bv);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // the reduction buffer and s_is_last are reused by the next segment
+    u = tile * S + ke;
+  }
+}
+
+template <int BM>
+cudaError_t prepare_sk() {
+  static bool done[64] = {};  // per device; benign race: the attribute call is idempotent
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64 || !done[dev]) {
+    int optin = 0;
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess) return e;
+    if (optin < SkCfg<BM>::SMEM_BYTES) return cudaErrorNotSupported;  // e.g. sm_89 (99 KB): use v5
+    e = cudaFuncSetAttribute(nvfp4_gemm_streamk_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             SkCfg<BM>::SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64) done[dev] = true;
+  }
+  return cudaSuccess;
+}
+
+// The schedule, shared by the launcher and the workspace size (mirrored in verl_qerl/kernels/streamk.py).
+struct Schedule {
+  int units = 0;          // m_tiles * n_tiles * stages
+  int units_per_cta = 0;  // ceil(units / requested CTAs)
+  int ctas = 0;           // CTAs with a non-empty range: ceil(units / units_per_cta)
+};
+
+Schedule schedule(int M, int N, int K, int grid, int block_m) {
+  Schedule s;
+  const long long units =
+      (long long)((N + BN - 1) / BN) * ((M + block_m - 1) / block_m) * (long long)(K / BK);
+  if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
+  s.units = int(units);
+  s.units_per_cta = int((units + grid - 1) / grid);
+  s.ctas = int((units + s.units_per_cta - 1) / s.units_per_cta);
+  return s;
+}
+
+template <int BM>
+cudaError_t launch_sk(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
+                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
+  cudaError_t e = prepare_sk<BM>();
+  if (e != cudaSuccess) return e;
+  const Schedule s = schedule(M, N, K, grid, BM);
+  if (s.ctas <= 0) return cudaErrorInvalidValue;
+  nvfp4_gemm_streamk_kernel<BM><<<s.ctas, THREADS, SkCfg<BM>::SMEM_BYTES, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
+      gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
+      s.units_per_cta);
+  return cudaGetLastError();
+}
+
+template <int BM>
+int ctas_per_sm_sk() {
+  if (prepare_sk<BM>() != cudaSuccess) return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_streamk_kernel<BM>, THREADS,
+                                                    SkCfg<BM>::SMEM_BYTES) != cudaSuccess)
+    return 0;
+  return n;
+}
+
+}  // namespace
+}  // namespace qerl
+
+extern "C" cudaError_t qerl_nvfp4_gemm_streamk_launch(const void* x, const void* qweight, const void* qscale,
+                                                      const float* global_scale, const void* bias, void* out,
+                                                      float* workspace, int* counters, int M, int N, int K,
+                                                      int grid, int block_m, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || grid < 1)
+    return cudaErrorInvalidValue;
+  if (counters == nullptr) return cudaErrorInvalidValue;
+  if (qerl_nvfp4_gemm_streamk_workspace_floats(M, N, K, grid, block_m) > 0 && workspace == nullptr)
+    return cudaErrorInvalidValue;
+  switch (block_m) {
+    case 32:
+      return qerl::launch_sk<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                 stream);
+    case 64:
+      return qerl::launch_sk<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                 stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" size_t qerl_nvfp4_gemm_streamk_workspace_floats(int M, int N, int K, int grid, int block_m) {
+  if (block_m != 32 && block_m != 64) return 0;
+  const qerl::Schedule s = qerl::schedule(M, N, K, grid, block_m);
+  if (s.ctas <= 0) return 0;
+  // Every range starts and ends on a tile boundary: all segments are whole tiles, no partials.
+  if (s.units_per_cta % (K / QERL_GEMM_BK) == 0) return 0;
+  return size_t(2) * size_t(s.ctas) * size_t(block_m) * size_t(qerl::BN);
+}
+
+extern "C" int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m) {
+  if (block_m != 32 && block_m != 64) return 0;
+  return ((N + qerl::BN - 1) / qerl::BN) * ((M + block_m - 1) / block_m);
+}
+
+extern "C" int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m) {
+  switch (block_m) {
+    case 32:
+      return qerl::ctas_per_sm_sk<32>();
+    case 64:
+      return qerl::ctas_per_sm_sk<64>();
+    default:
+      return 0;
+  }
+}
