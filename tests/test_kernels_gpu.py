@@ -125,6 +125,95 @@ def test_gemm_kernel_vs_f64(m: int, n: int, k: int, with_bias: bool) -> None:
         assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"mode={mode}"
 
 
+#: fused-GEMM op mode per variant: 1 = v5, 5 = the opt-in stream-K kernel (v5.5) where it applies
+VARIANT_MODES = {"v5": 1, "streamk": 5}
+STREAMK_SHAPES = [
+    # (M, N, K), block_m 32 / 64 (where stream-K applies); with the CTAs = SMs schedule these give
+    (17, 272, 128),  # 2 whole tiles, N % 256 = 16: the second 128-row half of tile 1 does not exist
+    (33, 400, 640),  # 2 tiles x 5 stages over 10 CTAs: every tile summed from 5 partials; N % 256 = 144
+    (64, 4352, 3584),  # 17 tiles x 28 stages: partial and whole segments, K not a multiple of the range
+    (64, 37888, 3584),  # the 7B gate_up of the NOTES prediction (130 CTAs of 32 stages)
+    (100, 1040, 768),  # 2 M-tiles (tail 36 tokens) x 5 N-tiles (last one half), 6 stages
+    (200, 528, 896),  # 4 M-tiles (tail 8 tokens) x 3 N-tiles, 7 stages
+]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_MODES))
+@pytest.mark.parametrize("m,n,k", STREAMK_SHAPES)
+def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
+    """Both fused kernels on the medium-M shapes: float64 reference, NaN-poisoned outputs (every row < M,
+    column < N written, nothing else), bias, and bit-identical repeats (the stream-K partials are summed
+    in a fixed order whichever CTA arrives last)."""
+    seed = m * 977 + n * 3 + k
+    packed, scale, gs = rand_nvfp4(n, k, seed=seed)
+    rw = kernels.repack(packed, scale)
+    g = torch.Generator(device=DEV).manual_seed(seed + 1)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16) if m % 2 == 0 else None
+    ref = reference.linear_f64(x, packed, scale, gs, bias)
+    if variant == "streamk" and torch.cuda.get_device_capability()[0] == 9:
+        assert kernels.extension().streamk_grid(m, n) > 0, "stream-K must apply on Hopper for block_m 32 / 64"
+    mode = VARIANT_MODES[variant]
+    outs = []
+    for _ in range(3):
+        poison((m, n), torch.bfloat16)
+        outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, mode))
+    torch.cuda.synchronize()
+    out = outs[0]
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    err = rel(out, ref)
+    assert err <= TOL, f"{variant}: rel err {err:.3e}"
+    for o in outs[1:]:
+        assert torch.equal(o, out), f"{variant}: not deterministic"
+
+
+def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode 5), v5 stays the
+    default (bit-equal to mode 1), M <= 16 keeps v5 either way, and the stream-K path captures in a graph."""
+    n, k = 2320, 1408  # 10 N-tiles (last one half), 11 stages
+    packed, scale, gs = rand_nvfp4(n, k, seed=77)
+    rw = kernels.repack(packed, scale)
+    bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    for m in (8, 24, 64, 120):
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        v5 = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 1)
+        sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 5)
+        monkeypatch.delenv("QERL_GEMM_KERNEL", raising=False)
+        assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), v5)
+        monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
+        assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), sk)
+        if m <= 16:
+            assert torch.equal(sk, v5)  # stream-K does not apply: v5 ran
+        assert rel(sk, reference.linear_f64(x, packed, scale, gs, bias)) <= TOL
+    monkeypatch.setenv("QERL_GEMM_KERNEL", "nope")
+    with pytest.raises(ValueError, match="QERL_GEMM_KERNEL"):
+        kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
+    monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
+
+    m = 48
+    x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
+
+    f(x_static)  # warm up outside capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        f(x_static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = f(x_static)
+    for i in range(3):
+        x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
+
+
 def test_gemm_large_values_finite() -> None:
     m, n, k = 16, 256, 2048
     packed, scale, gs = rand_nvfp4(n, k, seed=5, big=True)

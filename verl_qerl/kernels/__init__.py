@@ -38,6 +38,7 @@ __all__ = [
     "dequantize",
     "dequantize_repacked",
     "extension",
+    "gemm_kernel_variant",
     "gemm_supported",
     "linear",
     "load_extension",
@@ -48,6 +49,13 @@ log = logging.getLogger(__name__)
 
 #: The GEMM kernel (and the repacked layout) need K to be a multiple of its pipeline stage.
 GEMM_K_MULTIPLE = K_STAGE
+
+#: Environment variable choosing the fused GEMM kernel: ``v5`` (default) or ``streamk`` (the opt-in
+#: v5.5 variant, cuda/nvfp4_gemm_streamk.cu, used by the fused GEMM for M >= 17, i.e. block_m 32 / 64;
+#: v5 for smaller M). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
+GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
+#: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (0: auto with v5, 4: auto with stream-K).
+GEMM_KERNEL_MODES = {"v5": 0, "streamk": 4}
 
 
 class _State:
@@ -106,6 +114,22 @@ def cuda_available() -> bool:
 def cuda_unavailable_reason() -> str:
     """Why :func:`cuda_available` is False ('' when it is True, or 'not loaded yet')."""
     return _State.reason
+
+
+def gemm_kernel_variant() -> str:
+    """The fused GEMM variant named by ``$QERL_GEMM_KERNEL`` (``v5`` when unset or empty).
+
+    Read at every dispatch in eager mode (so a benchmark can switch it between calls); under
+    ``torch.compile`` it is read once at trace time and baked into the graph. An unknown value raises
+    ``ValueError`` naming the variable, rather than silently running the default.
+    """
+    raw = os.environ.get(GEMM_KERNEL_ENV, "")
+    v = raw.strip().lower() or "v5"
+    if v not in GEMM_KERNEL_MODES:
+        raise ValueError(
+            f"{GEMM_KERNEL_ENV}={raw!r} is not a GEMM kernel variant; expected one of {sorted(GEMM_KERNEL_MODES)}"
+        )
+    return v
 
 
 def _ext_ready(device: torch.device) -> bool:
@@ -184,6 +208,8 @@ def linear(
     1. CUDA, extension loaded, ``kernel_weight`` given, x bf16, K % 128 == 0: the
        ``qerl::nvfp4_gemm`` op, which picks the fused GEMM (M <= its tuned threshold) or
        dequantize + cuBLAS inside the op (no Python branch on M, so no torch.compile guard);
+       the fused GEMM is v5 or, with ``QERL_GEMM_KERNEL=streamk``, the stream-K variant where it
+       applies (see :func:`gemm_kernel_variant`);
     2. CUDA, extension loaded: ``qerl::nvfp4_dequant`` to x's dtype, then ``F.linear``;
     3. anywhere else: the torch reference (dequantize, ``F.linear``).
 
@@ -201,9 +227,10 @@ def linear(
         bias = bias.to(x.dtype)
     ready = _ext_ready(x.device)
     if ready and kernel_weight is not None and gemm_supported(k, x.dtype):
+        mode = GEMM_KERNEL_MODES[gemm_kernel_variant()]
         x2 = x.reshape(-1, k)
         out = torch.ops.qerl.nvfp4_gemm(
-            x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, 0
+            x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, mode
         )
         return out.reshape(*x.shape[:-1], n_out)
     if packed is None or scale is None:
