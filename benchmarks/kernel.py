@@ -8,6 +8,9 @@ For Qwen2.5-7B and -32B decoder-layer GEMMs (qkv, o, gate_up, down) and M in
 * ``ours``   -- ``qerl::nvfp4_gemm`` through its M dispatch (the production path);
 * ``kernel`` / ``dqmm`` -- the two paths forced (fused GEMM; dequantize + cuBLAS), to tune the
   dispatch threshold;
+* ``kernel_streamk`` -- with ``--variants v5,streamk``: the opt-in stream-K fused kernel (v5.5,
+  ``QERL_GEMM_KERNEL=streamk``) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
+  per-GEMM and per-layer ratio ``streamk/v5`` = v5 time / stream-K time (> 1: stream-K faster);
 * ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
   ``float4_e2m1f`` type), through vLLM's public helpers ``prepare_fp4_layer_for_marlin`` and
   ``apply_fp4_marlin_linear`` (``vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py``,
@@ -28,6 +31,8 @@ Writes ``benchmarks/results/kernel-<gpu>.json`` (``<gpu>`` from the device name:
     python benchmarks/kernel.py --quick         # fewer shapes/iterations (smoke test)
     python benchmarks/kernel.py --sanitize      # tiny correctness run for compute-sanitizer
     python benchmarks/kernel.py --no-marlin     # without the vLLM Marlin column
+    python benchmarks/kernel.py --variants v5,streamk --models qwen2.5-7b --ms 16,64,128  # v5 vs stream-K
+    python benchmarks/kernel.py --profile --variants v5,streamk --profile-m 64  # both kernels, under ncu
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from results_format import target_met, target_status  # benchmarks/: this script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import reference  # noqa: E402
+from verl_qerl.kernels import reference, streamk  # noqa: E402
 
 DEV = "cuda"
 MODELS = {
@@ -73,7 +78,74 @@ MARLIN_TOL = 1e-2  # relative norm error vs the float64 reference, checked befor
 MARLIN_MIN_CAPABILITY = (7, 5)
 MARLIN_MODULE = "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4"
 MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_fp4_marlin_supported")
+#: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (1: v5; 5: stream-K where it applies)
+VARIANT_KERNEL_MODES = {"v5": 1, "streamk": 5}
+
+
+def parse_variants(text: str | None) -> list[str]:
+    """``--variants`` ("v5,streamk") -> ordered, de-duplicated variant names; v5 always first (the baseline
+    the ratios divide by). Unknown names raise ValueError naming them and the known ones."""
+    names = [v.strip().lower() for v in (text or "v5").split(",") if v.strip()]
+    bad = [v for v in names if v not in VARIANT_KERNEL_MODES]
+    if bad:
+        raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(VARIANT_KERNEL_MODES)}")
+    return ["v5"] + [v for v in dict.fromkeys(names) if v != "v5"]
+
+
+def variant_applies(variant: str, m: int) -> bool:
+    """Whether timing ``variant`` at M measures anything but v5 again (stream-K: block_m 32 / 64 only)."""
+    if variant == "v5":
+        return True
+    return streamk.applies(m) and m <= 1024
+
+
+def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
+    """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given, else the one
+    ``$QERL_GEMM_KERNEL`` selects (so ``QERL_GEMM_KERNEL=streamk ... --profile`` profiles stream-K)."""
+    names = variants if variants else [env_variant]
+    return [(v, VARIANT_KERNEL_MODES[v]) for v in names]
+
+
+def add_variant_ratios(row: dict, variants: list[str]) -> dict:
+    """``row["<v>/v5"]`` = kernel_graph_ms / kernel_<v>_graph_ms (the variant's speedup over v5, CUDA-graph
+    timing; > 1 means the variant is faster), where both are present."""
+    for v in variants:
+        if v != "v5" and row.get("kernel_graph_ms") and row.get(f"kernel_{v}_graph_ms"):
+            row[f"{v}/v5"] = round(row["kernel_graph_ms"] / row[f"kernel_{v}_graph_ms"], 3)
+    return row
+
+
+def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """Printed comparison of the fused-kernel variants: per GEMM and per layer, graph ms and ratio to v5."""
+    others = [v for v in variants if v != "v5"]
+    if not others:
+        return []
+    head = f"{'model':12s} {'layer':8s} {'M':>5s} | {'v5 g':>8s}"
+    for v in others:
+        head += f" {v + ' g':>10s} {v + '/v5':>10s}"
+    lines = ["# fused-kernel variants, CUDA graph ms; <v>/v5 = v5 / variant (> 1: variant faster)", head]
+    for r in rows:
+        if not any(r.get(f"kernel_{v}_graph_ms") for v in others):
+            continue
+        v5 = r.get("kernel_graph_ms")
+        line = f"{r['model']:12s} {r['layer']:8s} {r['M']:5d} | " + (f"{v5:8.4f}" if v5 else f"{'-':>8s}")
+        for v in others:
+            t, q = r.get(f"kernel_{v}_graph_ms"), r.get(f"{v}/v5")
+            line += (f" {t:10.4f}" if t else f" {'-':>10s}") + (f" {q:10.3f}" if q else f" {'-':>10s}")
+        lines.append(line)
+    return lines
 MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
+
+
+def select_models(text: str | None) -> dict:
+    """``--models`` -> the MODELS subset, in MODELS order; unknown names raise ValueError naming them."""
+    if not text:
+        return dict(MODELS)
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in MODELS]
+    if bad:
+        raise ValueError(f"--models: unknown model(s) {bad}; known: {sorted(MODELS)}")
+    return {k: v for k, v in MODELS.items() if k in names}
 
 
 def layer_shapes(c: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -369,7 +441,10 @@ def sanitize_run() -> int:
     torch.manual_seed(0)
     bad = 0
     for m, n, k, mode in [(1, 256, 256, 1), (5, 272, 512, 18), (16, 128, 384, 19), (40, 384, 256, 1),
-                          (70, 128, 256, 17), (3, 256, 512, 2), (300, 2048, 256, 2), (260, 1040, 384, 3)]:
+                          (70, 128, 256, 17), (3, 256, 512, 2), (300, 2048, 256, 2), (260, 1040, 384, 3),
+                          # the stream-K variant (mode 5): whole tiles, many partials, half tiles, M tails
+                          (17, 272, 128, 5), (33, 400, 640, 5), (100, 1040, 768, 5), (200, 528, 896, 5),
+                          (64, 4352, 3584, 5)]:
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
@@ -431,7 +506,7 @@ def prepare_marlin(mod, q4, n: int, k: int, xs: dict[int, torch.Tensor]) -> tupl
 
 
 def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods,
-                  marlin_mod=None) -> list[dict]:
+                  marlin_mod=None, variants: list[str] | None = None) -> list[dict]:
     """All methods, eager and graph, for one GEMM shape over ms (weights rotate over ROT sets)."""
     ext = kernels.extension()
     w_bf16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
@@ -459,6 +534,9 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         }
         if m >= 256:
             fns["dqmm_sliced"] = ours(3, x)
+        for v in variants or []:
+            if v != "v5" and variant_applies(v, m):
+                fns[f"kernel_{v}"] = ours(VARIANT_KERNEL_MODES[v], x)
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(
@@ -467,13 +545,15 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             fns["marlin"] = lambda r, x=x: mfns[r % ROT](x)
         rec = {"model": mname, "layer": lname, "N": n, "K": k, "M": m, "splits": int(ext.splits_for(m, n, k)),
                **minfo}
+        if "streamk" in (variants or []):
+            rec["streamk_grid"] = int(ext.streamk_grid(m, n))
         for key, fn in fns.items():
-            if key == "kernel" and m > 1024:
+            if key.startswith("kernel") and m > 1024:
                 continue  # the fused kernel is not meant for these sizes (and is slow there)
             rec[f"{key}_eager_ms"] = round(bench_eager(fn, iters), 5)
             g = bench_graph(fn, reps=iters)
             rec[f"{key}_graph_ms"] = round(g, 5) if g is not None else None
-        recs.append(add_marlin_ratio(rec))
+        recs.append(add_variant_ratios(add_marlin_ratio(rec), variants or []))
     return recs
 
 
@@ -500,10 +580,12 @@ PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 3788
                   (256, 37888, 3584)]
 
 
-def profile_run(marlin: bool = False, ms: set[int] | None = None) -> int:
-    """One fused-kernel call per shape (for ncu), after a warm-up call each; with ``marlin`` vLLM's Marlin FP4
-    GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the two GEMMs)."""
+def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list[str] | None = None) -> int:
+    """One fused-kernel call per shape and variant (for ncu), after a warm-up call each; with ``marlin`` vLLM's
+    Marlin FP4 GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the GEMMs:
+    v5 is ``nvfp4_gemm_kernel``, stream-K ``nvfp4_gemm_streamk_kernel``)."""
     kernels.load_extension()
+    modes = profile_modes(variants, kernels.gemm_kernel_variant())
     mod = None
     if marlin:
         mod, why = load_marlin(torch.cuda.get_device_capability())
@@ -513,14 +595,16 @@ def profile_run(marlin: bool = False, ms: set[int] | None = None) -> int:
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        calls = [functools.partial(torch.ops.qerl.nvfp4_gemm, x, rw.qweight, rw.qscale, gs, None, n, 1)]
+        calls = [functools.partial(torch.ops.qerl.nvfp4_gemm, x, rw.qweight, rw.qscale, gs, None, n, mode)
+                 for _, mode in modes]
         if mod is not None:
             calls.append(functools.partial(marlin_apply(mod, marlin_layer(mod, packed, scale, gs, n, k), n, k), x))
         for call in calls:
             for _ in range(2):
                 call()
                 torch.cuda.synchronize()
-        print(f"# profiled M={m} N={n} K={k}: {len(calls)} GEMM(s) x 2 calls", flush=True)
+        print(f"# profiled M={m} N={n} K={k} ({', '.join(v for v, _ in modes)}): {len(calls)} GEMM(s) x 2 calls",
+              flush=True)
     return 0
 
 
@@ -607,8 +691,19 @@ def main() -> int:
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--threshold", type=int, default=-1, help="force the dispatch threshold (M)")
     ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
+    ap.add_argument("--variants", default=None,
+                    help="fused-kernel variants to time side by side (v5,streamk); with --profile: to profile "
+                    "(default: the one $QERL_GEMM_KERNEL selects)")
+    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODELS)} (default all)")
+    ap.add_argument("--ms", default=None, help="comma list of M (default: all, or --quick's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        variants = parse_variants(args.variants)
+        models = select_models(args.models)
+        ms_arg = [int(v) for v in args.ms.split(",")] if args.ms else None
+    except ValueError as ex:
+        ap.error(str(ex))
     if args.ncu_summary:
         for row in ncu_summary(args.ncu_summary):
             print(json.dumps(row))
@@ -621,13 +716,13 @@ def main() -> int:
         return repro_throw()
     if args.profile:
         keep = {int(v) for v in args.profile_m.split(",")} if args.profile_m else None
-        return profile_run(marlin=args.profile_marlin, ms=keep)
+        return profile_run(marlin=args.profile_marlin, ms=keep, variants=variants if args.variants else None)
     torch.backends.cuda.matmul.allow_tf32 = True
     if not kernels.load_extension(verbose=False):
         print("extension failed:", kernels.cuda_unavailable_reason())
         return 1
     ext = kernels.extension()
-    ms = [1, 16, 64, 256, 4096] if args.quick else MS
+    ms = ms_arg or ([1, 16, 64, 256, 4096] if args.quick else MS)
     iters = 10 if args.quick else 30
     name = torch.cuda.get_device_name()
     out: dict = {
@@ -636,6 +731,8 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "rot_weight_sets": ROT,
+        "variants": variants,
+        "gemm_kernel_env": os.environ.get(kernels.GEMM_KERNEL_ENV, ""),
     }
     bw, tf = ceilings()
     out["copy_TBps"], out["bf16_TFLOPs"] = round(bw, 3), round(tf, 1)
@@ -672,10 +769,10 @@ def main() -> int:
 
     rows = []
     t0 = time.time()
-    for mname, cfg in MODELS.items():
+    for mname, cfg in models.items():
         recs = []
         for lname, n, k in layer_shapes(cfg):
-            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods, marlin_mod):
+            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods, marlin_mod, variants):
                 recs.append(rec)
                 print(json.dumps(rec), flush=True)
             torch.cuda.empty_cache()
@@ -687,7 +784,7 @@ def main() -> int:
             lay["floor_fp4_ms"] = round(nweights * 0.5625 / (bw * 1e12) * 1e3, 5)
             lay["floor_bf16_bytes_ms"] = round(nweights * 2 / (bw * 1e12) * 1e3, 5)
             lay["floor_compute_ms"] = round(2 * m * nweights / (tf * 1e12) * 1e3, 5)
-            rows.append(add_marlin_ratio(lay))
+            rows.append(add_variant_ratios(add_marlin_ratio(lay), variants))
     out["rows"] = rows
     out["elapsed_s"] = round(time.time() - t0, 1)
     if marlin_mod is not None:
@@ -708,8 +805,11 @@ def main() -> int:
 
     print()
     print("\n".join(table_lines(rows, name)))
+    if len(variants) > 1:
+        print()
+        print("\n".join(variant_lines(rows, variants)))
     rec_thr = {}
-    for mname in MODELS:
+    for mname in models:
         faster = [r["M"] for r in rows if r["layer"] == "sum" and r["model"] == mname
                   and r.get("kernel_graph_ms") and r.get("dqmm_graph_ms") and r["kernel_graph_ms"] < r["dqmm_graph_ms"]]
         rec_thr[mname] = max(faster) if faster else 0

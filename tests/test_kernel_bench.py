@@ -253,3 +253,46 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
     (tmp_path / "bad.csv").write_text("no header here\n")
     with pytest.raises(SystemExit, match="no ncu CSV header"):
         kb.ncu_summary(str(tmp_path / "bad.csv"))
+
+
+# --- fused-kernel variants (v5 vs the opt-in stream-K kernel) ----------------------------------------
+
+def test_parse_variants_and_models(kb):
+    assert kb.parse_variants(None) == ["v5"]
+    assert kb.parse_variants("streamk") == ["v5", "streamk"]  # v5 is always the baseline, first
+    assert kb.parse_variants(" StreamK,v5,streamk ") == ["v5", "streamk"]
+    with pytest.raises(ValueError, match=r"unknown kernel variant\(s\) \['v6'\]"):
+        kb.parse_variants("v5,v6")
+    assert list(kb.select_models(None)) == list(kb.MODELS)
+    assert list(kb.select_models("qwen2.5-7b")) == ["qwen2.5-7b"]
+    with pytest.raises(ValueError, match="qwen9"):
+        kb.select_models("qwen9")
+
+
+def test_variant_applies_and_profile_modes(kb):
+    assert kb.variant_applies("v5", 1) and kb.variant_applies("v5", 4096)
+    assert [m for m in (1, 4, 16, 17, 64, 256, 1024, 4096) if kb.variant_applies("streamk", m)] == [17, 64, 256, 1024]
+    # --profile follows $QERL_GEMM_KERNEL unless --variants is given
+    assert kb.profile_modes(None, "v5") == [("v5", 1)]
+    assert kb.profile_modes(None, "streamk") == [("streamk", 5)]
+    assert kb.profile_modes(["v5", "streamk"], "v5") == [("v5", 1), ("streamk", 5)]
+
+
+def test_variant_ratios_sums_and_lines(kb):
+    recs = []
+    for lname in ("qkv", "o", "gate_up", "down"):
+        for m in (1, 64):
+            rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 128, "M": m, "kernel_graph_ms": 0.02}
+            if kb.variant_applies("streamk", m):
+                rec["kernel_streamk_graph_ms"] = 0.016
+            recs.append(kb.add_variant_ratios(rec, ["v5", "streamk"]))
+    assert recs[1]["streamk/v5"] == 1.25 and "streamk/v5" not in recs[0]
+    sums = kb.sum_layers(recs, 4)
+    assert sums[64]["kernel_streamk_graph_ms"] == pytest.approx(0.064) and "kernel_streamk_graph_ms" not in sums[1]
+    rows = recs + [kb.add_variant_ratios({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}, ["v5", "streamk"])
+                   for m, s in sums.items()]
+    lines = kb.variant_lines(rows, ["v5", "streamk"])
+    assert "streamk g" in lines[1] and "streamk/v5" in lines[1]
+    assert len(lines) == 2 + 4 + 1  # four GEMMs and the layer sum at M = 64; nothing at M = 1
+    assert lines[-1].split()[:3] == ["qwen2.5-7b", "sum", "64"] and lines[-1].endswith("1.250")
+    assert kb.variant_lines(rows, ["v5"]) == []
