@@ -127,4 +127,51 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
   return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
+// ---- the pipeline both GEMM kernels drive (one definition: a fix to the ring protocol reaches both)
+
+// Streams `count` K stages through a STAGES-deep cp.async ring: STAGES - 1 stages in flight ahead of the one
+// computed. load(buf, stage) issues one stage's copies into ring slot buf; compute(buf) consumes slot buf.
+// Returns with the ring drained and every warp past a barrier, so the caller may reuse the shared memory.
+template <int STAGES, class Load, class Compute>
+__device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < count) load(s, s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < count; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int nxt = it + STAGES - 1;
+    if (nxt < count) load(nxt % STAGES, nxt);
+    cp_async_commit();
+    compute(it % STAGES);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// The two k-half warps of an output fragment set (kh = 0 / 1, same rt in 0..127) sum their accumulators
+// through `red` (NB * MT * 4 * 128 floats of drained shared memory): afterwards kh == 0 holds the total.
+template <int NB, int MT>
+__device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red, int kh, int rt) {
+  if (kh == 1) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[((nb * MT + mt) * 4 + c) * 128 + rt] = acc[nb][mt][c];
+  }
+  __syncthreads();
+  if (kh == 0) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[nb][mt][c] += red[((nb * MT + mt) * 4 + c) * 128 + rt];
+  }
+}
+
 }  // namespace qerl

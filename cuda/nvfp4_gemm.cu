@@ -160,43 +160,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     }
   };
 
-  // ---- main loop: STAGES-deep cp.async ring
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < s_count) load_stage(s, s);
-    cp_async_commit();
-  }
-  for (int it = 0; it < s_count; ++it) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    const int nxt = it + STAGES - 1;
-    if (nxt < s_count) load_stage(nxt % STAGES, nxt);
-    cp_async_commit();
-    compute_stage(it % STAGES);
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the ring: reuse it to sum the two k halves
-
-  {
-    float* red = reinterpret_cast<float*>(smem);
-    if (kh == 1) {
-#pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) red[((nbw * MT + mt) * 4 + c) * 128 + rt] = acc[nbw][mt][c];
-    }
-    __syncthreads();
-    if (kh == 0) {
-#pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[nbw][mt][c] += red[((nbw * MT + mt) * 4 + c) * 128 + rt];
-    }
-  }
+  // ---- main loop: STAGES-deep cp.async ring; then the drained ring sums the two k halves
+  run_cp_async_ring<STAGES>(s_count, load_stage, compute_stage);
+  sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt);
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
   if (splits > 1) {

@@ -186,43 +186,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     };
 
-    // ---- this segment's stages [kb, ke) through the STAGES-deep ring (drained at the end)
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < count) load_stage(s, s);
-      cp_async_commit();
-    }
-    for (int it = 0; it < count; ++it) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();
-      const int nxt = it + STAGES - 1;
-      if (nxt < count) load_stage(nxt % STAGES, nxt);
-      cp_async_commit();
-      if (active) compute_stage(it % STAGES);
-    }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the ring: reuse it to sum the two k halves
-
-    {
-      float* red = reinterpret_cast<float*>(smem);
-      if (kh == 1) {
-#pragma unroll
-        for (int nbw = 0; nbw < 4; ++nbw)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[((nbw * MT + mt) * 4 + c) * 128 + rt] = acc[nbw][mt][c];
-      }
-      __syncthreads();
-      if (kh == 0) {
-#pragma unroll
-        for (int nbw = 0; nbw < 4; ++nbw)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[nbw][mt][c] += red[((nbw * MT + mt) * 4 + c) * 128 + rt];
-      }
-    }
+    // ---- this segment's stages [kb, ke) through the STAGES-deep ring (drained at the end), then the
+    // drained ring sums the two k halves
+    run_cp_async_ring<STAGES>(count, load_stage, [&](int buf) {
+      if (active) compute_stage(buf);
+    });
+    sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt);
 
     // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
     const int c_first = (tile * S) / L;

@@ -51,6 +51,21 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(48, 80), (4608, 3584), (33 * 16, 16 * 7)])
+
+def capture_graph(f, x_static: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:  # noqa: ANN001
+    """Warm ``f`` up outside capture (also on a side stream, as torch's docs require), then capture one call
+    into a CUDA graph; returns the graph and its static output."""
+    f(x_static)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        f(x_static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = f(x_static)
+    return graph, y_static
+
 def test_dequant_bit_exact(n: int, k: int, dtype: torch.dtype) -> None:
     packed, scale, gs = rand_nvfp4(n, k, seed=n * 7 + k)
     poison((n, k), dtype)
@@ -197,15 +212,7 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
     def f(x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
 
-    f(x_static)  # warm up outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        f(x_static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = f(x_static)
+    graph, y_static = capture_graph(f, x_static)
     for i in range(3):
         x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         x_static.copy_(x_new)
@@ -256,15 +263,7 @@ def test_cuda_graph_capture_and_compile() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw) * 2.0
 
-    f(x_static)  # warm up outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        f(x_static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = f(x_static)
+    graph, y_static = capture_graph(f, x_static)
     for i in range(3):
         x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         x_static.copy_(x_new)
