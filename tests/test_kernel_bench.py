@@ -296,3 +296,25 @@ def test_variant_ratios_sums_and_lines(kb):
     assert len(lines) == 2 + 4 + 1  # four GEMMs and the layer sum at M = 64; nothing at M = 1
     assert lines[-1].split()[:3] == ["qwen2.5-7b", "sum", "64"] and lines[-1].endswith("1.250")
     assert kb.variant_lines(rows, ["v5"]) == []
+
+
+def test_gpu_kernel_check_script_uses_real_options(kb):
+    """benchmarks/gpu/kernel_check.sh runs once per GPU session with no second chance: every kernel.py option,
+    model and variant it passes must exist here (a renamed flag would otherwise cost a device call)."""
+    import re
+    import subprocess
+
+    script = REPO / "benchmarks" / "gpu" / "kernel_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    src = (REPO / "benchmarks" / "kernel.py").read_text()
+    known = set(re.findall(r'add_argument\("(--[a-z0-9-]+)"', src))
+    used = set()
+    for cmd in re.findall(r'benchmarks/kernel\.py((?:[^\n"\\]|\\\n)*)', text):  # up to the line end, past \ + newline
+        used |= set(re.findall(r"(--[a-z0-9-]+)", cmd))
+    assert used and used <= known, sorted(used - known)
+    assert {"--variants", "--sanitize", "--profile", "--ms"} <= used
+    assert kb.parse_variants("v5,streamk") == ["v5", "streamk"]
+    models = re.search(r"--models ([a-z0-9.,-]+)", text).group(1)
+    assert set(kb.select_models(models)) == set(models.split(","))
+    assert "tests/test_kernels_gpu.py" in text and (REPO / "tests" / "test_kernels_gpu.py").is_file()

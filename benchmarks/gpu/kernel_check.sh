@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One GPU call that validates and times the fused-GEMM variants (ON the GPU machine, repository root).
+#   OUT=$OUT bash benchmarks/gpu/kernel_check.sh            # ~4-6 min on one H100/H200
+# Why one script: the v5.5 stream-K kernel (QERL_GEMM_KERNEL=streamk) was written without a GPU; its first call
+# must answer, in order, "is it correct" (GPU tests of both variants, compute-sanitizer) before "is it fast"
+# (CUDA-graph timing of v5 and streamk side by side, then an ncu stall profile at M = 64 next to the prediction
+# in benchmarks/NOTES.md "v5.5"). Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
+# vLLM is staged (/tmp/site/qerl_env.sh, benchmarks/GPU.md) the timing gets the Marlin column and ncu profiles
+# Marlin on the same weights. Steps after a failed one still run; the exit status says whether any failed.
+# Writes to $OUT: kernel_check.log, gpu_tests.log, sanitizer.log, kernel-<gpu>.json, ncu-variants-m64.csv.gz.
+set -uo pipefail
+OUT=${OUT:?set OUT to an output folder}
+cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
+if [ -f /tmp/site/qerl_env.sh ]; then source /tmp/site/qerl_env.sh; STAGED=1; else STAGED=0; fi
+export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+LOG="$OUT/kernel_check.log"; : > "$LOG"
+fail=0
+step() {  # step NAME TIMEOUT_S CMD...: run, log its rc and seconds, keep going
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  timeout "$limit" "$@"; local rc=$?
+  echo "[kernel_check] $name rc=$rc in $(( $(date +%s) - t )) s" | tee -a "$LOG"
+  [ $rc -eq 0 ] || fail=1
+}
+echo "[kernel_check] staged vLLM: $STAGED; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
+step build 240 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
+import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
+step gpu_tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py > '$OUT/gpu_tests.log' 2>&1"
+tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+step sanitizer 300 bash -c "'$SAN' --tool memcheck --error-exitcode 9 python3 benchmarks/kernel.py --sanitize \
+  > '$OUT/sanitizer.log' 2>&1"
+grep -E "ERROR SUMMARY|error" "$OUT/sanitizer.log" | tail -3 | tee -a "$LOG"
+MARLIN=(--no-marlin); [ "$STAGED" = 1 ] && MARLIN=()
+step timing 300 python3 benchmarks/kernel.py --no-tune --variants v5,streamk --models qwen2.5-7b \
+  --ms 1,16,33,64,128 "${MARLIN[@]}" --out "$OUT"
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+PM=(); [ "$STAGED" = 1 ] && PM=(--profile-marlin)
+step ncu 240 bash -c "'$NCU' --clock-control none -k 'regex:nvfp4_gemm|Marlin' --set full --page raw --csv \
+  python3 benchmarks/kernel.py --profile ${PM[*]} --variants v5,streamk --profile-m 64 > /tmp/ncu_variants.csv"
+gzip -c /tmp/ncu_variants.csv > "$OUT/ncu-variants-m64.csv.gz" 2>/dev/null
+echo "[kernel_check] done, failed steps: $fail" | tee -a "$LOG"
+exit $fail
