@@ -49,9 +49,6 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,k", [(48, 80), (4608, 3584), (33 * 16, 16 * 7)])
-
 def capture_graph(f, x_static: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:  # noqa: ANN001
     """Warm ``f`` up outside capture (also on a side stream, as torch's docs require), then capture one call
     into a CUDA graph; returns the graph and its static output."""
@@ -66,6 +63,9 @@ def capture_graph(f, x_static: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torc
         y_static = f(x_static)
     return graph, y_static
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(48, 80), (4608, 3584), (33 * 16, 16 * 7)])
 def test_dequant_bit_exact(n: int, k: int, dtype: torch.dtype) -> None:
     packed, scale, gs = rand_nvfp4(n, k, seed=n * 7 + k)
     poison((n, k), dtype)
