@@ -174,4 +174,58 @@ __device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red
   }
 }
 
+// ---- split-K / stream-K partials and the bf16 epilogue (both GEMM kernels)
+
+// Writes this thread's accumulators as float4 partials (fragment set (nb, mt) at dst[(nb * MT + mt) * 128 + rt]),
+// only for token rows that exist (M = 1: a quarter of them).
+template <int NB, int MT>
+__device__ __forceinline__ void store_partial(const float (&acc)[NB][MT][4], float4* dst, int m0, int lane, int rt,
+                                              int M) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      if (m0 + mt * 8 + (lane & 3) * 2 < M)
+        dst[(nb * MT + mt) * 128 + rt] = make_float4(acc[nb][mt][0], acc[nb][mt][1], acc[nb][mt][2], acc[nb][mt][3]);
+}
+
+// After this CTA published its partial: counts its arrival and returns, in every thread, whether it is the last
+// of `arrivals` on counters[index]. `flag` is a __shared__ int. The last CTA must __threadfence() before it reads
+// the others' partials; the caller does it after its branch (so v5's code stays what was measured on the GPU).
+__device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, int tid, int& flag) {
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int prev = atomicAdd(&counters[index], 1);
+    flag = (prev == arrivals - 1);
+  }
+  __syncthreads();
+  return flag != 0;
+}
+
+// out[m, n] = bf16(acc * alpha + bias[n]) for the rows m < M and columns n < N this thread holds: fragment set
+// (nb, mt) covers columns (blk0 + nb) * 16 + lane / 4 (+ 8) and rows m0 + mt * 8 + 2 * (lane % 4) (+ 1).
+template <int NB, int MT>
+__device__ __forceinline__ void store_bf16(const float (&acc)[NB][MT][4], __nv_bfloat16* out,
+                                           const __nv_bfloat16* bias, float alpha, int blk0, int m0, int lane, int M,
+                                           int N) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (blk0 + nb) * 16 + (lane >> 2) + 8 * h;
+      if (n >= N) continue;
+      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
+          if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nb][mt][2 * h + e] * alpha + bv);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace qerl

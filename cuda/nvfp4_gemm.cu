@@ -168,24 +168,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   if (splits > 1) {
     const int tile_id = mtile * gridDim.x + ntile;
     float* tile_ws = ws + size_t(tile_id) * splits * (BM * BN);
-    if (kh == 0) {
-      float4* mine = reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN));
-#pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          if (m0 + mt * 8 + (lane & 3) * 2 < M)  // only token rows that exist (M=1: a quarter)
-            mine[(nbw * MT + mt) * 128 + rt] =
-                make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      const int prev = atomicAdd(&counters[tile_id], 1);
-      s_is_last = (prev == splits - 1);
-    }
-    __syncthreads();
-    if (!s_is_last) return;
+    if (kh == 0) store_partial(acc, reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN)), m0, lane, rt, M);
+    if (!arrive_last(counters, tile_id, splits, tid, s_is_last)) return;
     __threadfence();
     // Sum all partials (this CTA's too) in split order: deterministic whichever CTA is last.
     // Loads are issued RB splits at a time so they overlap instead of paying one L2 round trip
@@ -230,24 +214,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
 
   if (kh != 0) return;
   // ---- epilogue: scale by 128 / global_scale, add bias, store bf16
-  const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-#pragma unroll
-  for (int nbw = 0; nbw < 2; ++nbw) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = (nb0 + wn * 2 + nbw) * 16 + (lane >> 2) + 8 * h;
-      if (n >= N) continue;
-      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
-          if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nbw][mt][2 * h + e] * alpha + bv);
-        }
-      }
-    }
-  }
+  store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
 }
 
 template <int BM>

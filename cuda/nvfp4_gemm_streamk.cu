@@ -199,24 +199,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     bool do_store = true;
     if (c_first != c_last) {
       const int slot = tile == my_first_tile ? 0 : 1;
-      if (kh == 0) {
-        float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN));
-#pragma unroll
-        for (int nbw = 0; nbw < 4; ++nbw)
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-            if (m0 + mt * 8 + (lane & 3) * 2 < M)  // only token rows that exist
-              mine[(nbw * MT + mt) * 128 + rt] =
-                  make_float4(acc[nbw][mt][0], acc[nbw][mt][1], acc[nbw][mt][2], acc[nbw][mt][3]);
-      }
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        const int prev = atomicAdd(&counters[tile], 1);
-        s_is_last = (prev == c_last - c_first);
-      }
-      __syncthreads();
-      do_store = s_is_last != 0;
+      if (kh == 0)
+        store_partial(acc, reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN)), m0, lane,
+                      rt, M);
+      do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
       if (do_store) {
         __threadfence();
         if (kh == 0) {
@@ -260,26 +246,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     // ---- epilogue (v5's math): scale by 128 / global_scale, add bias, store bf16
-    if (do_store && kh == 0 && active) {
-      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-#pragma unroll
-      for (int nbw = 0; nbw < 4; ++nbw) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int n = (ntile * (BN / 16) + wn * 4 + nbw) * 16 + (lane >> 2) + 8 * h;
-          if (n >= N) continue;
-          const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
-              if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nbw][mt][2 * h + e] * alpha + bv);
-            }
-          }
-        }
-      }
-    }
+    if (do_store && kh == 0 && active)
+      store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4, m0, lane, M, N);
     __syncthreads();  // the reduction buffer and s_is_last are reused by the next segment
     u = tile * S + ke;
   }
