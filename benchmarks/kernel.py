@@ -79,7 +79,7 @@ MARLIN_MIN_CAPABILITY = (7, 5)
 MARLIN_MODULE = "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4"
 MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_fp4_marlin_supported")
 #: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (1: v5; 5: stream-K where it applies)
-VARIANT_KERNEL_MODES = {"v5": 1, "streamk": 5}
+VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 
 
 def parse_variants(text: str | None) -> list[str]:

@@ -141,7 +141,7 @@ def test_gemm_kernel_vs_f64(m: int, n: int, k: int, with_bias: bool) -> None:
 
 
 #: fused-GEMM op mode per variant: 1 = v5, 5 = the opt-in stream-K kernel (v5.5) where it applies
-VARIANT_MODES = {"v5": 1, "streamk": 5}
+VARIANT_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 STREAMK_SHAPES = [
     # (M, N, K), block_m 32 / 64 (where stream-K applies); with the CTAs = SMs schedule these give
     (17, 272, 128),  # 2 whole tiles, N % 256 = 16: the second 128-row half of tile 1 does not exist

@@ -107,6 +107,7 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QERL_GEMM_KERNEL", raw)
         assert kernels.gemm_kernel_variant() == want
     assert kernels.GEMM_KERNEL_MODES == {"v5": 0, "streamk": 4}
+    assert kernels.GEMM_KERNEL_FORCED_MODES == {"v5": 1, "streamk": 5}
     for bad in ("stream-k", "v6", "marlin"):
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
         with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='[^']+' is not a GEMM kernel variant.*streamk"):

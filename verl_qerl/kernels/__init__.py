@@ -56,6 +56,9 @@ GEMM_K_MULTIPLE = K_STAGE
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (0: auto with v5, 4: auto with stream-K).
 GEMM_KERNEL_MODES = {"v5": 0, "streamk": 4}
+#: variant -> the mode that *forces* that fused kernel (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K
+#: where it applies (block_m 32 / 64), v5 elsewhere. Always auto mode + 1 (cuda/qerl_torch.cpp's mode table).
+GEMM_KERNEL_FORCED_MODES = {v: m + 1 for v, m in GEMM_KERNEL_MODES.items()}
 
 
 class _State:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from verl_qerl.kernels.layout import K_STAGE, N_PAD
+
 #: Weight rows per stream-K CTA tile (two 128-row tiles of the repacked layout).
-BN = 256
+BN = 2 * N_PAD
 #: K per pipeline stage (the repacked layout's stage).
-BK = 128
+BK = K_STAGE
 #: block_m values the stream-K kernel is compiled for; other M use v5.
 BLOCK_MS = (32, 64)
 
