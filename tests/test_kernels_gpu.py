@@ -64,6 +64,16 @@ def capture_graph(f, x_static: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torc
     return graph, y_static
 
 
+def replay_with_fresh_inputs(graph: torch.cuda.CUDAGraph, x_static: torch.Tensor, times: int = 3):  # noqa: ANN201
+    """Yields (i, x_new) after copying fresh random bf16 inputs into ``x_static`` and replaying ``graph``."""
+    for i in range(times):
+        x_new = torch.randn(*x_static.shape, device=DEV).to(torch.bfloat16)
+        x_static.copy_(x_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield i, x_new
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(48, 80), (4608, 3584), (33 * 16, 16 * 7)])
 def test_dequant_bit_exact(n: int, k: int, dtype: torch.dtype) -> None:
@@ -213,11 +223,7 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         return kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
 
     graph, y_static = capture_graph(f, x_static)
-    for i in range(3):
-        x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        x_static.copy_(x_new)
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, x_new in replay_with_fresh_inputs(graph, x_static):
         assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
 
 
@@ -264,11 +270,7 @@ def test_cuda_graph_capture_and_compile() -> None:
         return kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw) * 2.0
 
     graph, y_static = capture_graph(f, x_static)
-    for i in range(3):
-        x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        x_static.copy_(x_new)
-        graph.replay()
-        torch.cuda.synchronize()
+    for i, x_new in replay_with_fresh_inputs(graph, x_static):
         ref = 2.0 * reference.linear_f64(x_new, packed, scale, gs, bias)
         assert rel(y_static, ref) <= TOL, f"replay {i}"
 
