@@ -137,10 +137,15 @@ def truncate(curves: dict[str, list[list[float]]], horizon: int) -> dict[str, li
     return {k: [p for p in v if p[0] <= horizon] for k, v in curves.items()}
 
 
+def last_logged_step(curves: dict[str, list[list[float]]]) -> int:
+    """The last step with a logged reward (0: none)."""
+    return int(max((p[0] for p in curves.get("reward", [])), default=0))
+
+
 def common_horizon(runs: dict[str, dict[str, Any]]) -> int:
     """The last step every run with logged steps reached (0 when none logged a step)."""
-    lasts = [max(p[0] for p in r["curves"]["reward"]) for r in runs.values() if r["curves"].get("reward")]
-    return int(min(lasts)) if lasts else 0
+    lasts = [last_logged_step(r["curves"]) for r in runs.values() if r["curves"].get("reward")]
+    return min(lasts) if lasts else 0
 
 
 def run_stats(run: dict[str, Any], *, early_k: int, threshold: float | None, smooth: int,
@@ -155,7 +160,7 @@ def run_stats(run: dict[str, Any], *, early_k: int, threshold: float | None, smo
     stats: dict[str, Any] = {
         "early_entropy": early("entropy"), "early_rollout_nll": early("rollout_nll"),
         "final_reward": _mean([v for _, v in reward[-3:]]), "mean_reward": _mean([v for _, v in reward]),
-        "last_step": last, "logged_last_step": max((p[0] for p in run["curves"].get("reward", [])), default=0),
+        "last_step": last, "logged_last_step": last_logged_step(run["curves"]),
         "step_time": _mean([v for s, v in c.get("step_time", []) if s >= 2]),
     }
     reached = None
@@ -365,7 +370,7 @@ def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early
     if (runs_dir / "meta.json").is_file():
         meta = json.loads((runs_dir / "meta.json").read_text())
     device = device or meta.get("device") or device_slug()
-    last = horizon or max((p[0] for r in runs.values() for p in r["curves"].get("reward", [])), default=0)
+    last = horizon or max((last_logged_step(r["curves"]) for r in runs.values()), default=0)
     early_k = early_k or max(3, int(last) // 3)
     if reward_threshold is None:
         first = [r["curves"]["reward"][0][1] for r in runs.values()
