@@ -62,7 +62,14 @@ DEV = "cuda"
 MODELS = {
     "qwen2.5-7b": dict(h=3584, i=18944, q=3584, kv=512),
     "qwen2.5-32b": dict(h=5120, i=27648, q=5120, kv=1024),
+    # calibration shapes for the auto stream-K rule (their gate_up tile counts fall between 7B's qkv and
+    # gate_up); timed with --models, not part of the default table or its targets
+    "qwen2.5-1.5b": dict(h=1536, i=8960, q=1536, kv=256),
+    "qwen2.5-3b": dict(h=2048, i=11008, q=2048, kv=256),
+    "qwen2.5-14b": dict(h=5120, i=13824, q=5120, kv=1024),
 }
+#: the issue's table (and the only models whose rows become targets)
+DEFAULT_MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 MS = [1, 4, 16, 64, 256, 1024, 4096]
 ROT = 4
 TARGETS = [  # (M predicate, target ratio vs bf16)
@@ -100,10 +107,10 @@ def variant_applies(variant: str, m: int) -> bool:
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
-    """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given, else the one
-    ``$QERL_GEMM_KERNEL`` selects (so ``QERL_GEMM_KERNEL=streamk ... --profile`` profiles stream-K)."""
+    """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given (forced), else the one
+    ``$QERL_GEMM_KERNEL`` selects (forced; ``auto``, the default: the op's own choice, mode 0)."""
     names = variants if variants else [env_variant]
-    return [(v, VARIANT_KERNEL_MODES[v]) for v in names]
+    return [(v, VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v])) for v in names]
 
 
 def add_variant_ratios(row: dict, variants: list[str]) -> dict:
@@ -138,8 +145,11 @@ MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
 
 
 def select_models(text: str | None) -> dict:
-    """``--models`` -> the MODELS subset, in MODELS order; unknown names raise ValueError naming them."""
+    """``--models`` -> the MODELS subset, in MODELS order (default: DEFAULT_MODELS; ``all``: every model);
+    unknown names raise ValueError naming them."""
     if not text:
+        return {k: v for k, v in MODELS.items() if k in DEFAULT_MODELS}
+    if text.strip() == "all":
         return dict(MODELS)
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in names if v not in MODELS]
@@ -370,6 +380,7 @@ def build_targets(rows: list[dict]) -> list[dict]:
     """Targets on the per-layer ("sum") rows: speedup vs BF16 cuBLAS per M band, and (where the Marlin
     column was measured) speedup vs vLLM's Marlin FP4 at every M."""
     targets = []
+    rows = [r for r in rows if r["model"] in DEFAULT_MODELS]
     for r in rows:
         if r["layer"] != "sum" or not r.get("ours_graph_ms"):
             continue
@@ -544,7 +555,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         if mfns is not None:
             fns["marlin"] = lambda r, x=x: mfns[r % ROT](x)
         rec = {"model": mname, "layer": lname, "N": n, "K": k, "M": m, "splits": int(ext.splits_for(m, n, k)),
-               **minfo}
+               "ours_runs": ext.gemm_choice(m, n, k, 0), **minfo}
         if "streamk" in (variants or []):
             rec["streamk_grid"] = int(ext.streamk_grid(m, n))
         for key, fn in fns.items():
@@ -555,6 +566,35 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             rec[f"{key}_graph_ms"] = round(g, 5) if g is not None else None
         recs.append(add_variant_ratios(add_marlin_ratio(rec), variants or []))
     return recs
+
+
+def streamk_calibration(rows: list[dict], rule: float) -> dict:
+    """How well auto's "stream-K when tiles >= rule x CTAs" picks between the forced kernels on the timed GEMMs.
+
+    Per GEMM row with both ``kernel_graph_ms`` (v5) and ``kernel_streamk_graph_ms``: its tiles per CTA
+    (256-row tiles x M tiles / ``streamk_grid``) and which kernel is faster. Returns the points, how many the
+    rule gets right, the summed time under the rule vs best-of-both, and the threshold (among the observed
+    tiles-per-CTA values, and 0 / inf) that minimizes the summed time on these rows.
+    """
+    pts = []
+    for r in rows:
+        v5, sk, grid = r.get("kernel_graph_ms"), r.get("kernel_streamk_graph_ms"), r.get("streamk_grid")
+        if r.get("layer") == "sum" or not (v5 and sk and grid):
+            continue
+        tiles = -(-r["N"] // streamk.BN) * -(-r["M"] // streamk.block_m_for(r["M"]))
+        pts.append({"model": r["model"], "layer": r["layer"], "M": r["M"], "tiles_per_cta": round(tiles / grid, 4),
+                    "v5_ms": v5, "streamk_ms": sk})
+
+    def total(th: float) -> float:
+        return sum(p["streamk_ms"] if p["tiles_per_cta"] >= th else p["v5_ms"] for p in pts)
+
+    cands = sorted({0.0, float("inf"), *(p["tiles_per_cta"] for p in pts)})
+    best = min(cands, key=lambda th: (total(th), th))
+    right = sum((p["tiles_per_cta"] >= rule) == (p["streamk_ms"] < p["v5_ms"]) for p in pts)
+    return {"rule": rule, "rule_right": right, "rule_ms": round(total(rule), 5),
+            "oracle_ms": round(sum(min(p["v5_ms"], p["streamk_ms"]) for p in pts), 5),
+            "best_threshold": best if best != float("inf") else None, "best_ms": round(total(best), 5),
+            "points": sorted(pts, key=lambda p: p["tiles_per_cta"])}
 
 
 def repro_throw() -> int:
@@ -694,7 +734,8 @@ def main() -> int:
     ap.add_argument("--variants", default=None,
                     help="fused-kernel variants to time side by side (v5,streamk); with --profile: to profile "
                     "(default: the one $QERL_GEMM_KERNEL selects)")
-    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODELS)} (default all)")
+    ap.add_argument("--models", default=None,
+                    help=f"comma list of {sorted(MODELS)}, or all (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", default=None, help="comma list of M (default: all, or --quick's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -761,10 +802,11 @@ def main() -> int:
         print(f"# vLLM Marlin FP4 column: {out['marlin']['source']}", flush=True)
 
     if not args.no_tune:
-        out["split_tuning"] = tune_splits(MODELS, [1, 16, 64])
+        out["split_tuning"] = tune_splits({k: MODELS[k] for k in DEFAULT_MODELS}, [1, 16, 64])
     if args.threshold >= 0:
         ext.set_tuning(args.threshold, -1)
-    out["tuning"] = dict(zip(("gemm_max_m", "split_penalty"), ext.get_tuning(), strict=True))
+    out["tuning"] = dict(zip(("gemm_max_m", "split_penalty", "streamk_min_tiles_per_cta"), ext.get_tuning(),
+                             strict=True))
     print(f"# tuning: {out['tuning']}", flush=True)
 
     rows = []
@@ -808,6 +850,11 @@ def main() -> int:
     if len(variants) > 1:
         print()
         print("\n".join(variant_lines(rows, variants)))
+    if "streamk" in variants:
+        out["streamk_calibration"] = cal = streamk_calibration(rows, out["tuning"]["streamk_min_tiles_per_cta"])
+        print(f"# auto stream-K rule (tiles >= {cal['rule']} x CTAs): picks the faster kernel in "
+              f"{cal['rule_right']}/{len(cal['points'])} GEMMs, {cal['rule_ms']:.4f} ms summed vs "
+              f"{cal['oracle_ms']:.4f} best-of-both; best threshold on these rows: {cal['best_threshold']}")
     rec_thr = {}
     for mname in models:
         faster = [r["M"] for r in rows if r["layer"] == "sum" and r["model"] == mname

@@ -56,6 +56,7 @@ std::mutex g_mu;
 std::vector<at::Tensor> g_counters(64);
 int64_t g_gemm_max_m = -1;      // fused GEMM for M <= this (auto mode); -1: read env / default
 double g_split_penalty = -1;  // split-K heuristic: score penalty per extra split; -1: env / default
+double g_streamk_min_tiles = -1;  // auto stream-K when tiles >= this x CTAs; -1: env / default
 
 int64_t gemm_max_m() {
   if (g_gemm_max_m < 0) {
@@ -71,6 +72,19 @@ double split_penalty() {
     g_split_penalty = e ? std::atof(e) : 0.05;  // best of {0, 0.004, 0.015, 0.05} on the H100 (NOTES.md)
   }
   return g_split_penalty;
+}
+
+// Auto mode runs the stream-K kernel only where its 256-row tiles number at least this fraction of the CTAs it
+// launches. Below that every tile is cut among several CTAs, each a few stages long, and the pipeline fill plus
+// the serial partial-sum fixup dominate: on the H200 (benchmarks/NOTES.md, "v5.5 outcome") stream-K is
+// 1.24-1.27x v5 at the 7B gate_up shape (148 tiles / 132 CTAs at M = 33-64) but 0.50-0.79x at qkv / o / down
+// (14-18 tiles). The default sits between the measured points; kernel.py's calibration rows refine it.
+double streamk_min_tiles() {
+  if (g_streamk_min_tiles < 0) {
+    const char* e = std::getenv("QERL_STREAMK_MIN_TILES_PER_CTA");
+    g_streamk_min_tiles = e ? std::atof(e) : 0.5;
+  }
+  return g_streamk_min_tiles;
 }
 
 void init_workspace(int64_t device) {
@@ -281,9 +295,27 @@ int64_t streamk_grid(int64_t m, int64_t n) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
+// Which fused kernel a mode may run: v5 only, stream-K where it applies and pays (tile count, auto), or stream-K
+// wherever it applies (block_m 32 / 64 on a device that grants its ring).
+enum class StreamK { kNever, kWherePays, kWhereItApplies };
+
+// Auto's shape rule: enough 256-row tiles for the CTAs (see streamk_min_tiles).
+bool streamk_pays(int64_t m, int64_t n, int64_t grid) {
+  const int64_t tiles = qerl_nvfp4_gemm_streamk_tiles(int(m), int(n), pick_block_m(m));
+  return grid > 0 && double(tiles) >= streamk_min_tiles() * double(grid);
+}
+
+// The stream-K grid for (M, N) under `policy`, or 0: v5 runs.
+int64_t streamk_launch_grid(int64_t m, int64_t n, StreamK policy) {
+  if (policy == StreamK::kNever) return 0;
+  const int64_t grid = streamk_grid(m, n);
+  if (grid <= 0) return 0;
+  return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, grid)) ? grid : 0;
+}
+
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
-                            bool streamk = false) {
+                            StreamK policy = StreamK::kNever) {
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -302,8 +334,8 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     bptr = b.data_ptr();
   }
   const int block_m = pick_block_m(m);
-  if (streamk) {
-    const int64_t grid = streamk_grid(m, n);
+  {
+    const int64_t grid = streamk_launch_grid(m, n, policy);
     if (grid > 0) {
       const size_t wsf = qerl_nvfp4_gemm_streamk_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
       at::Tensor sws;
@@ -337,13 +369,29 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   return out;
 }
 
-// mode: 0 = auto (kernel for M <= threshold and supported shapes, else dequant + cuBLAS),
-//       1 = kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
+// mode: 0 = auto: fused kernel for M <= threshold and supported shapes, else dequant + cuBLAS; the fused kernel
+//           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles), v5 elsewhere,
+//       1 = v5 kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
 //       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
-//           slower than 2 on the H100: kept for experiments), >= 16: kernel with splits = mode - 16,
-//       4 = as 0, 5 = as 1, but the fused kernel is the stream-K variant where it applies (block_m 32 / 64
-//           on a device with enough shared memory per CTA; v5 elsewhere). Python picks 4 over 0 when
-//           QERL_GEMM_KERNEL=streamk (verl_qerl/kernels/__init__.py).
+//           slower than 2 on the H100: kept for experiments), >= 16: v5 kernel with splits = mode - 16,
+//       4 = as 0, 5 = as 1, but the fused kernel is stream-K wherever it applies (block_m 32 / 64 on a device
+//           with enough shared memory per CTA; v5 elsewhere), 6 = as 0 with v5 only.
+//       Python maps QERL_GEMM_KERNEL=auto|v5|streamk to 0|6|4 (verl_qerl/kernels/__init__.py).
+struct Route {
+  bool kernel;     // fused kernel (else dequant + cuBLAS)
+  StreamK policy;  // which fused kernel may run
+};
+
+Route route(int64_t m, int64_t k, at::ScalarType dtype, int64_t mode) {
+  const bool kernel_ok = dtype == at::kBFloat16 && k % QERL_GEMM_BK == 0;
+  const bool auto_m = mode == 0 || mode == 4 || mode == 6;
+  const bool kernel = mode == 1 || mode == 5 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
+  const StreamK policy = mode == 0 ? StreamK::kWherePays
+                         : (mode == 4 || mode == 5) ? StreamK::kWhereItApplies
+                                                    : StreamK::kNever;
+  return {kernel, policy};
+}
+
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                      const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
   QCHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
@@ -353,22 +401,30 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
-  const bool kernel_ok = x.scalar_type() == at::kBFloat16 && x.size(1) % QERL_GEMM_BK == 0;
-  QCHECK(mode >= 0 && (mode <= 5 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
-         " (0 auto, 1 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 16 + splits)");
-  const bool streamk = mode == 4 || mode == 5;
-  const bool use_kernel = mode == 1 || mode == 5 || mode >= 16 ||
-                          ((mode == 0 || mode == 4) && kernel_ok && x.size(0) <= gemm_max_m());
-  if (use_kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, streamk);
+  QCHECK(mode >= 0 && (mode <= 6 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
+         " (0 auto, 1 v5 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 6 auto v5, "
+         "16 + splits)");
+  const Route r = route(x.size(0), x.size(1), x.scalar_type(), mode);
+  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy);
   return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
 
-void set_tuning(int64_t gemm_max_m_value, double penalty) {
-  if (gemm_max_m_value >= 0) g_gemm_max_m = gemm_max_m_value;
-  if (penalty >= 0) g_split_penalty = penalty;
+// What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: "dqmm",
+// "v5" or "streamk" (benchmarks label their rows with it; no launch).
+std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
+  QCHECK(mode >= 0 && (mode <= 6 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
+  const Route r = route(m, k, at::kBFloat16, mode);
+  if (!r.kernel) return "dqmm";
+  return streamk_launch_grid(m, n, r.policy) > 0 ? "streamk" : "v5";
 }
 
-std::vector<double> get_tuning() { return {double(gemm_max_m()), split_penalty()}; }
+void set_tuning(int64_t gemm_max_m_value, double penalty, double streamk_min_tiles_value) {
+  if (gemm_max_m_value >= 0) g_gemm_max_m = gemm_max_m_value;
+  if (penalty >= 0) g_split_penalty = penalty;
+  if (streamk_min_tiles_value >= 0) g_streamk_min_tiles = streamk_min_tiles_value;
+}
+
+std::vector<double> get_tuning() { return {double(gemm_max_m()), split_penalty(), streamk_min_tiles()}; }
 
 int64_t splits_for(int64_t m, int64_t n, int64_t k) {
   const int block_m = pick_block_m(m);
@@ -388,8 +444,10 @@ TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verl-qerl NVFP4 CUDA kernels (the qerl::* ops register on import)";
   m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
-  m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty); negative keeps a value");
-  m.def("get_tuning", &get_tuning, "(gemm_max_m, split penalty)");
+  m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty, stream-K min tiles per CTA); negative keeps a value",
+        pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
+  m.def("get_tuning", &get_tuning, "(gemm_max_m, split penalty, stream-K min tiles per CTA)");
+  m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5 or streamk");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");

@@ -263,7 +263,8 @@ def test_parse_variants_and_models(kb):
     assert kb.parse_variants(" StreamK,v5,streamk ") == ["v5", "streamk"]
     with pytest.raises(ValueError, match=r"unknown kernel variant\(s\) \['v6'\]"):
         kb.parse_variants("v5,v6")
-    assert list(kb.select_models(None)) == list(kb.MODELS)
+    assert list(kb.select_models(None)) == ["qwen2.5-7b", "qwen2.5-32b"] == list(kb.DEFAULT_MODELS)
+    assert list(kb.select_models("all")) == list(kb.MODELS) and len(kb.MODELS) == 5
     assert list(kb.select_models("qwen2.5-7b")) == ["qwen2.5-7b"]
     with pytest.raises(ValueError, match="qwen9"):
         kb.select_models("qwen9")
@@ -276,6 +277,36 @@ def test_variant_applies_and_profile_modes(kb):
     assert kb.profile_modes(None, "v5") == [("v5", 1)]
     assert kb.profile_modes(None, "streamk") == [("streamk", 5)]
     assert kb.profile_modes(["v5", "streamk"], "v5") == [("v5", 1), ("streamk", 5)]
+    assert kb.profile_modes(None, "auto") == [("auto", 0)]  # the default: the op's own choice
+
+
+def test_build_targets_only_for_the_issue_models(kb):
+    rows = [{"model": name, "layer": "sum", "M": 64, "bf16_graph_ms": 0.3, "ours_graph_ms": 0.2}
+            for name in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")]
+    assert [t["name"].split()[0] for t in kb.build_targets(rows)] == ["qwen2.5-7b", "qwen2.5-32b"]
+    assert [t["measured"] for t in kb.build_targets(rows)] == [1.5, 1.5]
+
+
+def test_streamk_calibration(kb):
+    """Tiles per CTA from the row's shape and grid; the rule's hits, summed times and the best threshold."""
+    def row(layer, n, m, v5, sk):
+        return {"model": "x", "layer": layer, "N": n, "K": 3584, "M": m, "streamk_grid": 132,
+                "kernel_graph_ms": v5, "kernel_streamk_graph_ms": sk}
+
+    rows = [row("qkv", 4608, 64, 0.020, 0.030),  # 18 tiles: 0.1364 per CTA, v5 faster
+            row("gate_up", 17920, 64, 0.050, 0.045),  # 70 tiles: 0.5303, stream-K faster
+            row("gate_up", 37888, 64, 0.100, 0.080),  # 148 tiles: 1.1212
+            row("gate_up", 37888, 128, 0.180, 0.140),  # 296 tiles (2 M tiles): 2.2424
+            row("down", 3584, 128, 0.084, 0.085),  # 28 tiles: 0.2121, v5 faster
+            {"model": "x", "layer": "sum", "M": 64, "kernel_graph_ms": 1.0, "kernel_streamk_graph_ms": 0.5},
+            row("o", 3584, 1, 0.008, None)]  # stream-K not timed: ignored
+    cal = kb.streamk_calibration(rows, 0.5)
+    assert [p["tiles_per_cta"] for p in cal["points"]] == [0.1364, 0.2121, 0.5303, 1.1212, 2.2424]
+    assert cal["rule_right"] == 5 and cal["rule_ms"] == pytest.approx(0.020 + 0.084 + 0.045 + 0.080 + 0.140)
+    assert cal["oracle_ms"] == cal["rule_ms"] and cal["best_threshold"] == 0.5303
+    cal = kb.streamk_calibration(rows, 0.1)  # too low: qkv and down go to stream-K
+    assert cal["rule_right"] == 3 and cal["rule_ms"] == pytest.approx(0.030 + 0.085 + 0.045 + 0.080 + 0.140)
+    assert kb.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # v5 everywhere: never stream-K
 
 
 def test_variant_ratios_sums_and_lines(kb):

@@ -194,17 +194,22 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
 
 
 def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode 5), v5 stays the
-    default (bit-equal to mode 1), M <= 16 keeps v5 either way, and the stream-K path captures in a graph."""
+    """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode 5), =v5 runs v5
+    (bit-equal to mode 1), the default (auto) runs what ``gemm_choice`` reports for the shape, M <= 16 keeps v5
+    either way, and the stream-K path captures in a graph."""
     n, k = 2320, 1408  # 10 N-tiles (last one half), 11 stages
     packed, scale, gs = rand_nvfp4(n, k, seed=77)
     rw = kernels.repack(packed, scale)
     bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    ext = kernels.extension()
     for m in (8, 24, 64, 120):
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         v5 = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 1)
         sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 5)
         monkeypatch.delenv("QERL_GEMM_KERNEL", raising=False)
+        auto = kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
+        assert torch.equal(auto, sk if ext.gemm_choice(m, n, k, 0) == "streamk" else v5)
+        monkeypatch.setenv("QERL_GEMM_KERNEL", "v5")
         assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), v5)
         monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
         assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), sk)
@@ -225,6 +230,39 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
     graph, y_static = capture_graph(f, x_static)
     for i, x_new in replay_with_fresh_inputs(graph, x_static):
         assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
+
+
+def test_auto_picks_streamk_by_tile_count() -> None:
+    """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs:
+    the 7B gate_up shape (148 tiles at M = 64) takes stream-K, the qkv shape (18 tiles) v5, M <= 16 v5 and
+    M above the threshold dequant + cuBLAS; moving the tunable flips the choice, and the result is bit-equal
+    to the forced kernel the choice names."""
+    ext = kernels.extension()
+    gemm_max_m, penalty, min_tiles = ext.get_tuning()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = ext.streamk_grid(64, 37888)
+    if grid == 0:
+        pytest.skip("stream-K does not apply on this device (shared memory per CTA)")
+    assert min_tiles == pytest.approx(0.5) and grid == sms  # documented default; one CTA per SM
+    assert ext.gemm_choice(64, 37888, 3584, 0) == "streamk"
+    assert ext.gemm_choice(64, 4608, 3584, 0) == "v5"
+    assert ext.gemm_choice(16, 37888, 3584, 0) == "v5"
+    assert ext.gemm_choice(int(gemm_max_m) + 1, 37888, 3584, 0) == "dqmm"
+    assert ext.gemm_choice(64, 37888, 3584, 6) == "v5" and ext.gemm_choice(64, 4608, 3584, 4) == "streamk"
+    m, n, k = 40, 1040, 768  # 5 tiles of 256 rows
+    packed, scale, gs = rand_nvfp4(n, k, seed=91)
+    rw = kernels.repack(packed, scale)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    forced = {c: torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode)
+              for c, mode in (("v5", 1), ("streamk", 5))}
+    try:
+        for value, want in ((0.0, "streamk"), (5 / grid, "streamk"), (5 / grid + 1e-6, "v5"), (1e9, "v5")):
+            ext.set_tuning(-1, -1, value)
+            assert ext.gemm_choice(m, n, k, 0) == want, value
+            assert torch.equal(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 0), forced[want])
+    finally:
+        ext.set_tuning(-1, -1, min_tiles)
+    assert ext.get_tuning()[2] == min_tiles
 
 
 def test_gemm_large_values_finite() -> None:

@@ -102,11 +102,13 @@ def test_schedule_refuses_bad_shapes() -> None:
 def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.GEMM_KERNEL_ENV, raising=False)
     assert kernels.GEMM_KERNEL_ENV == "QERL_GEMM_KERNEL"
-    assert kernels.gemm_kernel_variant() == "v5"
-    for raw, want in (("", "v5"), ("v5", "v5"), ("streamk", "streamk"), (" StreamK ", "streamk")):
+    assert kernels.gemm_kernel_variant() == "auto"
+    for raw, want in (("", "auto"), ("auto", "auto"), ("v5", "v5"), ("streamk", "streamk"), (" StreamK ", "streamk")):
         monkeypatch.setenv("QERL_GEMM_KERNEL", raw)
         assert kernels.gemm_kernel_variant() == want
-    assert kernels.GEMM_KERNEL_MODES == {"v5": 0, "streamk": 4}
+    # cuda/qerl_torch.cpp's mode table: 0 auto, 6 auto with v5 only, 4 auto with stream-K wherever it applies;
+    # forced fused kernels 1 (v5) and 5 (stream-K)
+    assert kernels.GEMM_KERNEL_MODES == {"auto": 0, "v5": 6, "streamk": 4}
     assert kernels.GEMM_KERNEL_FORCED_MODES == {"v5": 1, "streamk": 5}
     for bad in ("stream-k", "v6", "marlin"):
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
@@ -116,7 +118,7 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_paths_ignore_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch fallbacks are unaffected: a bad value is only refused where the CUDA GEMM dispatches,
-    and the op's CPU impl gives the same answer for the stream-K modes (4, 5) as for 0 / 1."""
+    and the op's CPU impl gives the same answer for the stream-K and v5-only modes (4, 5, 6) as for 0 / 1."""
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 256
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
@@ -126,7 +128,7 @@ def test_cpu_paths_ignore_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(20, k, generator=gen).to(torch.bfloat16)
     monkeypatch.setenv("QERL_GEMM_KERNEL", "bogus")
     ref = kernels.linear(x, packed, scale, gs, kernel_weight=rw)
-    outs = [torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode) for mode in (0, 1, 4, 5)]
+    outs = [torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode) for mode in (0, 1, 4, 5, 6)]
     for o in outs:
         assert torch.equal(o, outs[0])
     assert torch.allclose(ref.float(), outs[0].float(), rtol=2e-2, atol=2e-2)

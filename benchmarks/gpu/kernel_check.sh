@@ -3,8 +3,8 @@
 #   OUT=$OUT bash benchmarks/gpu/kernel_check.sh            # ~4-6 min on one H100/H200
 # Why one script: the v5.5 stream-K kernel (QERL_GEMM_KERNEL=streamk) was written without a GPU; its first call
 # must answer, in order, "is it correct" (GPU tests of both variants, compute-sanitizer) before "is it fast"
-# (CUDA-graph timing of v5 and streamk side by side, then an ncu stall profile at M = 64 next to the prediction
-# in benchmarks/NOTES.md "v5.5"). Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
+# (CUDA-graph timing of v5 and streamk side by side on every model's shapes, which also calibrates auto's
+# stream-K rule, then an ncu stall profile at M = 64 next to the prediction in benchmarks/NOTES.md "v5.5"). Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
 # vLLM is staged (/tmp/site/qerl_env.sh, benchmarks/GPU.md) the timing gets the Marlin column and ncu profiles
 # Marlin on the same weights. Steps after a failed one still run; the exit status says whether any failed.
 # Writes to $OUT: kernel_check.log, gpu_tests.log, sanitizer.log, kernel-<gpu>.json, ncu-variants-m64.csv.gz.
@@ -33,8 +33,8 @@ step sanitizer 300 bash -c "'$SAN' --tool memcheck --error-exitcode 9 python3 be
   > '$OUT/sanitizer.log' 2>&1"
 grep -E "ERROR SUMMARY|error" "$OUT/sanitizer.log" | tail -3 | tee -a "$LOG"
 MARLIN=(--no-marlin); [ "$STAGED" = 1 ] && MARLIN=()
-step timing 300 python3 benchmarks/kernel.py --no-tune --variants v5,streamk --models qwen2.5-7b \
-  --ms 1,16,33,64,128 "${MARLIN[@]}" --out "$OUT"
+step timing 300 python3 benchmarks/kernel.py --no-tune --variants v5,streamk --models all \
+  --ms 1,16,33,64,96,128 "${MARLIN[@]}" --out "$OUT"
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 PM=(); [ "$STAGED" = 1 ] && PM=(--profile-marlin)
 step ncu 240 bash -c "'$NCU' --clock-control none -k 'regex:nvfp4_gemm|Marlin' --set full --page raw --csv \

@@ -50,15 +50,17 @@ log = logging.getLogger(__name__)
 #: The GEMM kernel (and the repacked layout) need K to be a multiple of its pipeline stage.
 GEMM_K_MULTIPLE = K_STAGE
 
-#: Environment variable choosing the fused GEMM kernel: ``v5`` (default) or ``streamk`` (the opt-in
-#: v5.5 variant, cuda/nvfp4_gemm_streamk.cu, used by the fused GEMM for M >= 17, i.e. block_m 32 / 64;
-#: v5 for smaller M). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
+#: Environment variable choosing the fused GEMM kernel: ``auto`` (default: the stream-K kernel v5.5,
+#: cuda/nvfp4_gemm_streamk.cu, where it applies -- M >= 17, i.e. block_m 32 / 64 -- and the shape has
+#: enough 256-row tiles for the SMs; v5 elsewhere), ``v5`` (v5 only) or ``streamk`` (stream-K wherever it
+#: applies). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
-#: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (0: auto with v5, 4: auto with stream-K).
-GEMM_KERNEL_MODES = {"v5": 0, "streamk": 4}
-#: variant -> the mode that *forces* that fused kernel (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K
-#: where it applies (block_m 32 / 64), v5 elsewhere. Always auto mode + 1 (cuda/qerl_torch.cpp's mode table).
-GEMM_KERNEL_FORCED_MODES = {v: m + 1 for v, m in GEMM_KERNEL_MODES.items()}
+#: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
+#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies.
+GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4}
+#: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
+#: it applies (block_m 32 / 64), v5 elsewhere.
+GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5}
 
 
 class _State:
@@ -120,14 +122,14 @@ def cuda_unavailable_reason() -> str:
 
 
 def gemm_kernel_variant() -> str:
-    """The fused GEMM variant named by ``$QERL_GEMM_KERNEL`` (``v5`` when unset or empty).
+    """The fused GEMM variant named by ``$QERL_GEMM_KERNEL`` (``auto`` when unset or empty).
 
     Read at every dispatch in eager mode (so a benchmark can switch it between calls); under
     ``torch.compile`` it is read once at trace time and baked into the graph. An unknown value raises
     ``ValueError`` naming the variable, rather than silently running the default.
     """
     raw = os.environ.get(GEMM_KERNEL_ENV, "")
-    v = raw.strip().lower() or "v5"
+    v = raw.strip().lower() or "auto"
     if v not in GEMM_KERNEL_MODES:
         raise ValueError(
             f"{GEMM_KERNEL_ENV}={raw!r} is not a GEMM kernel variant; expected one of {sorted(GEMM_KERNEL_MODES)}"
@@ -211,8 +213,8 @@ def linear(
     1. CUDA, extension loaded, ``kernel_weight`` given, x bf16, K % 128 == 0: the
        ``qerl::nvfp4_gemm`` op, which picks the fused GEMM (M <= its tuned threshold) or
        dequantize + cuBLAS inside the op (no Python branch on M, so no torch.compile guard);
-       the fused GEMM is v5 or, with ``QERL_GEMM_KERNEL=streamk``, the stream-K variant where it
-       applies (see :func:`gemm_kernel_variant`);
+       the fused GEMM is the stream-K variant where it applies and pays, v5 elsewhere (see
+       :func:`gemm_kernel_variant` for ``QERL_GEMM_KERNEL``);
     2. CUDA, extension loaded: ``qerl::nvfp4_dequant`` to x's dtype, then ``F.linear``;
     3. anywhere else: the torch reference (dequantize, ``F.linear``).
 
