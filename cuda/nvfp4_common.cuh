@@ -109,6 +109,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t& d0, uint32_t& d1, uint32_t
                : "r"(smem_u32(p)));
 }
 
+// As ldmatrix_x4, from a shared-space address (no generic -> shared conversion: on sm_90 that conversion reads
+// the CTA's cluster id with a long-latency S2R each time it is not hoisted).
+__device__ __forceinline__ void ldmatrix_x4_u32(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
+                                                uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(addr));
+}
+
 __device__ __forceinline__ void ldmatrix_x2(uint32_t& d0, uint32_t& d1, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(d0), "=r"(d1)

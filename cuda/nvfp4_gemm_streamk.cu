@@ -57,6 +57,30 @@ struct SkCfg {
   static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
 };
 
+// The two k-half warps of an output fragment set (kh = 0 / 1, same rt) each end up with the totals of half of
+// its 4 n16 blocks: warp half kh keeps blocks 2 kh, 2 kh + 1, summed into acc[0], acc[1] (acc[2], acc[3] are
+// dead afterwards). Each half writes the other half's blocks to `red` (4 * MT * 4 * 128 floats of drained
+// shared memory), one barrier, then adds what the other half wrote for its own blocks.
+template <int MT>
+__device__ __forceinline__ void sum_k_halves_split(float (&acc)[4][MT][4], float* red, int kh, int rt) {
+  float* to_other = red + (1 - kh) * (2 * MT * 4 * 128);
+  const float* from_other = red + kh * (2 * MT * 4 * 128);
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) to_other[((nb * MT + mt) * 4 + c) * 128 + rt] = kh ? acc[nb][mt][c] : acc[nb + 2][mt][c];
+  __syncthreads();
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        acc[nb][mt][c] = (kh ? acc[nb + 2][mt][c] : acc[nb][mt][c]) + from_other[((nb * MT + mt) * 4 + c) * 128 + rt];
+}
+
 template <int BM>
 __global__ void __launch_bounds__(THREADS, 1)
     nvfp4_gemm_streamk_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
@@ -113,42 +137,54 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
 
     // Stage-contiguous layout: tile 2*ntile + h, stage s is at qw[((2*ntile + h) * S + s) * HALF_W_VEC].
-    const uint4* wsrc = qw + (size_t(2 * ntile) * S + kb) * HALF_W_VEC;
-    const uint4* ssrc = qs + (size_t(2 * ntile) * S + kb) * HALF_S_VEC;
+    // Source addresses are formed once per segment and advanced by a constant per stage: the first build
+    // recomputed them from (tile, h, row, chunk) at every stage (~170 integer instructions per stage and warp,
+    // an S2R of the CTA id per stage; SASS in benchmarks/NOTES.md "v5.5 outcome").
+    static_assert(HALF_W_VEC == 2 * THREADS, "weights: thread t copies chunks t, t + 256 of each 128-row half");
+    static_assert(S_STAGE_BYTES / 16 <= THREADS, "scales: one chunk per thread at most");
+    static_assert(BK / 8 == 16 && THREADS % 16 == 0, "activations: thread t copies chunk t % 16 of rows t / 16 + 16 i");
     const size_t half_w_stride = size_t(S) * HALF_W_VEC;
-    const size_t half_s_stride = size_t(S) * HALF_S_VEC;
+    const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * HALF_W_VEC + tid;
+    const int s_h = tid / HALF_S_VEC;  // scale chunk's half (threads >= S_STAGE_BYTES / 16 copy none)
+    const bool s_copies = tid < S_STAGE_BYTES / 16 && (s_h == 0 || has_hi);
+    const uint4* s_thr =
+        qs + (size_t(2 * ntile + s_h) * S + kb) * HALF_S_VEC + (tid % HALF_S_VEC);
+    const int x_row0 = tid / (BK / 8);              // this thread's first activation row in the tile
+    const int x_rows_left = M - m0 - x_row0;        // rows x_row0 + 16 i exist while 16 i < x_rows_left
+    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * BK + (tid % (BK / 8)) * 8;
+    const size_t x_row_step = size_t(THREADS / (BK / 8)) * K;  // 16 rows
+    const uint32_t x_dst0 = W_STAGE_BYTES + S_STAGE_BYTES + x_row0 * XROW_BYTES + (tid % (BK / 8)) * 16;
 
     auto load_stage = [&](int buf, int s_rel) {
       const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-#pragma unroll
-      for (int i = 0; i < W_STAGE_BYTES / 16 / THREADS; ++i) {
-        const int c = tid + i * THREADS;
-        const int h = c / HALF_W_VEC;  // compile-time per i
-        if (h == 0 || has_hi)
-          cp_async16_u32(base + c * 16, wsrc + h * half_w_stride + size_t(s_rel) * HALF_W_VEC + (c % HALF_W_VEC),
-                         16);
+      const uint4* w = w_thr + size_t(s_rel) * HALF_W_VEC;
+      cp_async16_u32(base + tid * 16, w, 16);
+      cp_async16_u32(base + (tid + THREADS) * 16, w + THREADS, 16);
+      if (has_hi) {
+        cp_async16_u32(base + HALF_W_BYTES + tid * 16, w + half_w_stride, 16);
+        cp_async16_u32(base + HALF_W_BYTES + (tid + THREADS) * 16, w + half_w_stride + THREADS, 16);
       }
-      if (tid < S_STAGE_BYTES / 16) {
-        const int h = tid / HALF_S_VEC;
-        if (h == 0 || has_hi)
-          cp_async16_u32(base + W_STAGE_BYTES + tid * 16,
-                         ssrc + h * half_s_stride + size_t(s_rel) * HALF_S_VEC + (tid % HALF_S_VEC), 16);
-      }
+      if (s_copies) cp_async16_u32(base + W_STAGE_BYTES + tid * 16, s_thr + size_t(s_rel) * HALF_S_VEC, 16);
+      const __nv_bfloat16* xs = x_thr + size_t(s_rel) * BK;
 #pragma unroll
       for (int i = 0; i < XPER; ++i) {
-        const int c = tid + i * THREADS;
-        const int row = c / (BK / 8), ch = c % (BK / 8);
-        const bool valid = m0 + row < M;
-        const __nv_bfloat16* src = x + size_t(valid ? m0 + row : 0) * K + size_t(kb + s_rel) * BK + ch * 8;
-        cp_async16_u32(base + W_STAGE_BYTES + S_STAGE_BYTES + row * XROW_BYTES + ch * 16, src, valid ? 16 : 0);
+        const bool valid = i * (THREADS / (BK / 8)) < x_rows_left;
+        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
+        cp_async16_u32(base + x_dst0 + i * (THREADS / (BK / 8)) * XROW_BYTES, valid ? xs + i * x_row_step : x,
+                       valid ? 16 : 0);
       }
     };
+
+    // ldmatrix source of this lane: row (lane / 16) * 8 + lane % 8 of each 16-row pair, k half lane / 8 % 2;
+    // per (mp, j) a constant offset (shared addresses in 32 bits: no generic -> shared conversion per stage)
+    const uint32_t x_lane = W_STAGE_BYTES + S_STAGE_BYTES + ((lane >> 4) * 8 + (lane & 7)) * XROW_BYTES +
+                            (kh * 64 + ((lane >> 3) & 1) * 8) * 2;
 
     auto compute_stage = [&](int buf) {
       const uint8_t* base = smem + buf * C::STAGE_BYTES;
       const uint4* wsm = reinterpret_cast<const uint4*>(base) + half * HALF_W_VEC;
       const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES) + half * (HALF_S_BYTES / 8);
-      const uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
+      const uint32_t xa = smem_base + buf * C::STAGE_BYTES + x_lane;
       uint4 wv[4];
       uint2 sv[4];
 #pragma unroll
@@ -159,7 +195,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int kk = kh * 64 + j * 16;
         uint32_t a[4][4];
 #pragma unroll
         for (int nbw = 0; nbw < 4; ++nbw) {
@@ -173,10 +208,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
 #pragma unroll
         for (int mp = 0; mp < MT / 2; ++mp) {
-          const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
-          const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
           uint32_t b0[2], b1[2];
-          ldmatrix_x4(b0[0], b0[1], b1[0], b1[1], p);
+          ldmatrix_x4_u32(b0[0], b0[1], b1[0], b1[1], xa + mp * 16 * XROW_BYTES + j * 32);
 #pragma unroll
           for (int nbw = 0; nbw < 4; ++nbw) {
             mma_bf16(acc[nbw][2 * mp], a[nbw], b0);
@@ -187,11 +220,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     };
 
     // ---- this segment's stages [kb, ke) through the STAGES-deep ring (drained at the end), then the
-    // drained ring sums the two k halves
+    // drained ring sums the two k halves: afterwards warp half kh holds the totals of n16 blocks 2 kh, 2 kh + 1
+    // in acc[0], acc[1], and both halves share the partial store, the fix-up and the epilogue (the first build
+    // left all of it to kh = 0 while the other 4 warps waited at the barrier: ~8% of warp samples).
     run_cp_async_ring<STAGES>(count, load_stage, [&](int buf) {
       if (active) compute_stage(buf);
     });
-    sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt);
+    sum_k_halves_split(acc, reinterpret_cast<float*>(smem), kh, rt);
+    float(&own)[2][MT][4] = reinterpret_cast<float(&)[2][MT][4]>(acc);
+    const int own_nb0 = 2 * kh;  // first n16 block (of this warp's 4) whose totals this thread holds
 
     // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
     const int c_first = (tile * S) / L;
@@ -199,46 +236,42 @@ __global__ void __launch_bounds__(THREADS, 1)
     bool do_store = true;
     if (c_first != c_last) {
       const int slot = tile == my_first_tile ? 0 : 1;
-      if (kh == 0)
-        store_partial(acc, reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN)), m0, lane,
-                      rt, M);
+      float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN));
+      store_partial(own, mine + own_nb0 * MT * 128, m0, lane, rt, M);
       do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
       if (do_store) {
         __threadfence();
-        if (kh == 0) {
-          // Every partial, this CTA's included, is read back and summed in CTA order whoever arrives
-          // last: bit-identical results run to run. One n16 block at a time (MT float4 loads in flight
-          // per CTA), its sum replacing this CTA's accumulators of that block: the blocks not yet
-          // summed are dead, so registers stay within the main loop's (no spills at BM = 64).
+        // Every partial, this CTA's included, is read back and summed in CTA order whoever arrives
+        // last: bit-identical results run to run. One n16 block at a time (MT float4 loads in flight
+        // per CTA), its sum replacing this thread's totals of that block.
 #pragma unroll
-          for (int nbw = 0; nbw < 4; ++nbw) {
-            float4 sum[MT];
+        for (int nbw = 0; nbw < 2; ++nbw) {
+          float4 sum[MT];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-            for (int c = c_first; c <= c_last; ++c) {
-              const int cslot = tile == (c * L) / S ? 0 : 1;
-              const float4* part =
-                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (BM * BN)) + nbw * MT * 128 + rt;
-              float4 v[MT];
+          for (int c = c_first; c <= c_last; ++c) {
+            const int cslot = tile == (c * L) / S ? 0 : 1;
+            const float4* part = reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (BM * BN)) +
+                                 (own_nb0 + nbw) * MT * 128 + rt;
+            float4 v[MT];
 #pragma unroll
-              for (int mt = 0; mt < MT; ++mt)
-                v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-              for (int mt = 0; mt < MT; ++mt) {
-                sum[mt].x += v[mt].x;
-                sum[mt].y += v[mt].y;
-                sum[mt].z += v[mt].z;
-                sum[mt].w += v[mt].w;
-              }
-            }
+            for (int mt = 0; mt < MT; ++mt)
+              v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128) : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-              acc[nbw][mt][0] = sum[mt].x;
-              acc[nbw][mt][1] = sum[mt].y;
-              acc[nbw][mt][2] = sum[mt].z;
-              acc[nbw][mt][3] = sum[mt].w;
+              sum[mt].x += v[mt].x;
+              sum[mt].y += v[mt].y;
+              sum[mt].z += v[mt].z;
+              sum[mt].w += v[mt].w;
             }
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            own[nbw][mt][0] = sum[mt].x;
+            own[nbw][mt][1] = sum[mt].y;
+            own[nbw][mt][2] = sum[mt].z;
+            own[nbw][mt][3] = sum[mt].w;
           }
         }
         if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
@@ -246,8 +279,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 
     // ---- epilogue (v5's math): scale by 128 / global_scale, add bias, store bf16
-    if (do_store && kh == 0 && active)
-      store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4, m0, lane, M, N);
+    if (do_store && active)
+      store_bf16(own, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4 + own_nb0, m0, lane,
+                 M, N);
     __syncthreads();  // the reduction buffer and s_is_last are reused by the next segment
     u = tile * S + ke;
   }

@@ -12,6 +12,7 @@ OUT=${OUT:?set OUT to an output folder}
 VARIANT=${VARIANT:-streamk}
 M=${M:-64}
 cd "$(dirname "$0")/../.."
+mkdir -p "$OUT"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
