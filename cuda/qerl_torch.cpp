@@ -75,14 +75,14 @@ double split_penalty() {
 }
 
 // Auto mode runs the stream-K kernel only where its 256-row tiles number at least this fraction of the CTAs it
-// launches. Below that every tile is cut among several CTAs, each a few stages long, and the pipeline fill plus
-// the serial partial-sum fixup dominate: on the H200 (benchmarks/NOTES.md, "v5.5 outcome") stream-K is
-// 1.24-1.27x v5 at the 7B gate_up shape (148 tiles / 132 CTAs at M = 33-64) but 0.50-0.79x at qkv / o / down
-// (14-18 tiles). The default sits between the measured points; kernel.py's calibration rows refine it.
+// launches. Below that every tile is cut among many CTAs, each a few stages long, and the pipeline fill plus
+// the serial partial-sum fixup dominate. Calibrated on the H200 over 80 GEMMs of five Qwen2.5 sizes, M = 33-128
+// (benchmarks/NOTES.md, "v5.6 outcome"): stream-K wins or ties at every shape with >= 0.27 tiles per CTA
+// (1.0-1.6x v5), loses at most shapes <= 0.21 (0.56-0.97x); 0.25 sits between the two.
 double streamk_min_tiles() {
   if (g_streamk_min_tiles < 0) {
     const char* e = std::getenv("QERL_STREAMK_MIN_TILES_PER_CTA");
-    g_streamk_min_tiles = e ? std::atof(e) : 0.5;
+    g_streamk_min_tiles = e ? std::atof(e) : 0.25;
   }
   return g_streamk_min_tiles;
 }
