@@ -140,8 +140,13 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
 
 // Streams `count` K stages through a STAGES-deep cp.async ring: STAGES - 1 stages in flight ahead of the one
 // computed. load(buf, stage) issues one stage's copies into ring slot buf; compute(buf) consumes slot buf.
+// kLoadAfterCompute issues the next stage's copies after computing the current one instead of before: the
+// slot it refills was consumed in the previous iteration either way (every warp has passed this iteration's
+// barrier), so only the order within the iteration changes. Why: a burst of cp.async right before the MMAs
+// holds its address registers until the load/store unit accepts them, and a register-tight kernel then
+// stalls on reusing them (stream-K at 246 registers: 7% of warp samples on that write-after-read wait).
 // Returns with the ring drained and every warp past a barrier, so the caller may reuse the shared memory.
-template <int STAGES, class Load, class Compute>
+template <int STAGES, bool kLoadAfterCompute = false, class Load, class Compute>
 __device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -152,9 +157,10 @@ __device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Comput
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     const int nxt = it + STAGES - 1;
+    if constexpr (kLoadAfterCompute) compute(it % STAGES);
     if (nxt < count) load(nxt % STAGES, nxt);
     cp_async_commit();
-    compute(it % STAGES);
+    if constexpr (!kLoadAfterCompute) compute(it % STAGES);
   }
   cp_async_wait<0>();
   __syncthreads();

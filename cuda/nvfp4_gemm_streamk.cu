@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // drained ring sums the two k halves: afterwards warp half kh holds the totals of n16 blocks 2 kh, 2 kh + 1
     // in acc[0], acc[1], and both halves share the partial store, the fix-up and the epilogue (the first build
     // left all of it to kh = 0 while the other 4 warps waited at the barrier: ~8% of warp samples).
-    run_cp_async_ring<STAGES>(count, load_stage, [&](int buf) {
+    run_cp_async_ring<STAGES, true>(count, load_stage, [&](int buf) {
       if (active) compute_stage(buf);
     });
     sum_k_halves_split(acc, reinterpret_cast<float*>(smem), kh, rt);
