@@ -568,13 +568,15 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
     return recs
 
 
-def streamk_calibration(rows: list[dict], rule: float) -> dict:
-    """How well auto's "stream-K when tiles >= rule x CTAs" picks between the forced kernels on the timed GEMMs.
+def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = float("inf")) -> dict:
+    """How well auto's rule -- stream-K when tiles >= ``rule`` x CTAs or each CTA's range has >= ``rule_stages``
+    K stages (cuda/qerl_torch.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
 
     Per GEMM row with both ``kernel_graph_ms`` (v5) and ``kernel_streamk_graph_ms``: its tiles per CTA
-    (256-row tiles x M tiles / ``streamk_grid``) and which kernel is faster. Returns the points, how many the
-    rule gets right, the summed time under the rule vs best-of-both, and the threshold (among the observed
-    tiles-per-CTA values, and 0 / inf) that minimizes the summed time on these rows.
+    (256-row tiles x M tiles / ``streamk_grid``), stages per CTA (ceil(tiles x K stages / grid)) and which
+    kernel is faster. Returns the points, how many the rule gets right, the summed time under the rule vs
+    best-of-both, and the tiles threshold (among the observed values, and 0 / inf) that minimizes the summed
+    time on these rows with the stages part of the rule kept.
     """
     pts = []
     for r in rows:
@@ -583,15 +585,18 @@ def streamk_calibration(rows: list[dict], rule: float) -> dict:
             continue
         tiles = -(-r["N"] // streamk.BN) * -(-r["M"] // streamk.block_m_for(r["M"]))
         pts.append({"model": r["model"], "layer": r["layer"], "M": r["M"], "tiles_per_cta": round(tiles / grid, 4),
-                    "v5_ms": v5, "streamk_ms": sk})
+                    "stages_per_cta": -(-tiles * (r["K"] // streamk.BK) // grid), "v5_ms": v5, "streamk_ms": sk})
+
+    def picks(p: dict, th: float) -> bool:
+        return p["tiles_per_cta"] >= th or p["stages_per_cta"] >= rule_stages
 
     def total(th: float) -> float:
-        return sum(p["streamk_ms"] if p["tiles_per_cta"] >= th else p["v5_ms"] for p in pts)
+        return sum(p["streamk_ms"] if picks(p, th) else p["v5_ms"] for p in pts)
 
     cands = sorted({0.0, float("inf"), *(p["tiles_per_cta"] for p in pts)})
     best = min(cands, key=lambda th: (total(th), th))
-    right = sum((p["tiles_per_cta"] >= rule) == (p["streamk_ms"] < p["v5_ms"]) for p in pts)
-    return {"rule": rule, "rule_right": right, "rule_ms": round(total(rule), 5),
+    right = sum(picks(p, rule) == (p["streamk_ms"] < p["v5_ms"]) for p in pts)
+    return {"rule": rule, "rule_stages": rule_stages, "rule_right": right, "rule_ms": round(total(rule), 5),
             "oracle_ms": round(sum(min(p["v5_ms"], p["streamk_ms"]) for p in pts), 5),
             "best_threshold": best if best != float("inf") else None, "best_ms": round(total(best), 5),
             "points": sorted(pts, key=lambda p: p["tiles_per_cta"])}
@@ -805,8 +810,8 @@ def main() -> int:
         out["split_tuning"] = tune_splits({k: MODELS[k] for k in DEFAULT_MODELS}, [1, 16, 64])
     if args.threshold >= 0:
         ext.set_tuning(args.threshold, -1)
-    out["tuning"] = dict(zip(("gemm_max_m", "split_penalty", "streamk_min_tiles_per_cta"), ext.get_tuning(),
-                             strict=True))
+    out["tuning"] = dict(zip(("gemm_max_m", "split_penalty", "streamk_min_tiles_per_cta",
+                              "streamk_min_stages_per_cta"), ext.get_tuning(), strict=True))
     print(f"# tuning: {out['tuning']}", flush=True)
 
     rows = []
@@ -851,10 +856,13 @@ def main() -> int:
         print()
         print("\n".join(variant_lines(rows, variants)))
     if "streamk" in variants:
-        out["streamk_calibration"] = cal = streamk_calibration(rows, out["tuning"]["streamk_min_tiles_per_cta"])
-        print(f"# auto stream-K rule (tiles >= {cal['rule']} x CTAs): picks the faster kernel in "
-              f"{cal['rule_right']}/{len(cal['points'])} GEMMs, {cal['rule_ms']:.4f} ms summed vs "
-              f"{cal['oracle_ms']:.4f} best-of-both; best threshold on these rows: {cal['best_threshold']}")
+        tun = out["tuning"]
+        out["streamk_calibration"] = cal = streamk_calibration(rows, tun["streamk_min_tiles_per_cta"],
+                                                               tun["streamk_min_stages_per_cta"])
+        print(f"# auto stream-K rule (tiles >= {cal['rule']} x CTAs or >= {cal['rule_stages']:.0f} stages per CTA): "
+              f"picks the faster kernel in {cal['rule_right']}/{len(cal['points'])} GEMMs, {cal['rule_ms']:.4f} ms "
+              f"summed vs {cal['oracle_ms']:.4f} best-of-both; best tiles threshold with that stages rule: "
+              f"{cal['best_threshold']}")
     rec_thr = {}
     for mname in models:
         faster = [r["M"] for r in rows if r["layer"] == "sum" and r["model"] == mname

@@ -74,11 +74,13 @@ double split_penalty() {
   return g_split_penalty;
 }
 
-// Auto mode runs the stream-K kernel only where its 256-row tiles number at least this fraction of the CTAs it
-// launches. Below that every tile is cut among many CTAs, each a few stages long, and the pipeline fill plus
-// the serial partial-sum fixup dominate. Calibrated on the H200 over 80 GEMMs of five Qwen2.5 sizes, M = 33-128
-// (benchmarks/NOTES.md, "v5.6 outcome"): stream-K wins or ties at every shape with >= 0.27 tiles per CTA
-// (1.0-1.6x v5), loses at most shapes <= 0.21 (0.56-0.97x); 0.25 sits between the two.
+// Auto mode runs the stream-K kernel where its 256-row tiles number at least this fraction of the CTAs it
+// launches, or where each CTA's range is at least kStreamkMinStagesPerCta K stages long. Otherwise every tile
+// is cut among many CTAs of a few stages each, and the pipeline fill plus the serial partial-sum fix-up
+// dominate. Calibrated on the H200 over 80 GEMMs of five Qwen2.5 sizes, M = 33-128 (benchmarks/NOTES.md,
+// "v5.7 outcome"): stream-K wins or ties at every shape with >= 0.27 tiles per CTA or >= 32 stages per CTA
+// (1.0-1.7x v5) and loses at the shapes with <= 0.21 tiles and <= 17 stages per CTA (0.57-0.98x).
+constexpr int64_t kStreamkMinStagesPerCta = 24;
 double streamk_min_tiles() {
   if (g_streamk_min_tiles < 0) {
     const char* e = std::getenv("QERL_STREAMK_MIN_TILES_PER_CTA");
@@ -299,18 +301,20 @@ int64_t streamk_grid(int64_t m, int64_t n) {
 // wherever it applies (block_m 32 / 64 on a device that grants its ring).
 enum class StreamK { kNever, kWherePays, kWhereItApplies };
 
-// Auto's shape rule: enough 256-row tiles for the CTAs (see streamk_min_tiles).
-bool streamk_pays(int64_t m, int64_t n, int64_t grid) {
+// Auto's shape rule (see streamk_min_tiles): enough 256-row tiles for the CTAs, or long enough ranges.
+bool streamk_pays(int64_t m, int64_t n, int64_t k, int64_t grid) {
+  if (grid <= 0) return false;
   const int64_t tiles = qerl_nvfp4_gemm_streamk_tiles(int(m), int(n), pick_block_m(m));
-  return grid > 0 && double(tiles) >= streamk_min_tiles() * double(grid);
+  const int64_t stages_per_cta = (tiles * (k / QERL_GEMM_BK) + grid - 1) / grid;
+  return double(tiles) >= streamk_min_tiles() * double(grid) || stages_per_cta >= kStreamkMinStagesPerCta;
 }
 
-// The stream-K grid for (M, N) under `policy`, or 0: v5 runs.
-int64_t streamk_launch_grid(int64_t m, int64_t n, StreamK policy) {
+// The stream-K grid for (M, N, K) under `policy`, or 0: v5 runs.
+int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
   if (policy == StreamK::kNever) return 0;
   const int64_t grid = streamk_grid(m, n);
   if (grid <= 0) return 0;
-  return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, grid)) ? grid : 0;
+  return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, k, grid)) ? grid : 0;
 }
 
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -335,7 +339,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   }
   const int block_m = pick_block_m(m);
   {
-    const int64_t grid = streamk_launch_grid(m, n, policy);
+    const int64_t grid = streamk_launch_grid(m, n, k, policy);
     if (grid > 0) {
       const size_t wsf = qerl_nvfp4_gemm_streamk_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
       at::Tensor sws;
@@ -370,7 +374,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
 }
 
 // mode: 0 = auto: fused kernel for M <= threshold and supported shapes, else dequant + cuBLAS; the fused kernel
-//           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles), v5 elsewhere,
+//           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles or long ranges), v5 elsewhere,
 //       1 = v5 kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
 //       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
 //           slower than 2 on the H100: kept for experiments), >= 16: v5 kernel with splits = mode - 16,
@@ -415,7 +419,7 @@ std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
   QCHECK(mode >= 0 && (mode <= 6 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
   const Route r = route(m, k, at::kBFloat16, mode);
   if (!r.kernel) return "dqmm";
-  return streamk_launch_grid(m, n, r.policy) > 0 ? "streamk" : "v5";
+  return streamk_launch_grid(m, n, k, r.policy) > 0 ? "streamk" : "v5";
 }
 
 void set_tuning(int64_t gemm_max_m_value, double penalty, double streamk_min_tiles_value) {
@@ -424,7 +428,9 @@ void set_tuning(int64_t gemm_max_m_value, double penalty, double streamk_min_til
   if (streamk_min_tiles_value >= 0) g_streamk_min_tiles = streamk_min_tiles_value;
 }
 
-std::vector<double> get_tuning() { return {double(gemm_max_m()), split_penalty(), streamk_min_tiles()}; }
+std::vector<double> get_tuning() {
+  return {double(gemm_max_m()), split_penalty(), streamk_min_tiles(), double(kStreamkMinStagesPerCta)};
+}
 
 int64_t splits_for(int64_t m, int64_t n, int64_t k) {
   const int block_m = pick_block_m(m);
@@ -446,7 +452,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
   m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty, stream-K min tiles per CTA); negative keeps a value",
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
-  m.def("get_tuning", &get_tuning, "(gemm_max_m, split penalty, stream-K min tiles per CTA)");
+  m.def("get_tuning", &get_tuning,
+        "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5 or streamk");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");

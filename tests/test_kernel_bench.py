@@ -304,9 +304,15 @@ def test_streamk_calibration(kb):
     assert [p["tiles_per_cta"] for p in cal["points"]] == [0.1364, 0.2121, 0.5303, 1.1212, 2.2424]
     assert cal["rule_right"] == 5 and cal["rule_ms"] == pytest.approx(0.020 + 0.084 + 0.045 + 0.080 + 0.140)
     assert cal["oracle_ms"] == cal["rule_ms"] and cal["best_threshold"] == 0.5303
+    assert [p["stages_per_cta"] for p in cal["points"]] == [4, 6, 15, 32, 63]  # ceil(tiles x 28 / 132)
     cal = kb.streamk_calibration(rows, 0.1)  # too low: qkv and down go to stream-K
     assert cal["rule_right"] == 3 and cal["rule_ms"] == pytest.approx(0.030 + 0.085 + 0.045 + 0.080 + 0.140)
     assert kb.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # v5 everywhere: never stream-K
+    # the stages part of the rule: a 0.2-tiles-per-CTA shape with long K ranges goes to stream-K
+    long_k = {**row("down", 5120, 64, 0.083, 0.074), "K": 27648}  # 20 tiles x 216 stages: 33 per CTA
+    cal = kb.streamk_calibration([*rows, long_k], 0.25, 24)
+    assert cal["rule_stages"] == 24 and cal["rule_right"] == 6 and cal["rule_ms"] == pytest.approx(cal["oracle_ms"])
+    assert kb.streamk_calibration([*rows, long_k], 0.25)["rule_right"] == 5  # tiles alone: v5, the slower
 
 
 def test_variant_ratios_sums_and_lines(kb):

@@ -233,12 +233,13 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_auto_picks_streamk_by_tile_count() -> None:
-    """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs:
-    the 7B gate_up shape (148 tiles at M = 64) takes stream-K, the qkv shape (18 tiles) v5, M <= 16 v5 and
-    M above the threshold dequant + cuBLAS; moving the tunable flips the choice, and the result is bit-equal
-    to the forced kernel the choice names."""
+    """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
+    each CTA's range has >= 24 K stages: the 7B gate_up shape (148 tiles at M = 64) and the 32B down shape
+    (20 tiles, 33 stages per CTA) take stream-K, 7B qkv (18 tiles, 4 stages per CTA) and 7B down (14 tiles, 16
+    stages) v5, M <= 16 v5 and M above the threshold dequant + cuBLAS; moving the tunable flips the choice,
+    and the result is bit-equal to the forced kernel the choice names."""
     ext = kernels.extension()
-    gemm_max_m, penalty, min_tiles = ext.get_tuning()
+    gemm_max_m, penalty, min_tiles, min_stages = ext.get_tuning()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = ext.streamk_grid(64, 37888)
     if grid == 0:
@@ -246,6 +247,9 @@ def test_auto_picks_streamk_by_tile_count() -> None:
     assert min_tiles == pytest.approx(0.25) and grid == sms  # documented default; one CTA per SM
     assert ext.gemm_choice(64, 37888, 3584, 0) == "streamk"
     assert ext.gemm_choice(64, 4608, 3584, 0) == "v5"
+    assert min_stages == 24
+    if sms == 132:  # H100 / H200 SXM: 20 x 216 / 132 = 33 and 14 x 148 / 132 = 16 stages per CTA
+        assert ext.gemm_choice(64, 5120, 27648, 0) == "streamk" and ext.gemm_choice(64, 3584, 18944, 0) == "v5"
     assert ext.gemm_choice(16, 37888, 3584, 0) == "v5"
     assert ext.gemm_choice(int(gemm_max_m) + 1, 37888, 3584, 0) == "dqmm"
     assert ext.gemm_choice(64, 37888, 3584, 6) == "v5" and ext.gemm_choice(64, 4608, 3584, 4) == "streamk"
