@@ -1,5 +1,7 @@
-// FP4 x BF16 GEMM (W4A16, NVFP4 weights), medium-M variant "v5.5": persistent stream-K, 256-row tiles.
-// Opt-in (QERL_GEMM_KERNEL=streamk), used for block_m 32 / 64 only; nvfp4_gemm.cu (v5) stays the default.
+// FP4 x BF16 GEMM (W4A16, NVFP4 weights), medium-M kernel (v5.5-v5.7): persistent stream-K, 256-row tiles.
+// block_m 32 / 64 only. The op's auto mode (cuda/qerl_torch.cpp, streamk_pays) runs it where its tiles number
+// >= 0.25 x its CTAs or each CTA's range is >= 24 K stages (the H200 calibration in benchmarks/NOTES.md), and
+// nvfp4_gemm.cu (v5) elsewhere; QERL_GEMM_KERNEL=v5|streamk forces one.
 //
 // Why a second kernel (ncu numbers in benchmarks/NOTES.md, "v5.5"): at M = 64 v5 is bound by shared-memory
 // traffic and latency, not by the tensor pipe. Each v5 warp owns 32 weight rows, so per k16 step it issues

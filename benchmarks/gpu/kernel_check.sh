@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that validates and times the fused-GEMM variants (ON the GPU machine, repository root).
 #   OUT=$OUT bash benchmarks/gpu/kernel_check.sh            # ~4-6 min on one H100/H200
-# Why one script: the v5.5 stream-K kernel (QERL_GEMM_KERNEL=streamk) was written without a GPU; its first call
+# Why one script: each new stream-K kernel version (cuda/nvfp4_gemm_streamk.cu) is written without a GPU; its call
 # must answer, in order, "is it correct" (GPU tests of both variants, compute-sanitizer) before "is it fast"
 # (CUDA-graph timing of v5 and streamk side by side on every model's shapes, which also calibrates auto's
 # stream-K rule, then an ncu stall profile at M = 64 next to the prediction in benchmarks/NOTES.md "v5.5"). Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
