@@ -41,6 +41,26 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
     echo "ok   $src ${arch##*=} (max ${regs:-?} registers/thread, no spills)"
   done
 done
+# The torch binding (cuda/qerl_torch.cpp) is JIT-built only on the GPU machine; check its C++ here against the
+# installed torch's headers, with stubs (.ci/stubs) for the CUDA math-library headers that torch's CUDA headers
+# include (the CI machine has nvcc but not cuBLAS / cuSPARSE / cuSOLVER). Syntax and semantics only, no object.
+PY="${PYTHON:-.venv/bin/python}"
+if [ -x "$PY" ] && ti="$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))' 2>/dev/null)"; then
+  pyi="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  # nvcc's own include flags (it may be a wrapper script outside the toolkit: ask it rather than guess)
+  cuda_inc="$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ INCLUDES="\([^"]*\)".*/\1/p')"
+  # shellcheck disable=SC2086  # cuda_inc is a list of -I flags
+  if g++ -std=c++17 -fsyntax-only -I.ci/stubs -I"$ti" -I"$ti/torch/csrc/api/include" $cuda_inc -I"$pyi" -Icuda \
+      -DTORCH_EXTENSION_NAME=qerl_binding_check -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE cuda/qerl_torch.cpp >"$tmp/binding.log" 2>&1; then
+    echo "ok   cuda/qerl_torch.cpp (g++ -fsyntax-only against torch $("$PY" -c 'import torch; print(torch.__version__)'))"
+  else
+    echo "compile_cuda.sh: FAIL: cuda/qerl_torch.cpp" >&2
+    grep -E "error" "$tmp/binding.log" | head -20 >&2
+    status=1
+  fi
+else
+  echo "skip cuda/qerl_torch.cpp: no torch at $PY (set PYTHON=...)"
+fi
 if [ "$status" -ne 0 ]; then
   echo "compile_cuda.sh: FAILED" >&2
 else

@@ -1,0 +1,3 @@
+// Stub for the binding syntax check in .ci/compile_cuda.sh (see cusparse.h).
+#pragma once
+typedef struct cublasLtContext* cublasLtHandle_t;
