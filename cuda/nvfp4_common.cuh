@@ -146,20 +146,13 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
 // holds its address registers until the load/store unit accepts them, and a register-tight kernel then
 // stalls on reusing them (stream-K at 246 registers: 7% of warp samples on that write-after-read wait).
 // Returns with the ring drained and every warp past a barrier, so the caller may reuse the shared memory.
-// The ring in two parts, for a caller that issues the next segment's first stages early (stream-K): the
-// prologue puts stages 0 .. STAGES - 2 in flight (one commit group each, empty groups past `count`); the body
-// then streams all `count` stages, expecting exactly those STAGES - 1 groups pending on entry.
-template <int STAGES, class Load>
-__device__ __forceinline__ void cp_async_ring_prologue(int count, Load&& load) {
+template <int STAGES, bool kLoadAfterCompute = false, class Load, class Compute>
+__device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < count) load(s, s);
     cp_async_commit();
   }
-}
-
-template <int STAGES, bool kLoadAfterCompute, class Load, class Compute>
-__device__ __forceinline__ void cp_async_ring_body(int count, Load&& load, Compute&& compute) {
   for (int it = 0; it < count; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
@@ -171,12 +164,6 @@ __device__ __forceinline__ void cp_async_ring_body(int count, Load&& load, Compu
   }
   cp_async_wait<0>();
   __syncthreads();
-}
-
-template <int STAGES, bool kLoadAfterCompute = false, class Load, class Compute>
-__device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
-  cp_async_ring_prologue<STAGES>(count, load);
-  cp_async_ring_body<STAGES, kLoadAfterCompute>(count, load, compute);
 }
 
 // The two k-half warps of an output fragment set (kh = 0 / 1, same rt in 0..127) sum their accumulators

@@ -113,133 +113,24 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int u_begin = blockIdx.x * L;
   const int u_end = min(u_begin + L, total_units);
   const int my_first_tile = u_begin / S;
-  // The ring's shared-space base, pinned in a register: under register pressure ptxas otherwise rematerializes
-  // the generic -> shared conversion inside the stage loop, an S2R of the CTA's cluster id each time (long
-  // scoreboard; 3% of warp samples in v5.5's profile).
-  uint32_t smem_base;
-  asm volatile("mov.u32 %0, %1;\n" : "=r"(smem_base) : "r"(smem_u32(smem)));
+  const uint32_t smem_base = smem_u32(smem);
 
   constexpr int XCHUNKS = BM * (BK / 8);
   constexpr int XPER = XCHUNKS / THREADS;
   static_assert(XCHUNKS % THREADS == 0, "activation chunks per thread");
 
-  // One segment = the stages [kb, ke) of one tile that fall in this CTA's range.
-  struct Segment {
-    int tile, kb, ke, m0, ntile;
-    bool has_hi;  // the second 128-row half of the 256-row tile exists
-  };
-  auto segment_at = [&](int u) {
-    Segment g;
-    g.tile = u / S;
-    g.kb = u - g.tile * S;
-    g.ke = min(S, u_end - g.tile * S);
-    const int mtile = g.tile / n_tiles;
-    g.ntile = g.tile - mtile * n_tiles;
-    g.m0 = mtile * BM;
-    g.has_hi = 2 * g.ntile + 1 < tiles_128;
-    return g;
-  };
+  for (int u = u_begin; u < u_end;) {
+    const int tile = u / S;
+    const int kb = u - tile * S;
+    const int ke = min(S, u_end - tile * S);
+    const int count = ke - kb;
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * BM;
+    const bool has_hi = 2 * ntile + 1 < tiles_128;  // the second 128-row half exists
+    const bool active = half == 0 || has_hi;        // warp-uniform
 
-  // Stage-contiguous layout: tile 2*ntile + h, stage s is at qw[((2*ntile + h) * S + s) * HALF_W_VEC].
-  // Source addresses are formed once per segment and advanced by a constant per stage: the first build
-  // recomputed them from (tile, h, row, chunk) at every stage (~170 integer instructions per stage and warp,
-  // an S2R of the CTA id per stage; SASS in benchmarks/NOTES.md "v5.5 outcome").
-  static_assert(HALF_W_VEC == 2 * THREADS, "weights: thread t copies chunks t, t + 256 of each 128-row half");
-  static_assert(S_STAGE_BYTES / 16 <= THREADS, "scales: one chunk per thread at most");
-  static_assert(BK / 8 == 16 && THREADS % 16 == 0, "activations: thread t copies chunk t % 16 of rows t / 16 + 16 i");
-  struct Sources {
-    const uint4* w;             // this thread's first weight chunk of the segment's first stage
-    const uint4* s;             // its scale chunk (if s_copies)
-    const __nv_bfloat16* x;     // its first activation chunk
-    int x_rows_left;            // rows x_row0 + 16 i exist while 16 i < x_rows_left
-    bool has_hi, s_copies;
-  };
-  const size_t half_w_stride = size_t(S) * HALF_W_VEC;
-  const int s_h = tid / HALF_S_VEC;  // scale chunk's half (threads >= S_STAGE_BYTES / 16 copy none)
-  const int x_row0 = tid / (BK / 8);  // this thread's first activation row in the tile
-  const size_t x_row_step = size_t(THREADS / (BK / 8)) * K;  // 16 rows
-  const uint32_t x_dst0 = W_STAGE_BYTES + S_STAGE_BYTES + x_row0 * XROW_BYTES + (tid % (BK / 8)) * 16;
-  auto sources_of = [&](const Segment& g) {
-    Sources r;
-    r.w = qw + (size_t(2 * g.ntile) * S + g.kb) * HALF_W_VEC + tid;
-    r.s = qs + (size_t(2 * g.ntile + s_h) * S + g.kb) * HALF_S_VEC + (tid % HALF_S_VEC);
-    r.x = x + size_t(g.m0 + x_row0) * K + size_t(g.kb) * BK + (tid % (BK / 8)) * 8;
-    r.x_rows_left = M - g.m0 - x_row0;
-    r.has_hi = g.has_hi;
-    r.s_copies = tid < S_STAGE_BYTES / 16 && (s_h == 0 || g.has_hi);
-    return r;
-  };
-  auto load_stage = [&](const Sources& src, int buf, int s_rel) {
-    const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-    const uint4* w = src.w + size_t(s_rel) * HALF_W_VEC;
-    cp_async16_u32(base + tid * 16, w, 16);
-    cp_async16_u32(base + (tid + THREADS) * 16, w + THREADS, 16);
-    if (src.has_hi) {
-      cp_async16_u32(base + HALF_W_BYTES + tid * 16, w + half_w_stride, 16);
-      cp_async16_u32(base + HALF_W_BYTES + (tid + THREADS) * 16, w + half_w_stride + THREADS, 16);
-    }
-    if (src.s_copies) cp_async16_u32(base + W_STAGE_BYTES + tid * 16, src.s + size_t(s_rel) * HALF_S_VEC, 16);
-    const __nv_bfloat16* xs = src.x + size_t(s_rel) * BK;
-#pragma unroll
-    for (int i = 0; i < XPER; ++i) {
-      const bool valid = i * (THREADS / (BK / 8)) < src.x_rows_left;
-      // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
-      cp_async16_u32(base + x_dst0 + i * (THREADS / (BK / 8)) * XROW_BYTES, valid ? xs + i * x_row_step : x,
-                     valid ? 16 : 0);
-    }
-  };
-
-  // ldmatrix source of this lane: row (lane / 16) * 8 + lane % 8 of each 16-row pair, k half lane / 8 % 2;
-  // per (mp, j) a constant offset (shared addresses in 32 bits: no generic -> shared conversion per stage)
-  const uint32_t x_lane = W_STAGE_BYTES + S_STAGE_BYTES + ((lane >> 4) * 8 + (lane & 7)) * XROW_BYTES +
-                          (kh * 64 + ((lane >> 3) & 1) * 8) * 2;
-  float acc[4][MT][4];
-
-  auto compute_stage = [&](int buf) {
-    const uint8_t* base = smem + buf * C::STAGE_BYTES;
-    const uint4* wsm = reinterpret_cast<const uint4*>(base) + half * HALF_W_VEC;
-    const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES) + half * (HALF_S_BYTES / 8);
-    const uint32_t xa = smem_base + buf * C::STAGE_BYTES + x_lane;
-    uint4 wv[4];
-    uint2 sv[4];
-#pragma unroll
-    for (int nbw = 0; nbw < 4; ++nbw) {
-      const int blk = ((wn & 1) * 4 + nbw) * (BK / 64) + kh;  // n16 block within the 128-row half
-      wv[nbw] = wsm[blk * 32 + lane];
-      sv[nbw] = ssm[blk * 8 + (lane >> 2)];
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t a[4][4];
-#pragma unroll
-      for (int nbw = 0; nbw < 4; ++nbw) {
-        const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
-        const uint32_t s2 = scale_two(sword, (j & 1) * 2);  // {S(row r), S(row r+8)}
-        decode_raw(word_of(wv[nbw], j), a[nbw]);
-        a[nbw][0] = bf16x2_mul_lo(a[nbw][0], s2);
-        a[nbw][1] = bf16x2_mul_hi(a[nbw][1], s2);
-        a[nbw][2] = bf16x2_mul_lo(a[nbw][2], s2);
-        a[nbw][3] = bf16x2_mul_hi(a[nbw][3], s2);
-      }
-#pragma unroll
-      for (int mp = 0; mp < MT / 2; ++mp) {
-        uint32_t b0[2], b1[2];
-        ldmatrix_x4_u32(b0[0], b0[1], b1[0], b1[1], xa + mp * 16 * XROW_BYTES + j * 32);
-#pragma unroll
-        for (int nbw = 0; nbw < 4; ++nbw) {
-          mma_bf16(acc[nbw][2 * mp], a[nbw], b0);
-          mma_bf16(acc[nbw][2 * mp + 1], a[nbw], b1);
-        }
-      }
-    }
-  };
-
-  if (u_begin >= u_end) return;
-  Segment seg = segment_at(u_begin);
-  Sources src = sources_of(seg);
-  cp_async_ring_prologue<STAGES>(seg.ke - seg.kb, [&](int buf, int s_rel) { load_stage(src, buf, s_rel); });
-  for (;;) {
-    const bool active = half == 0 || seg.has_hi;  // warp-uniform
+    float acc[4][MT][4];
 #pragma unroll
     for (int a = 0; a < 4; ++a)
 #pragma unroll
@@ -247,36 +138,101 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
 
-    // ---- this segment's stages [kb, ke) through the STAGES-deep ring (its prologue was issued before: by the
-    // previous segment's tail, or above), drained at the end; then the drained ring sums the two k halves:
-    // afterwards warp half kh holds the totals of n16 blocks 2 kh, 2 kh + 1 in acc[0], acc[1], and both halves
-    // share the partial store, the fix-up and the epilogue (the first build left all of it to kh = 0 while the
-    // other 4 warps waited at the barrier: ~8% of warp samples).
-    cp_async_ring_body<STAGES, true>(seg.ke - seg.kb, [&](int buf, int s_rel) { load_stage(src, buf, s_rel); },
-                                     [&](int buf) {
-                                       if (active) compute_stage(buf);
-                                     });
+    // Stage-contiguous layout: tile 2*ntile + h, stage s is at qw[((2*ntile + h) * S + s) * HALF_W_VEC].
+    // Source addresses are formed once per segment and advanced by a constant per stage: the first build
+    // recomputed them from (tile, h, row, chunk) at every stage (~170 integer instructions per stage and warp,
+    // an S2R of the CTA id per stage; SASS in benchmarks/NOTES.md "v5.5 outcome").
+    static_assert(HALF_W_VEC == 2 * THREADS, "weights: thread t copies chunks t, t + 256 of each 128-row half");
+    static_assert(S_STAGE_BYTES / 16 <= THREADS, "scales: one chunk per thread at most");
+    static_assert(BK / 8 == 16 && THREADS % 16 == 0, "activations: thread t copies chunk t % 16 of rows t / 16 + 16 i");
+    const size_t half_w_stride = size_t(S) * HALF_W_VEC;
+    const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * HALF_W_VEC + tid;
+    const int s_h = tid / HALF_S_VEC;  // scale chunk's half (threads >= S_STAGE_BYTES / 16 copy none)
+    const bool s_copies = tid < S_STAGE_BYTES / 16 && (s_h == 0 || has_hi);
+    const uint4* s_thr =
+        qs + (size_t(2 * ntile + s_h) * S + kb) * HALF_S_VEC + (tid % HALF_S_VEC);
+    const int x_row0 = tid / (BK / 8);              // this thread's first activation row in the tile
+    const int x_rows_left = M - m0 - x_row0;        // rows x_row0 + 16 i exist while 16 i < x_rows_left
+    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * BK + (tid % (BK / 8)) * 8;
+    const size_t x_row_step = size_t(THREADS / (BK / 8)) * K;  // 16 rows
+    const uint32_t x_dst0 = W_STAGE_BYTES + S_STAGE_BYTES + x_row0 * XROW_BYTES + (tid % (BK / 8)) * 16;
+
+    auto load_stage = [&](int buf, int s_rel) {
+      const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+      const uint4* w = w_thr + size_t(s_rel) * HALF_W_VEC;
+      cp_async16_u32(base + tid * 16, w, 16);
+      cp_async16_u32(base + (tid + THREADS) * 16, w + THREADS, 16);
+      if (has_hi) {
+        cp_async16_u32(base + HALF_W_BYTES + tid * 16, w + half_w_stride, 16);
+        cp_async16_u32(base + HALF_W_BYTES + (tid + THREADS) * 16, w + half_w_stride + THREADS, 16);
+      }
+      if (s_copies) cp_async16_u32(base + W_STAGE_BYTES + tid * 16, s_thr + size_t(s_rel) * HALF_S_VEC, 16);
+      const __nv_bfloat16* xs = x_thr + size_t(s_rel) * BK;
+#pragma unroll
+      for (int i = 0; i < XPER; ++i) {
+        const bool valid = i * (THREADS / (BK / 8)) < x_rows_left;
+        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
+        cp_async16_u32(base + x_dst0 + i * (THREADS / (BK / 8)) * XROW_BYTES, valid ? xs + i * x_row_step : x,
+                       valid ? 16 : 0);
+      }
+    };
+
+    // ldmatrix source of this lane: row (lane / 16) * 8 + lane % 8 of each 16-row pair, k half lane / 8 % 2;
+    // per (mp, j) a constant offset (shared addresses in 32 bits: no generic -> shared conversion per stage)
+    const uint32_t x_lane = W_STAGE_BYTES + S_STAGE_BYTES + ((lane >> 4) * 8 + (lane & 7)) * XROW_BYTES +
+                            (kh * 64 + ((lane >> 3) & 1) * 8) * 2;
+
+    auto compute_stage = [&](int buf) {
+      const uint8_t* base = smem + buf * C::STAGE_BYTES;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base) + half * HALF_W_VEC;
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + W_STAGE_BYTES) + half * (HALF_S_BYTES / 8);
+      const uint32_t xa = smem_base + buf * C::STAGE_BYTES + x_lane;
+      uint4 wv[4];
+      uint2 sv[4];
+#pragma unroll
+      for (int nbw = 0; nbw < 4; ++nbw) {
+        const int blk = ((wn & 1) * 4 + nbw) * (BK / 64) + kh;  // n16 block within the 128-row half
+        wv[nbw] = wsm[blk * 32 + lane];
+        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t a[4][4];
+#pragma unroll
+        for (int nbw = 0; nbw < 4; ++nbw) {
+          const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
+          const uint32_t s2 = scale_two(sword, (j & 1) * 2);  // {S(row r), S(row r+8)}
+          decode_raw(word_of(wv[nbw], j), a[nbw]);
+          a[nbw][0] = bf16x2_mul_lo(a[nbw][0], s2);
+          a[nbw][1] = bf16x2_mul_hi(a[nbw][1], s2);
+          a[nbw][2] = bf16x2_mul_lo(a[nbw][2], s2);
+          a[nbw][3] = bf16x2_mul_hi(a[nbw][3], s2);
+        }
+#pragma unroll
+        for (int mp = 0; mp < MT / 2; ++mp) {
+          uint32_t b0[2], b1[2];
+          ldmatrix_x4_u32(b0[0], b0[1], b1[0], b1[1], xa + mp * 16 * XROW_BYTES + j * 32);
+#pragma unroll
+          for (int nbw = 0; nbw < 4; ++nbw) {
+            mma_bf16(acc[nbw][2 * mp], a[nbw], b0);
+            mma_bf16(acc[nbw][2 * mp + 1], a[nbw], b1);
+          }
+        }
+      }
+    };
+
+    // ---- this segment's stages [kb, ke) through the STAGES-deep ring (drained at the end), then the
+    // drained ring sums the two k halves: afterwards warp half kh holds the totals of n16 blocks 2 kh, 2 kh + 1
+    // in acc[0], acc[1], and both halves share the partial store, the fix-up and the epilogue (the first build
+    // left all of it to kh = 0 while the other 4 warps waited at the barrier: ~8% of warp samples).
+    run_cp_async_ring<STAGES, true>(count, load_stage, [&](int buf) {
+      if (active) compute_stage(buf);
+    });
     sum_k_halves_split(acc, reinterpret_cast<float*>(smem), kh, rt);
     float(&own)[2][MT][4] = reinterpret_cast<float(&)[2][MT][4]>(acc);
     const int own_nb0 = 2 * kh;  // first n16 block (of this warp's 4) whose totals this thread holds
 
-    // ---- the next segment's first stages go in flight now, so their latency hides behind this segment's
-    // partial store, fix-up and epilogue (registers and global memory only: the ring is free once every warp
-    // has read the reduction buffer)
-    const int u_next = seg.tile * S + seg.ke;
-    const bool more = u_next < u_end;
-    Segment next = seg;
-    Sources next_src = src;
-    __syncthreads();
-    if (more) {
-      next = segment_at(u_next);
-      next_src = sources_of(next);
-      cp_async_ring_prologue<STAGES>(next.ke - next.kb,
-                                     [&](int buf, int s_rel) { load_stage(next_src, buf, s_rel); });
-    }
-
     // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
-    const int tile = seg.tile, m0 = seg.m0;
     const int c_first = (tile * S) / L;
     const int c_last = (tile * S + S - 1) / L;
     bool do_store = true;
@@ -326,12 +282,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 
     // ---- epilogue (v5's math): scale by 128 / global_scale, add bias, store bf16
     if (do_store && active)
-      store_bf16(own, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), seg.ntile * (BN / 16) + wn * 4 + own_nb0, m0,
-                 lane, M, N);
-    if (!more) break;
-    // s_is_last is next written by the next segment's arrive_last, after its ring body's barriers.
-    seg = next;
-    src = next_src;
+      store_bf16(own, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4 + own_nb0, m0, lane,
+                 M, N);
+    __syncthreads();  // the reduction buffer and s_is_last are reused by the next segment
+    u = tile * S + ke;
   }
 }
 
