@@ -1,15 +1,17 @@
 """NVFP4 kernel benchmark on the GPU machine: BF16 cuBLAS vs bitsandbytes NF4 vs ours, per decoder layer.
 
 For Qwen2.5-7B and -32B decoder-layer GEMMs (qkv, o, gate_up, down) and M in
-{1, 4, 16, 64, 256, 1024, 4096}, times in one run:
+{1, 4, 16, 64, 256, 1024, 4096} (``--models all`` adds 1.5B / 3B / 14B shapes that calibrate the stream-K
+rule), times in one run:
 
 * ``bf16``   -- ``F.linear`` on a BF16 weight (cuBLAS);
 * ``nf4``    -- ``bitsandbytes.matmul_4bit`` (QLoRA's NF4, blocksize 64), if bitsandbytes imports;
-* ``ours``   -- ``qerl::nvfp4_gemm`` through its M dispatch (the production path);
-* ``kernel`` / ``dqmm`` -- the two paths forced (fused GEMM; dequantize + cuBLAS), to tune the
+* ``ours``   -- ``qerl::nvfp4_gemm`` through its dispatch (the production path: by M, then v5 or stream-K
+  by shape; each row's ``ours_runs`` names what ran);
+* ``kernel`` / ``dqmm`` -- the two paths forced (v5 fused GEMM; dequantize + cuBLAS), to tune the
   dispatch threshold;
-* ``kernel_streamk`` -- with ``--variants v5,streamk``: the opt-in stream-K fused kernel (v5.5,
-  ``QERL_GEMM_KERNEL=streamk``) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
+* ``kernel_streamk`` -- with ``--variants v5,streamk``: the stream-K fused kernel (v5.5-v5.7, which the
+  dispatch picks by shape) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
   per-GEMM and per-layer ratio ``streamk/v5`` = v5 time / stream-K time (> 1: stream-K faster);
 * ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
   ``float4_e2m1f`` type), through vLLM's public helpers ``prepare_fp4_layer_for_marlin`` and

@@ -255,7 +255,7 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
         kb.ncu_summary(str(tmp_path / "bad.csv"))
 
 
-# --- fused-kernel variants (v5 vs the opt-in stream-K kernel) ----------------------------------------
+# --- fused-kernel variants (v5 vs the stream-K kernel) -------------------------------------------------
 
 def test_parse_variants_and_models(kb):
     assert kb.parse_variants(None) == ["v5"]

@@ -150,7 +150,7 @@ def test_gemm_kernel_vs_f64(m: int, n: int, k: int, with_bias: bool) -> None:
         assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"mode={mode}"
 
 
-#: fused-GEMM op mode per variant: 1 = v5, 5 = the opt-in stream-K kernel (v5.5) where it applies
+#: fused-GEMM op mode per variant: 1 = v5, 5 = the stream-K kernel (v5.5-v5.7) where it applies
 VARIANT_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 STREAMK_SHAPES = [
     # (M, N, K), block_m 32 / 64 (where stream-K applies); with the CTAs = SMs schedule these give
