@@ -220,6 +220,10 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match="QERL_GEMM_KERNEL"):
         kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
     monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
+    monkeypatch.setenv("QERL_STREAMK_MIN_TILES_PER_CTA", "0,25")  # a typo the C++ atof would read as 0
+    with pytest.raises(ValueError, match="QERL_STREAMK_MIN_TILES_PER_CTA"):
+        kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
+    monkeypatch.delenv("QERL_STREAMK_MIN_TILES_PER_CTA")
 
     m = 48
     x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)

@@ -4,6 +4,7 @@ the partial-sum slot protocol, and the ``QERL_GEMM_KERNEL`` switch (GPU tests: t
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -114,6 +115,25 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
         with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='[^']+' is not a GEMM kernel variant.*streamk"):
             kernels.gemm_kernel_variant()
+
+
+def test_tuning_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension's C++ reads these with atoll / atof (a typo would become 0 and change the dispatch);
+    the Python side refuses anything but a non-negative number, naming the variable."""
+    assert set(kernels.TUNING_ENV) == {"QERL_GEMM_MAX_M", "QERL_SPLIT_PENALTY", "QERL_STREAMK_MIN_TILES_PER_CTA"}
+    for name in kernels.TUNING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    kernels.check_tuning_env()
+    for name, good in (("QERL_GEMM_MAX_M", "64"), ("QERL_SPLIT_PENALTY", "0.05"),
+                       ("QERL_STREAMK_MIN_TILES_PER_CTA", " 0.3 "), ("QERL_STREAMK_MIN_TILES_PER_CTA", "")):
+        monkeypatch.setenv(name, good)
+        kernels.check_tuning_env()
+    for name, bad in (("QERL_GEMM_MAX_M", "1e3"), ("QERL_GEMM_MAX_M", "-1"), ("QERL_SPLIT_PENALTY", "high"),
+                      ("QERL_STREAMK_MIN_TILES_PER_CTA", "nan"), ("QERL_STREAMK_MIN_TILES_PER_CTA", "0,25")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=rf"{name}='{re.escape(bad)}' is not a non-negative"):
+            kernels.check_tuning_env()
+        monkeypatch.delenv(name)
 
 
 def test_cpu_paths_ignore_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "dequantize_repacked",
     "extension",
     "gemm_kernel_variant",
+    "check_tuning_env",
     "gemm_supported",
     "linear",
     "load_extension",
@@ -52,7 +53,8 @@ GEMM_K_MULTIPLE = K_STAGE
 
 #: Environment variable choosing the fused GEMM kernel: ``auto`` (default: the stream-K kernel v5.5,
 #: cuda/nvfp4_gemm_streamk.cu, where it applies -- M >= 17, i.e. block_m 32 / 64 -- and the shape has
-#: enough 256-row tiles for the SMs; v5 elsewhere), ``v5`` (v5 only) or ``streamk`` (stream-K wherever it
+#: enough 256-row tiles for the SMs or long K ranges per CTA; v5 elsewhere), ``v5`` (v5 only) or
+#: ``streamk`` (stream-K wherever it
 #: applies). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
@@ -61,6 +63,28 @@ GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4}
 #: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
 #: it applies (block_m 32 / 64), v5 elsewhere.
 GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5}
+
+
+#: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
+#: Its C++ side parses with atoll / atof, which read a typo as 0 and silently change the dispatch, so
+#: :func:`check_tuning_env` validates them first.
+TUNING_ENV = {"QERL_GEMM_MAX_M": int, "QERL_SPLIT_PENALTY": float, "QERL_STREAMK_MIN_TILES_PER_CTA": float}
+
+
+def check_tuning_env() -> None:
+    """Raise ``ValueError`` naming the variable when a :data:`TUNING_ENV` variable is set to anything but a
+    non-negative number (unset or empty: the extension's default)."""
+    for name, parse in TUNING_ENV.items():
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            value = parse(raw)
+        except ValueError:
+            value = -1
+        if not value >= 0:  # also refuses nan
+            kind = "a non-negative integer" if parse is int else "a non-negative number"
+            raise ValueError(f"{name}={raw!r} is not {kind} (unset it for the default)")
 
 
 class _State:
@@ -233,6 +257,7 @@ def linear(
     ready = _ext_ready(x.device)
     if ready and kernel_weight is not None and gemm_supported(k, x.dtype):
         mode = GEMM_KERNEL_MODES[gemm_kernel_variant()]
+        check_tuning_env()
         x2 = x.reshape(-1, k)
         out = torch.ops.qerl.nvfp4_gemm(
             x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, mode
