@@ -102,20 +102,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
-                                            const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
-               : "r"(smem_u32(p)));
-}
-
-// As ldmatrix_x4, from a shared-space address (no generic -> shared conversion: on sm_90 that conversion reads
-// the CTA's cluster id with a long-latency S2R each time it is not hoisted).
+// ldmatrix x4 from a shared-space address. Prefer it in hot loops: the generic-pointer form below converts
+// generic -> shared, which on sm_90 reads the CTA's cluster id with a long-latency S2R whenever ptxas does not
+// hoist it.
 __device__ __forceinline__ void ldmatrix_x4_u32(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
                                                 uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
                : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3,
+                                            const void* p) {
+  ldmatrix_x4_u32(d0, d1, d2, d3, smem_u32(p));
 }
 
 __device__ __forceinline__ void ldmatrix_x2(uint32_t& d0, uint32_t& d1, const void* p) {

@@ -338,19 +338,16 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     bptr = b.data_ptr();
   }
   const int block_m = pick_block_m(m);
-  {
-    const int64_t grid = streamk_launch_grid(m, n, k, policy);
-    if (grid > 0) {
-      const size_t wsf = qerl_nvfp4_gemm_streamk_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
-      at::Tensor sws;
-      if (wsf > 0) sws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
-      check_cuda(qerl_nvfp4_gemm_streamk_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
-                                                bptr, out.data_ptr(), wsf > 0 ? sws.data_ptr<float>() : nullptr,
-                                                counters_for(x.device()), int(m), int(n), int(k), int(grid),
-                                                block_m, at::cuda::getCurrentCUDAStream()),
-                 "nvfp4_gemm (stream-K) launch");
-      return out;
-    }
+  if (const int64_t grid = streamk_launch_grid(m, n, k, policy); grid > 0) {
+    const size_t wsf = qerl_nvfp4_gemm_streamk_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
+    at::Tensor sws;
+    if (wsf > 0) sws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
+    check_cuda(qerl_nvfp4_gemm_streamk_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
+                                              bptr, out.data_ptr(), wsf > 0 ? sws.data_ptr<float>() : nullptr,
+                                              counters_for(x.device()), int(m), int(n), int(k), int(grid),
+                                              block_m, at::cuda::getCurrentCUDAStream()),
+               "nvfp4_gemm (stream-K) launch");
+    return out;
   }
   const int64_t n_tiles = (n + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
   const int64_t m_tiles = (m + block_m - 1) / block_m;
