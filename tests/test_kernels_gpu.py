@@ -236,7 +236,7 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
 
 
-def test_auto_picks_streamk_by_tile_count() -> None:
+def test_auto_picks_streamk_by_shape() -> None:
     """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
     each CTA's range has >= 24 K stages: the 7B gate_up shape (148 tiles at M = 64) and the 32B down shape
     (20 tiles, 33 stages per CTA) take stream-K, 7B qkv (18 tiles, 4 stages per CTA) and 7B down (14 tiles, 16

@@ -4,7 +4,8 @@
 # Why one script: each new stream-K kernel version (cuda/nvfp4_gemm_streamk.cu) is written without a GPU; its call
 # must answer, in order, "is it correct" (GPU tests of both variants, compute-sanitizer) before "is it fast"
 # (CUDA-graph timing of v5 and streamk side by side on every model's shapes, which also calibrates auto's
-# stream-K rule, then an ncu stall profile at M = 64 next to the prediction in benchmarks/NOTES.md "v5.5"). Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
+# stream-K rule, then an ncu stall profile at M = 64 next to the version's prediction in benchmarks/NOTES.md).
+# Works on the bare image (torch, nvcc, ninja, ncu, compute-sanitizer); when
 # vLLM is staged (/tmp/site/qerl_env.sh, benchmarks/GPU.md) the timing gets the Marlin column and ncu profiles
 # Marlin on the same weights. Steps after a failed one still run; the exit status says whether any failed.
 # Writes to $OUT: kernel_check.log, gpu_tests.log, sanitizer.log, kernel-<gpu>.json, ncu-variants-m64.csv.gz.
