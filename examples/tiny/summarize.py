@@ -18,15 +18,20 @@ KEYS = [
 ]
 
 
+def format_table(rows: list[dict]) -> list[str]:
+    """One line per step, each column as wide as its widest cell (header included), right-aligned."""
+    header = ["step"] + [h for _, h, _ in KEYS]
+    body = [[str(r["step"])] + [fmt.format(r["data"][k]) if k in r["data"] else "-" for k, _, fmt in KEYS]
+            for r in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, *body]]
+
+
 def main(path: str) -> int:
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    print("step " + " ".join(f"{h:>20}" for _, h, _ in KEYS))
-    for r in rows:
-        d = r["data"]
-        cells = [fmt.format(d[k]) if k in d else "-" for k, _, fmt in KEYS]
-        print(f"{r['step']:>4} " + " ".join(f"{c:>20}" for c in cells))
+    for line in format_table(rows):
+        print(line)
     return 0 if rows else 1
-
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1]))
