@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # DAPO on BigMath (paper Table 2: 7B/14B levels 3-5, 32B levels 4-5), evaluated on MATH500.
 # usage: bigmath_dapo.sh SIZE VARIANT [extra hydra overrides...]
-#   data: python examples/data/prepare_bigmath.py --out $DATA_DIR/bigmath [--levels 4,5]
-#         python examples/data/prepare_math500.py --out $DATA_DIR/math500
+#   data: python examples/data/prepare.py bigmath --out $DATA_DIR/bigmath [--levels 4,5]
+#         python examples/data/prepare.py math500 --out $DATA_DIR/math500
 # DAPO = dynamic sampling (drop groups with zero reward variance), clip-higher 0.28, token-mean loss,
 # overlong reward shaping, no KL; one policy update per rollout (on-policy), G = 16.
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K (paper Table 1: 3B and 7B). usage: gsm8k_grpo.sh SIZE VARIANT [extra hydra overrides...]
 #   SIZE: 3B | 7B | 14B | 32B   VARIANT: qerl | nvfp4 | lora | qlora
-#   data: python examples/data/prepare_gsm8k.py --out $DATA_DIR/gsm8k  (default DATA_DIR=$HOME/data)
+#   data: python examples/data/prepare.py gsm8k --out $DATA_DIR/gsm8k  (default DATA_DIR=$HOME/data)
 # Example: bash examples/qerl/gsm8k_grpo.sh 7B qerl trainer.total_training_steps=600
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
