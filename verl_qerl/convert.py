@@ -28,6 +28,7 @@ from .nvfp4.checkpoint import (
     ct_tensors,
     matches_pattern,
 )
+from .nvfp4.quant_config import quantize_at_load_layers
 from .nvfp4.quantize import compute_global_scale, quantize
 
 #: model_type values whose Linear layout (q/k/v/o, gate/up/down, lm_head) we have tested.
@@ -111,10 +112,13 @@ def quantize_checkpoint(
     reader = CheckpointReader(src)
     if reader.format != FORMAT_BF16:
         raise CheckpointError(f"{src}: is already quantized ({reader.format}); nothing to convert")
-    patterns = list(DEFAULT_IGNORE) + list(ignore)
+    declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
+    patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ()), *ignore]))
     linear = linear_module_names(reader.config)
-    targets = [m for m in linear if f"{m}.weight" in reader and not matches_pattern(m, patterns)]
-    missing = [m for m in linear if f"{m}.weight" not in reader and not matches_pattern(m, patterns)]
+    wanted = [m for m in linear if not matches_pattern(m, patterns)
+              and (declared_targets is None or matches_pattern(m, declared_targets))]
+    targets = [m for m in wanted if f"{m}.weight" in reader]
+    missing = [m for m in wanted if f"{m}.weight" not in reader]
     if missing and not reader.config.get("tie_word_embeddings"):
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
@@ -159,7 +163,9 @@ def quantize_checkpoint(
             index = {"metadata": {"total_size": report.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = dict(reader.config)
-        config["quantization_config"] = ct_quantization_config(patterns)
+        config.pop("compression_config", None)
+        untargeted = [m for m in linear if m not in wanted and not matches_pattern(m, patterns)]
+        config["quantization_config"] = ct_quantization_config(patterns + untargeted)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):

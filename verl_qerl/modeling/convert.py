@@ -31,6 +31,7 @@ import torch.nn as nn
 from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
 from ..nvfp4 import NVFP4FormatError, fused_global_scale
 from ..nvfp4.checkpoint import FORMAT_BF16, CheckpointError, CheckpointReader, matches_pattern, validate_nvfp4
+from ..nvfp4.quant_config import quantize_at_load_layers
 from .linear import NVFP4Linear, quantize_rows
 
 MODES = ("nvfp4", "bf16", "nf4")
@@ -365,17 +366,23 @@ def load_nvfp4_model(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    ignore: Iterable[str] = DEFAULT_IGNORE,
+    ignore: Iterable[str] | None = None,
 ) -> nn.Module:
     """A causal LM with ``NVFP4Linear`` layers, read from a checkpoint folder without dense Linear weights.
 
     ``path`` holds an NVFP4 checkpoint (compressed-tensors NVFP4A16 such as ``qerl-quantize``
-    writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint is
-    quantized on load, one fused group at a time (``ignore`` then says what stays dense).
+    writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint
+    (including one whose config says ``{"quant_method": "qerl_nvfp4"}``: quantize at load, as vLLM
+    does) is quantized on load, one fused group at a time. ``ignore``: what stays dense; by default
+    the checkpoint's own qerl_nvfp4 ``ignore`` list where it has one (the layers vLLM keeps dense),
+    else :data:`DEFAULT_IGNORE`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = CheckpointReader(path)
+    declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
+    if ignore is None:
+        ignore = DEFAULT_IGNORE if declared_ignore is None else declared_ignore
     config = dict(reader.config)
     for key in ("quantization_config", "compression_config"):
         config.pop(key, None)
@@ -385,7 +392,8 @@ def load_nvfp4_model(
     hf_config = AutoConfig.for_model(**config)
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore)
+    targets = declared_targets if reader.format == FORMAT_BF16 else None
+    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets)
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         from transformers import GenerationConfig

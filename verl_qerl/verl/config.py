@@ -37,6 +37,7 @@ from typing import Any
 
 from ..aqn import AQNConfig
 from ..convert import DEFAULT_IGNORE
+from ..nvfp4.quant_config import FORMAT_BF16
 
 logger = logging.getLogger("verl_qerl")
 
@@ -136,13 +137,13 @@ def read_qerl(config: Any) -> QeRLConfig | None:
 
 
 def checkpoint_format(path: Any) -> str | None:
-    """The weight format of a local checkpoint folder (``unquantized``, ``compressed-tensors``,
-    ``modelopt``), or None when ``path`` is not a local folder with a config.json (a hub id or a
-    remote path: verl copies it later and the actor hook checks it then)."""
-    import json
+    """The weight format of a local checkpoint folder (one of
+    :data:`~verl_qerl.nvfp4.quant_config.CHECKPOINT_FORMATS`, read as vLLM's ``qerl_nvfp4`` reads
+    it), or None when ``path`` is not a local folder with a config.json (a hub id or a remote path:
+    verl copies it later and the actor hook checks it then)."""
     from pathlib import Path
 
-    from ..nvfp4.checkpoint import CheckpointError, detect_format
+    from ..nvfp4.checkpoint import CheckpointError, detect_format, read_config_json
 
     if not path:
         return None
@@ -150,7 +151,7 @@ def checkpoint_format(path: Any) -> str | None:
     if not (folder / "config.json").is_file():
         return None
     try:
-        return detect_format(json.loads((folder / "config.json").read_text()), folder)
+        return detect_format(read_config_json(folder / "config.json"), folder)
     except CheckpointError as err:
         raise QeRLConfigError(f"actor_rollout_ref.model.path={str(path)!r}: {err}") from err
 
@@ -161,7 +162,7 @@ def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
 
     path = _get(config, "actor_rollout_ref.model.path")
     fmt = checkpoint_format(path)
-    if fmt in (None, "unquantized"):
+    if fmt in (None, FORMAT_BF16):
         return
     if qerl.mode != "nvfp4":
         raise QeRLConfigError(
