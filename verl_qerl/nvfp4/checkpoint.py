@@ -44,7 +44,8 @@ from .quant_config import (
 from .quantize import NVFP4FormatError, NVFP4Weight
 
 __all__ = ["CT_FORMAT", "FORMAT_BF16", "FORMAT_CT", "FORMAT_MODELOPT", "CheckpointError", "CheckpointReader",
-           "ct_quantization_config", "ct_tensors", "detect_format", "matches_pattern", "validate_nvfp4"]
+           "PatternError", "check_patterns", "ct_quantization_config", "ct_tensors", "detect_format",
+           "matches_pattern", "validate_nvfp4"]
 
 #: The compressed-tensors version whose config schema we write (the one vLLM 0.24/0.32 pin).
 CT_CONFIG_VERSION = "0.17.0"
@@ -52,6 +53,10 @@ CT_CONFIG_VERSION = "0.17.0"
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read as asked; the message names the file or tensor."""
+
+
+class PatternError(ValueError):
+    """A module name pattern that cannot work; the message names the option and the pattern."""
 
 
 def ct_quantization_config(ignore: Iterable[str] = ("lm_head",)) -> dict:
@@ -107,6 +112,25 @@ def matches_pattern(module: str, patterns: Iterable[str]) -> bool:
         elif module == pat or module.endswith("." + pat):
             return True
     return False
+
+
+def check_patterns(patterns: Iterable[Any], option: str) -> list[str]:
+    """``patterns`` as a list, each a non-empty string and every ``re:`` one a valid regular
+    expression; otherwise a :class:`PatternError` naming ``option`` (the flag or key) and the pattern."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for pat in patterns:
+        if not isinstance(pat, str) or not pat:
+            raise PatternError(f"{option}: {pat!r} is not a module name pattern (an exact module name, a dotted "
+                               "suffix such as 'down_proj', or 're:<regex>')")
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                raise PatternError(f"{option}: {pat!r} is not a valid regular expression ({err})") from err
+        out.append(pat)
+    return out
 
 
 def detect_format(config: dict, folder: Path | None = None) -> str:
