@@ -508,6 +508,33 @@ def test_disabled_adapters_give_the_base_model_and_merging_is_refused(nvfp4_fp32
         get_lora_model(copy.deepcopy(nvfp4_fp32), r=4, lora_alpha=8, init_lora_weights="pissa")
 
 
+def test_merge_is_refused_before_any_layer_merges(tiny_bf16):
+    """Layer 0 kept in BF16 (peft's own LoRA layers, mergeable) comes before the first NVFP4 layer."""
+    from verl_qerl.modeling import NVFP4MergeError, get_lora_model, quantize_model
+
+    model = quantize_model(_hf(tiny_bf16), ignore=["lm_head", "re:model\\.layers\\.0\\."])
+    lora = get_lora_model(model, r=8, lora_alpha=16)
+    _randomize_lora(lora)
+    ids = _ids(7)
+    with torch.no_grad():
+        want = lora(ids).logits
+        with lora.disable_adapter():
+            base = lora(ids).logits
+    before = _snapshot(lora)
+    merges = {"merge_and_unload": lambda: lora.merge_and_unload(), "merge_adapter": lambda: lora.merge_adapter(),
+              "safe_merge": lambda: lora.base_model.merge_and_unload(safe_merge=True)}
+    for how, merge in merges.items():
+        with pytest.raises(NVFP4MergeError, match="cannot merge LoRA into an NVFP4 base layer") as err:
+            merge()
+        _assert_unchanged(lora, before)
+        with torch.no_grad():
+            assert torch.equal(lora(ids).logits, want), how
+        assert "model.layers.1.self_attn.q_proj" in str(err.value)  # the first NVFP4 layer is named
+    unloaded = lora.unload()  # dropping the adapters without merging stays allowed
+    with torch.no_grad():
+        assert torch.equal(unloaded(ids).logits, base)
+
+
 def test_all_linear_targets_include_nvfp4_layers(nvfp4_fp32):
     from verl_qerl.modeling import resolve_target_modules
 
