@@ -128,7 +128,7 @@ def test_other_schedules_and_disable() -> None:
     assert [stage_sigma(k, const) for k in range(10)] == [0.0] + [start] * 9
     for cfg in (AQNConfig(schedule="none"), AQNConfig(enable=False)):
         assert [sigma_at(s, 90, cfg) for s in range(0, 200)] == [0.0] * 200
-    assert AQNConfig(schedule="linear", sigma_start=0.0).sigma_start == 0.0  # only exponential needs > 0
+    assert AQNConfig(schedule="linear", sigma_end=0.0).sigma_end == 0.0  # only exponential needs > 0
 
 
 @pytest.mark.parametrize(
@@ -154,12 +154,30 @@ def test_other_schedules_and_disable() -> None:
         ({"targets": "input_layernorm"}, "targets"),
         ({"seed": 1.5}, "seed"),
         ({"enable": "yes"}, "enable"),
+        ({"sigma_end": 2e-2}, "sigma_end"),
+        ({"schedule": "linear", "sigma_start": 1e-3, "sigma_end": 1e-2}, "sigma_end"),
+        ({"schedule": "cosine", "sigma_start": 0.0, "sigma_end": 1e-2}, "sigma_end"),
+        ({"total_steps": 5}, "total_steps"),
+        ({"total_steps": 2, "num_stages": 3}, "total_steps"),
     ],
 )
 def test_bad_config_rejected_naming_the_key(kwargs: dict, key: str) -> None:
     with pytest.raises(AQNConfigError) as err:
         AQNConfig(**kwargs)
     assert str(err.value).startswith(f"{key}:"), str(err.value)
+
+
+def test_rising_noise_and_too_short_runs_name_both_keys() -> None:
+    with pytest.raises(AQNConfigError, match=r"^sigma_end: 0.02 is above sigma_start=0.01"):
+        AQNConfig(sigma_end=2e-2)
+    with pytest.raises(AQNConfigError, match=r"^total_steps: 5 is fewer than num_stages=10"):
+        AQNConfig(total_steps=5)
+    # a flat schedule, one that ignores sigma_end, and a run of exactly num_stages steps are fine
+    assert AQNConfig(sigma_start=1e-3, sigma_end=1e-3).sigma_end == 1e-3
+    assert AQNConfig(schedule="constant", sigma_end=1.0).schedule == "constant"
+    assert AQNConfig(schedule="none", sigma_end=1.0).schedule == "none"
+    assert AQNConfig(total_steps=10).total_steps == 10
+    assert AQNConfig(enable=False, total_steps=1).total_steps == 1
 
 
 def test_bad_runtime_arguments_rejected_naming_the_key() -> None:
@@ -216,6 +234,7 @@ def test_stages_partition_the_run(total: int, stages: int) -> None:
     schedule=st.sampled_from(["exponential", "linear", "cosine"]),
 )
 def test_schedule_shape_properties(start: float, end: float, stages: int, schedule: str) -> None:
+    start, end = max(start, end), min(start, end)  # noise never rises: sigma_end > sigma_start is refused
     cfg = AQNConfig(sigma_start=start, sigma_end=end, num_stages=stages, schedule=schedule)
     sig = [stage_sigma(k, cfg) for k in range(stages)]
     assert sig[0] == 0.0
@@ -223,7 +242,7 @@ def test_schedule_shape_properties(start: float, end: float, stages: int, schedu
     lo, hi = min(start, end), max(start, end)
     assert all(lo * (1 - 1e-12) <= s <= hi * (1 + 1e-12) for s in sig[1:])
     steps = [b - a for a, b in zip(sig[1:], sig[2:])]
-    assert all(d <= hi * 1e-12 for d in steps) if start >= end else all(d >= -hi * 1e-12 for d in steps)
+    assert all(d <= hi * 1e-12 for d in steps)
     if schedule == "exponential" and stages > 3:
         ratios = [b / a for a, b in zip(sig[1:], sig[2:])]
         assert ratios == pytest.approx([ratios[0]] * len(ratios), rel=1e-9)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import fused_group, quantize_checkpoint
+from verl_qerl.convert import DestinationError, fused_group, quantize_checkpoint
 from verl_qerl.nvfp4 import NVFP4FormatError, quantize
 from verl_qerl.nvfp4.checkpoint import (
     FORMAT_BF16,
@@ -304,3 +307,226 @@ print(json.dumps({"growth": peak - base}))
     # shards' worth at most, far below the model (a whole-model load would grow by >= model_bytes)
     assert growth < 4 * shard, (growth, shard, model_bytes)
     assert growth < 0.5 * model_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: nothing the user had is lost, no half-written output, errors name the file or option
+
+
+def _tree(folder: Path) -> dict[str, bytes | str]:
+    """Every entry under ``folder`` (relative path -> file bytes, or the target of a symlink), symlinks not followed."""
+    out: dict[str, bytes | str] = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            rel = str(path.relative_to(folder))
+            if path.is_symlink():
+                out[rel] = f"-> {os.readlink(path)}"
+            elif path.is_file():
+                out[rel] = path.read_bytes()
+            else:
+                out[rel] = "<dir>"
+    return out
+
+
+def test_force_never_replaces_a_folder_holding_the_source(tiny_bf16, tmp_path):
+    root = tmp_path / "models"
+    src = root / "bf16"
+    shutil.copytree(tiny_bf16, src)
+    (root / "other").mkdir()
+    (root / "other" / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(root)
+    before = _tree(tmp_path)
+    res = run_cli(str(src), str(root), "--force")  # DST = SRC's parent: used to exit 0 having deleted both
+    assert res.returncode == 2, (res.stdout, res.stderr[-2000:])
+    assert "contains the source" in res.stderr and str(root) in res.stderr and "Traceback" not in res.stderr
+    assert _tree(tmp_path) == before
+    for dst, why in [(tmp_path, "contains the source"), (tmp_path / "link", "contains the source"),
+                     (src / "q", "inside the source"), (src / "a" / "b", "inside the source"),
+                     (tmp_path / "link" / "bf16" / "q", "inside the source"), (src, "is the source")]:
+        with pytest.raises(DestinationError, match=why):
+            quantize_checkpoint(src, dst, force=True)
+        assert _tree(tmp_path) == before, dst
+
+
+def test_force_never_replaces_a_file(tiny_bf16, tmp_path):
+    dst = tmp_path / "out"
+    dst.write_text("mine")
+    (tmp_path / "out-link").symlink_to(dst)
+    before = _tree(tmp_path)
+    res = run_cli(str(tiny_bf16), str(dst), "--force")
+    assert res.returncode == 2, (res.stdout, res.stderr[-2000:])
+    assert "is not a folder" in res.stderr and str(dst) in res.stderr and "Traceback" not in res.stderr
+    assert _tree(tmp_path) == before  # the file kept, no DST.old-<pid>, no temp folder
+    for d in (dst, tmp_path / "out-link", dst / "sub"):
+        with pytest.raises(DestinationError, match="is not a folder"):
+            quantize_checkpoint(tiny_bf16, d, force=True)
+    assert _tree(tmp_path) == before
+
+
+def _corrupt(src: Path, how: str) -> None:
+    shard = src / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if how == "truncated" else bytes(range(256)) * 8)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_a_corrupt_shard_is_named(tiny_bf16, tiny_nvfp4, tmp_path, how):
+    from verl_qerl.modeling import load_nvfp4_model
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    _corrupt(src, how)
+    res = run_cli(str(src), str(tmp_path / "dst"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"{src / 'model.safetensors'}: not a readable safetensors file" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    q = tmp_path / "q"
+    shutil.copytree(tiny_nvfp4, q)
+    _corrupt(q, how)
+    with pytest.raises(CheckpointError, match=f"{q / 'model.safetensors'}: not a readable safetensors file"):
+        load_nvfp4_model(q)
+
+
+@pytest.mark.parametrize("text, what", [("{\"model_type\": \"qwen2\",", "not valid JSON"),
+                                        ("[1, 2]", "not a JSON object"), ("", "not valid JSON")])
+def test_a_bad_config_json_is_named(tiny_bf16, tiny_nvfp4, tmp_path, text, what):
+    from verl_qerl.modeling import load_nvfp4_model
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    (src / "config.json").write_text(text)
+    res = run_cli(str(src), str(tmp_path / "dst"))
+    assert res.returncode == 2 and f"{src / 'config.json'}: {what}" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    q = tmp_path / "q"
+    shutil.copytree(tiny_nvfp4, q)
+    (q / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"{q / 'config.json'}: {what}"):
+        load_nvfp4_model(q)
+    (q / "config.json").write_bytes((tiny_nvfp4 / "config.json").read_bytes())
+    (q / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"{q / 'model.safetensors.index.json'}: {what}"):
+        CheckpointReader(q)
+
+
+def _unwritable_parent(tmp_path: Path, kind: str) -> Path:
+    """A DST whose parent cannot be written to."""
+    if kind == "read-only folder":
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits (the 'sysfs' case covers root)")
+        parent = tmp_path / "ro"
+        parent.mkdir()
+        parent.chmod(0o555)
+        return parent / "q"
+    if kind == "file as parent":
+        (tmp_path / "plain").write_text("x")
+        return tmp_path / "plain" / "sub" / "q"
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs here")
+    return Path("/sys/qerl-test-unwritable/q")  # sysfs refuses mkdir even to root
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "file as parent", "sysfs"])
+def test_an_unwritable_destination_fails_before_any_weight_is_read(tiny_bf16, tmp_path, kind, monkeypatch):
+    dst = _unwritable_parent(tmp_path, kind)
+    before = _tree(tmp_path)
+    read = []
+    monkeypatch.setattr(CheckpointReader, "get", lambda self, name: read.append(name))
+    monkeypatch.setattr(CheckpointReader, "iter_shard", lambda self, shard: read.append(shard) or iter(()))
+    with pytest.raises(DestinationError, match="cannot write") as err:
+        quantize_checkpoint(tiny_bf16, dst)
+    assert read == [], "weights were read before the destination was checked"
+    assert ".tmp-" not in str(err.value) and _tree(tmp_path) == before
+    assert not dst.exists()
+
+
+def test_cli_names_an_unwritable_destination(tiny_bf16, tmp_path):
+    (tmp_path / "plain").write_text("x")
+    res = run_cli(str(tiny_bf16), str(tmp_path / "plain" / "q"))
+    assert res.returncode == 2 and "cannot write" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_bad_ignore_regex_is_named(tiny_bf16, tmp_path):
+    res = run_cli(str(tiny_bf16), str(tmp_path / "dst"), "--ignore", "re:((")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--ignore: 're:((' is not a valid regular expression" in res.stderr
+    assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=r"ignore: 're:\(\(' is not a valid regular expression"):
+        quantize_checkpoint(tiny_bf16, tmp_path / "dst", ignore=["re:(("])
+    assert list(tmp_path.iterdir()) == []
+
+
+_PAUSING_CLI = r"""
+import shutil, sys, time
+from pathlib import Path
+import verl_qerl.convert as convert
+from verl_qerl.cli.quantize import main
+
+where, marker = sys.argv[1], Path(sys.argv[2])
+write_shard, remove_tree = convert.save_file, shutil.rmtree
+
+def save_file_then_wait(tensors, path, *args, **kwargs):
+    write_shard(tensors, path, *args, **kwargs)  # the temp folder now holds a written shard
+    marker.write_text(str(path))
+    time.sleep(120)
+
+def rmtree_after_a_pause(path, *args, **kwargs):
+    if ".old-" in str(path):  # DST was swapped for the new output; the old one is being removed
+        marker.write_text(str(path))
+        time.sleep(3)
+    return remove_tree(path, *args, **kwargs)
+
+if where == "write":
+    convert.save_file = save_file_then_wait
+else:
+    shutil.rmtree = rmtree_after_a_pause
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def _sigterm_at(where: str, marker: Path, *args: str) -> tuple[int, str]:
+    """Run the CLI, send SIGTERM once it reaches ``where`` (the marker appears); its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_CLI, where, str(marker), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"the CLI never reached {where}"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_sigterm_mid_write_leaves_no_temp_folder(tiny_bf16, tmp_path, force):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    dst = tmp_path / "dst"
+    if force:  # an existing DST must survive an interrupted --force run untouched
+        dst.mkdir()
+        (dst / "old.txt").write_text("previous output")
+    before = _tree(tmp_path)
+    marker = tmp_path.parent / f"{tmp_path.name}-written"
+    rc, err = _sigterm_at("write", marker, str(src), str(dst), *(["--force"] if force else []))
+    assert ".tmp-" in marker.read_text()  # it was writing into the hidden temp folder
+    assert rc == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (rc, err[-2000:])
+    assert _tree(tmp_path) == before, sorted(_tree(tmp_path))  # no .tmp-* folder, SRC and DST as they were
+
+
+def test_sigterm_while_dst_is_swapped_waits_for_the_swap(tiny_bf16, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old.txt").write_text("previous output")
+    marker = tmp_path.parent / f"{tmp_path.name}-swapping"
+    rc, err = _sigterm_at("swap", marker, str(tiny_bf16), str(dst), "--force")
+    assert ".old-" in marker.read_text()
+    assert rc == 128 + signal.SIGTERM, (rc, err[-2000:])
+    # the swap finished before the signal was acted on: DST is the complete new output, the old one is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]
+    assert CheckpointReader(dst).format == FORMAT_CT and not (dst / "old.txt").exists()

@@ -276,6 +276,66 @@ def test_bad_models_and_modules_are_named(tiny_bf16):
         quantize_model(peft_model)
 
 
+def _snapshot(model: nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Module types by name and a copy of the state dict: what a refused call must leave as it was."""
+    types = {n: type(m).__qualname__ for n, m in model.named_modules()}
+    return types, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_unchanged(model: nn.Module, snapshot) -> None:
+    types, state = snapshot
+    now_types, now_state = _snapshot(model)
+    assert now_types == types, sorted(n for n in types if now_types.get(n) != types[n])[:5]
+    assert sorted(now_state) == sorted(state)
+    for k, v in state.items():
+        now = now_state[k]
+        assert now.dtype == v.dtype and now.shape == v.shape and now.is_meta == v.is_meta, k
+        if not v.is_meta:
+            torch.testing.assert_close(now, v, rtol=0, atol=0, equal_nan=True, msg=k)
+
+
+@pytest.mark.parametrize("defect", ["K=40", "NaN", "partly meta"])
+def test_a_refused_conversion_leaves_the_model_as_it_was(tiny_bf16, defect):
+    from verl_qerl.modeling import ModelConversionError, quantize_model
+
+    model = _hf(tiny_bf16)
+    if defect == "K=40":  # the last target layer: every other layer would be converted first
+        model.model.layers[1].mlp.down_proj = nn.Linear(40, 128, bias=False)
+    elif defect == "NaN":
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    else:
+        model.model.layers[1].self_attn.k_proj.to("meta")
+    before = _snapshot(model)
+    with pytest.raises(ModelConversionError, match="model.layers.1.") as err:
+        quantize_model(model)
+    assert {"K=40": "K=40", "NaN": "NaN", "partly meta": "meta"}[defect] in str(err.value)
+    _assert_unchanged(model, before)
+
+
+def test_a_refused_checkpoint_load_leaves_the_model_as_it_was(tiny_bf16, tiny_nvfp4, tmp_path):
+    from verl_qerl.modeling import quantize_model
+
+    key = "model.layers.1.mlp.down_proj"
+
+    def wrong_shape(t):
+        t[f"{key}.weight_packed"] = t[f"{key}.weight_packed"][:64].contiguous()
+        t[f"{key}.weight_scale"] = t[f"{key}.weight_scale"][:64].contiguous()
+
+    model = _hf(tiny_bf16)
+    before = _snapshot(model)
+    with pytest.raises((CheckpointError, NVFP4FormatError), match=f"{key}: checkpoint weight is \\[64, 256\\]"):
+        quantize_model(model, checkpoint=_rewrite(tiny_nvfp4, tmp_path / "shape", wrong_shape))
+    _assert_unchanged(model, before)
+
+    def bf16_shape(t):
+        t[f"{key}.weight"] = t[f"{key}.weight"][:, :64].contiguous()
+
+    with pytest.raises(CheckpointError, match=f"tensor '{key}.weight' is \\[128, 64\\]"):
+        quantize_model(model, checkpoint=_rewrite(tiny_bf16, tmp_path / "bf16", bf16_shape))
+    _assert_unchanged(model, before)
+
+
 def _rewrite(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")
@@ -446,6 +506,33 @@ def test_disabled_adapters_give_the_base_model_and_merging_is_refused(nvfp4_fp32
         from verl_qerl.modeling import get_lora_model
 
         get_lora_model(copy.deepcopy(nvfp4_fp32), r=4, lora_alpha=8, init_lora_weights="pissa")
+
+
+def test_merge_is_refused_before_any_layer_merges(tiny_bf16):
+    """Layer 0 kept in BF16 (peft's own LoRA layers, mergeable) comes before the first NVFP4 layer."""
+    from verl_qerl.modeling import NVFP4MergeError, get_lora_model, quantize_model
+
+    model = quantize_model(_hf(tiny_bf16), ignore=["lm_head", "re:model\\.layers\\.0\\."])
+    lora = get_lora_model(model, r=8, lora_alpha=16)
+    _randomize_lora(lora)
+    ids = _ids(7)
+    with torch.no_grad():
+        want = lora(ids).logits
+        with lora.disable_adapter():
+            base = lora(ids).logits
+    before = _snapshot(lora)
+    merges = {"merge_and_unload": lambda: lora.merge_and_unload(), "merge_adapter": lambda: lora.merge_adapter(),
+              "safe_merge": lambda: lora.base_model.merge_and_unload(safe_merge=True)}
+    for how, merge in merges.items():
+        with pytest.raises(NVFP4MergeError, match="cannot merge LoRA into an NVFP4 base layer") as err:
+            merge()
+        _assert_unchanged(lora, before)
+        with torch.no_grad():
+            assert torch.equal(lora(ids).logits, want), how
+        assert "model.layers.1.self_attn.q_proj" in str(err.value)  # the first NVFP4 layer is named
+    unloaded = lora.unload()  # dropping the adapters without merging stays allowed
+    with torch.no_grad():
+        assert torch.equal(unloaded(ids).logits, base)
 
 
 def test_all_linear_targets_include_nvfp4_layers(nvfp4_fp32):

@@ -102,12 +102,47 @@ def test_no_block_changes_nothing():
         (["trainer.v1.trainer_mode=separate_async"], r"trainer_mode='separate_async'"),
         (["trainer.use_v1=false"], r"use_v1=false"),
         (["qerl.aqn.apply_to=both"], r"apply_to=both: not supported by the verl trainer yet"),
+        (["qerl.ignore=['lm_head','re:((']"], r"qerl.ignore: 're:\(\(' is not a valid regular expression"),
+        (["qerl.ignore=[3]"], r"qerl.ignore: 3 is not a module name pattern"),
+        (["actor_rollout_ref.model.lora_rank=abc"], r"actor_rollout_ref.model.lora_rank='abc': must be an integer"),
+        (["actor_rollout_ref.model.lora_rank=8.5"], r"actor_rollout_ref.model.lora_rank=8.5: must be an integer"),
+        (["qerl.aqn.sigma_end=0.02"], r"qerl.aqn: sigma_end: 0.02 is above sigma_start=0.01"),
+        (["trainer.total_training_steps=2"],
+         r"trainer.total_training_steps=2 is fewer than qerl.aqn.num_stages=10"),
+        (["+qerl.aqn.total_steps=5"], r"qerl.aqn: total_steps: 5 is fewer than num_stages=10"),
     ],
 )
 def test_invalid_combinations_fail_with_the_key(overrides, match):
     cfg = composed("+qerl=nvfp4", *overrides)
     with pytest.raises(QeRLConfigError, match=match):
         apply_qerl(cfg)
+
+
+def test_enough_steps_or_no_aqn_pass():
+    assert apply_qerl(composed("+qerl=nvfp4", "trainer.total_training_steps=10")).aqn.num_stages == 10
+    assert not apply_qerl(composed("+qerl=nvfp4_noaqn", "trainer.total_training_steps=1")).aqn.enable
+    assert apply_qerl(composed("+qerl=nvfp4", "actor_rollout_ref.model.lora_rank=16")) is not None
+
+
+def test_a_run_shorter_than_the_stages_warns_when_the_trainer_knows_its_length(caplog):
+    from verl_qerl.verl.trainer import AQNDriver
+
+    qerl = apply_qerl(composed("+qerl=nvfp4"))  # total steps come from the data set: unknown at config time
+    with caplog.at_level("WARNING", logger="verl_qerl"):
+        AQNDriver(qerl, 4, lambda: [])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("4 training steps" in m and "qerl.aqn.num_stages=10" in m and "trainer.total_training_steps" in m
+               for m in warned), warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="verl_qerl"):
+        AQNDriver(qerl, 10, lambda: [])
+    assert not [r for r in caplog.records if "num_stages" in r.getMessage()]
+
+
+def test_a_bad_config_json_at_model_path_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(QeRLConfigError, match=f"{tmp_path / 'config.json'}: not valid JSON"):
+        apply_qerl(composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tmp_path}"))
 
 
 def test_trainer_mode_is_registered_and_drives_aqn_per_step():

@@ -61,6 +61,7 @@ __all__ = [
     "noisy",
     "realized_std",
     "select_norm_tensors",
+    "short_run",
     "sigma_at",
     "sr_variance",
     "schedule_table",
@@ -72,6 +73,8 @@ __all__ = [
 
 #: Decay shapes over stages 1..K-1 (stage 0 is always noise-free). "exponential" is the paper's.
 SCHEDULES = ("exponential", "linear", "cosine", "constant", "none")
+#: The schedules that go from sigma_start to sigma_end (the others ignore sigma_end).
+DECAYING_SCHEDULES = ("exponential", "linear", "cosine")
 #: "rollout": only the sampling engine is noisy (the paper). "both": the actor also computes old
 #: log-probs and updates with the rollout's noise, so sampling and training see one policy.
 APPLY_TO = ("rollout", "both")
@@ -165,6 +168,9 @@ class AQNConfig:
                 raise _bad(key, f"must be > 0 for the exponential schedule, got {value!r}")
             if value < 0:
                 raise _bad(key, f"must be >= 0, got {value!r}")
+        if self.schedule in DECAYING_SCHEDULES and self.sigma_end > self.sigma_start:
+            raise _bad("sigma_end", f"{self.sigma_end!r} is above sigma_start={self.sigma_start!r}: the noise would "
+                       "rise during training, where AQN decays it (swap the two, or use schedule=constant)")
         if not _is_int(self.num_stages):
             raise _bad("num_stages", f"must be an int >= 3, got {self.num_stages!r}")
         if self.num_stages < 3:
@@ -184,6 +190,10 @@ class AQNConfig:
             raise _bad("rounding", f"unknown rounding {self.rounding!r}; choose one of {ROUNDINGS}")
         if self.total_steps is not None:
             _check_total_steps(self.total_steps)
+            short = short_run(self.total_steps, self)
+            if short:
+                raise _bad("total_steps", f"{self.total_steps} is fewer than num_stages={self.num_stages}: {short}; "
+                           f"run at least {self.num_stages} steps, lower num_stages (>= 3) or disable AQN")
         if total_steps is not None:
             _check_total_steps(total_steps)
         return self
@@ -220,6 +230,21 @@ class AQNConfig:
 # --------------------------------------------------------------------------------------------
 # Schedule
 # --------------------------------------------------------------------------------------------
+
+
+def short_run(total_steps: int, cfg: AQNConfig) -> str | None:
+    """What goes wrong when a run of ``total_steps`` is shorter than ``cfg.num_stages``, or None.
+
+    Step ``s`` of ``T < K`` lands in stage ``(s - 1) K // T``, so only ``T`` of the ``K`` stages get
+    a step, one of them the noise-free stage 0: most of the decay is skipped, and a one-step run
+    gets no noise at all.
+    """
+    if not cfg.enable or cfg.schedule == "none" or total_steps >= cfg.num_stages:
+        return None
+    if total_steps <= 1:
+        return "the only step is in stage 0, which is noise-free, so the run gets no noise at all"
+    return (f"only {total_steps} of the {cfg.num_stages} stages get a step (stage 0 noise-free), so most of the "
+            "noise schedule is skipped")
 
 
 class StageInfo(NamedTuple):

@@ -5,15 +5,22 @@ find its amax (fused q/k/v and gate/up share a global scale, and their parts may
 shards); pass 2 rewrites the checkpoint shard by shard. Output goes to a temporary folder beside
 DST and is renamed into place only when complete, so an interrupted run leaves nothing half-written
 and an existing DST is replaced only with ``force=True``, after the new one is complete.
+
+DST is checked before any weight is read: it must not be, contain or lie inside SRC (symlinks
+resolved: replacing it would delete the source), must be a folder if it exists, and its parent must
+take the temporary folder, which is created first as the test that DST can be written at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +31,12 @@ from .nvfp4.checkpoint import (
     FORMAT_BF16,
     CheckpointError,
     CheckpointReader,
+    check_patterns,
     ct_quantization_config,
     ct_tensors,
     matches_pattern,
 )
+from .nvfp4.quant_config import quantize_at_load_layers
 from .nvfp4.quantize import compute_global_scale, quantize
 
 #: model_type values whose Linear layout (q/k/v/o, gate/up/down, lm_head) we have tested.
@@ -75,18 +84,108 @@ class ConversionReport:
     bytes_out: int = 0
 
 
+class DestinationError(ValueError):
+    """A DST that must not or cannot be written; raised before any weight is read, nothing on disk changed."""
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_destination(src: Path, dst: Path, force: bool) -> Path:
+    """Refuse a DST whose replacement would lose data or that cannot be a folder; return its real path.
+
+    Paths are compared after resolving symlinks, so a link to SRC's parent is refused like the
+    parent itself. A non-empty DST needs ``force`` (``FileExistsError`` otherwise).
+    """
+    real_src, real_dst = src.resolve(), dst.resolve()
+    if real_dst == real_src:
+        raise DestinationError(f"{dst}: is the source folder; choose another destination")
+    if _is_within(real_src, real_dst):
+        raise DestinationError(f"{dst}: contains the source {src}; replacing it would delete the source "
+                               "(choose a new or empty folder)")
+    if _is_within(real_dst, real_src):
+        raise DestinationError(f"{dst}: is inside the source {src}; choose a folder outside it")
+    if real_dst.exists() and not real_dst.is_dir():
+        raise DestinationError(f"{dst}: exists and is not a folder; qerl-quantize writes a folder (remove the "
+                               "file or choose another name)")
+    existing = next(p for p in real_dst.parents if p.exists())
+    if not existing.is_dir():
+        raise DestinationError(f"{dst}: cannot write there: {existing} is not a folder")
+    if real_dst.is_dir() and any(real_dst.iterdir()) and not force:
+        raise FileExistsError(f"{dst}: exists and is not empty (pass --force to replace it)")
+    return real_dst
+
+
+def _make_temp_folder(dst: Path, shown: Path) -> tuple[Path, list[Path]]:
+    """DST's missing parents and the hidden temporary folder beside DST, created before any weight is
+    read (the one test of writability that also holds for root). Returns the folder and the parents made."""
+    made: list[Path] = []
+    try:
+        for parent in reversed(dst.parents):
+            if not parent.exists():
+                where = parent.parent
+                parent.mkdir()
+                made.append(parent)
+        where = dst.parent
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    except OSError as err:
+        _remove_made(made)
+        raise DestinationError(f"{shown}: cannot write into {where}: {err.strerror or err}") from err
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the result the permissions a mkdir would
+    return tmp, made
+
+
+def _remove_made(made: list[Path]) -> None:
+    for parent in reversed(made):
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block are delivered when it ends.
+
+    Swapping DST for the finished output is two renames (and the old folder's removal): cut off
+    between them, DST would be left renamed away. Python handlers run in the main thread only, so
+    elsewhere the block runs unprotected.
+    """
+    signums = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signums}
+    if threading.current_thread() is not threading.main_thread() or None in previous.values():
+        yield
+        return
+    pending: list[int] = []
+    for s in signums:
+        signal.signal(s, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(pending):
+            signal.raise_signal(s)
+
+
 def _replace_dir(tmp: Path, dst: Path, force: bool) -> None:
-    if dst.is_dir() and not any(dst.iterdir()):
-        dst.rmdir()
-    if dst.exists():
+    with _signals_deferred():
+        if dst.is_dir() and not any(dst.iterdir()):
+            dst.rmdir()
+        if not dst.exists():
+            tmp.rename(dst)
+            return
         if not force:
             raise FileExistsError(f"{dst}: exists and is not empty (pass --force to replace it)")
-        old = dst.with_name(dst.name + f".old-{os.getpid()}")
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
         dst.rename(old)
-        tmp.rename(dst)
+        try:
+            tmp.rename(dst)
+        except BaseException:
+            old.rename(dst)
+            raise
         shutil.rmtree(old)
-    else:
-        tmp.rename(dst)
 
 
 def quantize_checkpoint(
@@ -102,38 +201,40 @@ def quantize_checkpoint(
     ``ignore``: extra module patterns (exact names, dotted suffixes or ``re:<regex>``) kept in BF16,
     on top of :data:`DEFAULT_IGNORE`. ``progress(iterable, total, desc)`` wraps the loops (tqdm).
     """
-    src, dst = Path(src), Path(dst)
+    src, shown = Path(src), Path(dst)
     wrap = progress or (lambda it, total, desc: it)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
-        raise FileExistsError(f"{dst}: exists and is not empty (pass --force to replace it)")
-    if dst.resolve() == src.resolve():
-        raise FileExistsError(f"{dst}: is the source folder; choose another destination")
-    reader = CheckpointReader(src)
+    ignore = check_patterns(ignore, "ignore")
+    reader = CheckpointReader(src)  # config.json and shard headers only
     if reader.format != FORMAT_BF16:
         raise CheckpointError(f"{src}: is already quantized ({reader.format}); nothing to convert")
-    patterns = list(DEFAULT_IGNORE) + list(ignore)
+    dst = check_destination(src, shown, force)
+    declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
+    where = f"{src / 'config.json'}: quantization_config"
+    declared_ignore = None if declared_ignore is None else check_patterns(declared_ignore, f"{where}.ignore")
+    declared_targets = None if declared_targets is None else check_patterns(declared_targets, f"{where}.targets")
+    patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ()), *ignore]))
     linear = linear_module_names(reader.config)
-    targets = [m for m in linear if f"{m}.weight" in reader and not matches_pattern(m, patterns)]
-    missing = [m for m in linear if f"{m}.weight" not in reader and not matches_pattern(m, patterns)]
+    wanted = [m for m in linear if not matches_pattern(m, patterns)
+              and (declared_targets is None or matches_pattern(m, declared_targets))]
+    targets = [m for m in wanted if f"{m}.weight" in reader]
+    missing = [m for m in wanted if f"{m}.weight" not in reader]
     if missing and not reader.config.get("tie_word_embeddings"):
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
 
-    # Pass 1: per-group global scale (min over parts of 448*6/amax).
-    group_scale: dict[str, torch.Tensor] = {}
-    for module in wrap(targets, len(targets), "scan amax"):
-        gs = compute_global_scale(reader.get(f"{module}.weight"), f"{module}.weight")
-        key = fused_group(module)
-        group_scale[key] = gs if key not in group_scale else torch.minimum(group_scale[key], gs)
-
-    report = ConversionReport(src=src, dst=dst)
-    target_set = set(targets)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp, made = _make_temp_folder(dst, shown)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the result the permissions a mkdir would
+    report = ConversionReport(src=src, dst=shown)
+    target_set = set(targets)
     try:
+        # Pass 1: per-group global scale (min over parts of 448*6/amax).
+        group_scale: dict[str, torch.Tensor] = {}
+        for module in wrap(targets, len(targets), "scan amax"):
+            gs = compute_global_scale(reader.get(f"{module}.weight"), f"{module}.weight")
+            key = fused_group(module)
+            group_scale[key] = gs if key not in group_scale else torch.minimum(group_scale[key], gs)
+
         weight_map: dict[str, str] = {}
         total = len(reader.names())
         for shard in reader.shards:
@@ -159,7 +260,9 @@ def quantize_checkpoint(
             index = {"metadata": {"total_size": report.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = dict(reader.config)
-        config["quantization_config"] = ct_quantization_config(patterns)
+        config.pop("compression_config", None)
+        untargeted = [m for m in linear if m not in wanted and not matches_pattern(m, patterns)]
+        config["quantization_config"] = ct_quantization_config(patterns + untargeted)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):
@@ -167,5 +270,6 @@ def quantize_checkpoint(
         _replace_dir(tmp, dst, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_made(made)
         raise
     return report

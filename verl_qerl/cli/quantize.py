@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
 from tqdm import tqdm
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that the temporary output folder is removed on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,17 +38,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .. import convert
+    from ..nvfp4.checkpoint import PatternError, check_patterns
 
     def progress(iterable, total, desc):
         return tqdm(iterable, total=total, desc=desc, unit="tensor", file=sys.stderr, leave=False)
 
-    t0 = time.perf_counter()
     try:
-        report = convert.quantize_checkpoint(args.src, args.dst, ignore=args.ignore, force=args.force,
-                                             progress=progress)
+        ignore = check_patterns(args.ignore, "--ignore")
+    except PatternError as err:
+        print(f"qerl-quantize: error: {err}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        report = convert.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force, progress=progress)
     except (FileExistsError, ValueError) as err:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # e.g. the disk filled up while writing: the temporary folder is already removed
+        print(f"qerl-quantize: error: {err}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated) as err:
+        signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
+        print(f"qerl-quantize: stopped by {signal.Signals(signum).name}; no partial output left behind",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     dt = time.perf_counter() - t0
     ratio = report.bytes_out / max(report.bytes_in, 1)
     print(f"qerl-quantize: wrote {report.dst}: {len(report.quantized)} Linear layers in NVFP4, "

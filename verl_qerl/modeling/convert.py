@@ -22,15 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
-from ..nvfp4 import NVFP4FormatError, fused_global_scale
-from ..nvfp4.checkpoint import FORMAT_BF16, CheckpointError, CheckpointReader, matches_pattern, validate_nvfp4
+from ..nvfp4 import BLOCK_SIZE, NVFP4FormatError, fused_global_scale
+from ..nvfp4.checkpoint import (
+    FORMAT_BF16,
+    CheckpointError,
+    CheckpointReader,
+    PatternError,
+    check_patterns,
+    matches_pattern,
+    validate_nvfp4,
+)
+from ..nvfp4.quant_config import quantize_at_load_layers
 from .linear import NVFP4Linear, quantize_rows
 
 MODES = ("nvfp4", "bf16", "nf4")
@@ -125,6 +134,11 @@ def quantize_model(
     """
     if mode not in MODES:
         raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
+    try:
+        ignore = check_patterns(ignore, "quantize_model: ignore")
+        targets = None if targets is None else check_patterns(targets, "quantize_model: targets")
+    except PatternError as exc:
+        raise ModelConversionError(str(exc)) from exc
     _check_model(model, strict_arch)
     if mode == "bf16":
         if checkpoint is not None:
@@ -141,10 +155,15 @@ def quantize_model(
     reader = None
     if checkpoint is not None:
         reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    # Every step checks all layers before it replaces any, so a refused conversion leaves the model as it was.
+    def before_replacing(replaced: Collection[str]) -> None:
+        if reader is not None:
+            check_meta_fill(model, reader, skip=replaced)
+
     if reader is not None and reader.format != FORMAT_BF16:
-        _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap)
+        _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap, before_replacing)
     else:
-        _quantize_layers(model, names, reader, device, dtype, wrap)
+        _quantize_layers(model, names, reader, device, dtype, wrap, before_replacing)
     if reader is not None:
         fill_meta_from_checkpoint(model, reader, device=device, dtype=dtype)
     return model
@@ -173,56 +192,90 @@ def _quantize_layers(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     wrap: Callable[[Iterable, int, str], Iterable],
+    before_replacing: Callable[[Collection[str]], None],
 ) -> None:
-    """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights."""
+    """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights.
+
+    Two passes, so that nothing is replaced until every layer is known to convert: the first
+    checks each group (meta placement, checkpoint shapes, biases) and computes its shared global
+    scale, which reads every weight once and refuses K not a multiple of 16 or NaN/Inf; the second
+    quantizes and swaps the layers in. Peak memory stays one group above the model.
+    """
     groups = _groups(names)
-    for group in wrap(groups, len(groups), "quantize NVFP4"):
+    shells: list[list[str]] = []
+    dense: list[list[str]] = []
+    for group in groups:
         mods = [model.get_submodule(n) for n in group]
         if reader is None and any(m.weight.is_meta for m in mods):
-            _meta_shells(model, group, mods, device, dtype)
-            continue
-        weights = []
-        for n, m in zip(group, mods):
-            if reader is not None:
-                w = reader.get(f"{n}.weight")
-                if tuple(w.shape) != (m.out_features, m.in_features):
-                    raise CheckpointError(f"{reader.folder}: tensor '{n}.weight' is {list(w.shape)} but the model's "
-                                          f"layer is [{m.out_features}, {m.in_features}]")
-                w = w.to(_target_device(m, device))
-            else:
-                w = m.weight.detach()
-                if device is not None:
-                    w = w.to(device)
-            weights.append(w)
+            _check_meta_group(group, mods, device)
+            shells.append(group)
+        else:
+            dense.append(group)
+    scales: dict[str, torch.Tensor] = {}
+    biases: dict[str, nn.Parameter | None] = {}
+    for group in wrap(dense, len(dense), "check NVFP4 layers"):
+        weights = [_dense_weight(model, n, reader, device) for n in group]
         try:
-            gs = fused_global_scale(weights, [f"{n}.weight" for n in group])
-            for n, m, w in zip(group, mods, weights):
-                bias = _layer_bias(m, n, reader)
-                q = quantize_rows(w, gs, name=f"{n}.weight")
-                layer_dtype = _layer_dtype(m, dtype)
-                new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=layer_dtype, device=w.device)
-                _set_module(model, n, new)
+            scales[group[0]] = fused_global_scale(weights, [f"{n}.weight" for n in group])
         except NVFP4FormatError as exc:
             raise ModelConversionError(f"quantize_model: {exc}") from exc
-        del mods, weights
+        for n in group:
+            biases[n] = _layer_bias(model.get_submodule(n), n, reader)
+        del weights
+    before_replacing(names)
+    for group in shells:
+        _meta_shells(model, group, [model.get_submodule(n) for n in group], dtype)
+    for group in wrap(dense, len(dense), "quantize NVFP4"):
+        for n in group:
+            m = model.get_submodule(n)
+            w = _dense_weight(model, n, reader, device)
+            q = quantize_rows(w, scales[group[0]], name=f"{n}.weight")
+            bias = biases[n]
+            new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
+                                         device=w.device)
+            _set_module(model, n, new)
+            del w, q
 
 
-def _meta_shells(
-    model: nn.Module,
-    group: list[str],
-    mods: list[nn.Module],
-    device: torch.device | str | None,
-    dtype: torch.dtype | None,
-) -> None:
-    """Meta Linear in, meta NVFP4Linear out: the buffers are filled later by a state-dict load or
-    a broadcast from a rank that has the data (verl builds non-zero ranks on the meta device and
-    broadcasts rank 0's parameters *and buffers* when it shards the model)."""
+def _dense_weight(
+    model: nn.Module, name: str, reader: CheckpointReader | None, device: torch.device | str | None
+) -> torch.Tensor:
+    """The dense weight of layer ``name``: the checkpoint's (shape-checked) or the model's own."""
+    m = model.get_submodule(name)
+    if reader is None:
+        w = m.weight.detach()
+        return w if device is None else w.to(device)
+    w = reader.get(f"{name}.weight")
+    if tuple(w.shape) != (m.out_features, m.in_features):
+        raise CheckpointError(f"{reader.folder}: tensor '{name}.weight' is {list(w.shape)} but the model's "
+                              f"layer is [{m.out_features}, {m.in_features}]")
+    return w.to(_target_device(m, device))
+
+
+def _check_meta_group(group: list[str], mods: list[nn.Module], device: torch.device | str | None) -> None:
+    """A meta group can become meta shells: all parts on meta, no real device asked for, K fits NVFP4."""
     if not all(m.weight.is_meta for m in mods):
         raise ModelConversionError(f"quantize_model: fused layers {group} are partly on the meta device; a shared "
                                    "global scale needs all of their weights (or none)")
     if device is not None and torch.device(device).type != "meta":
         raise ModelConversionError(f"quantize_model: {group[0]!r} is on the meta device (no data to quantize); "
                                    "load the weights or pass checkpoint=")
+    for n, m in zip(group, mods):
+        if m.in_features % BLOCK_SIZE:
+            raise ModelConversionError(f"quantize_model: {n}.weight: in_features K={m.in_features} is not a "
+                                       f"multiple of the NVFP4 block size {BLOCK_SIZE}")
+
+
+def _meta_shells(
+    model: nn.Module,
+    group: list[str],
+    mods: list[nn.Module],
+    dtype: torch.dtype | None,
+) -> None:
+    """Meta Linear in, meta NVFP4Linear out (checked by :func:`_check_meta_group` first): the buffers
+    are filled later by a state-dict load or a broadcast from a rank that has the data (verl builds
+    non-zero ranks on the meta device and broadcasts rank 0's parameters *and buffers* when it
+    shards the model)."""
     for n, m in zip(group, mods):
         new = NVFP4Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta",
                           dtype=_layer_dtype(m, dtype))
@@ -255,6 +308,7 @@ def _load_nvfp4_layers(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     wrap: Callable[[Iterable, int, str], Iterable],
+    before_replacing: Callable[[Collection[str]], None],
 ) -> None:
     """Fill NVFP4Linear layers straight from an NVFP4 checkpoint's tensors (no dense weight)."""
     modules = dict(model.named_modules())
@@ -273,7 +327,9 @@ def _load_nvfp4_layers(
         if f"{n}.weight" not in reader:
             raise CheckpointError(f"{reader.folder}: model layer {n!r} has neither NVFP4 tensors "
                                   f"('{n}.weight_packed') nor a dense '{n}.weight' in the checkpoint")
-    for n in wrap(stored, len(stored), "load NVFP4"):
+    # every stored layer checked (shard headers, global scale, bias) before the first is replaced
+    load: dict[str, nn.Parameter | None] = {}
+    for n in stored:
         m = modules[n]
         if matches_pattern(n, ignore):
             raise ModelConversionError(f"quantize_model: {n!r} is in ignore= but the checkpoint stores it in NVFP4")
@@ -282,15 +338,55 @@ def _load_nvfp4_layers(
                                        "model, not a torch.nn.Linear")
         if targets is not None and n not in wanted:
             continue
+        try:
+            reader.check_nvfp4(n, expected_shape=(m.out_features, m.in_features))
+        except NVFP4FormatError as exc:
+            raise CheckpointError(f"{reader.folder}: {exc}") from exc
+        load[n] = _layer_bias(m, n, reader)
+    before_replacing(load)
+    for n in wrap(list(load), len(load), "load NVFP4"):
+        m = modules[n]
         w = reader.read_nvfp4(n)
         try:
             w = validate_nvfp4(n, w.packed, w.scale, w.global_scale, expected_shape=(m.out_features, m.in_features))
         except NVFP4FormatError as exc:
             raise CheckpointError(f"{reader.folder}: {exc}") from exc
-        dev = _target_device(m, device)
-        bias = _layer_bias(m, n, reader)
-        new = NVFP4Linear.from_nvfp4(w, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype), device=dev)
+        bias = load[n]
+        new = NVFP4Linear.from_nvfp4(w, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
+                                     device=_target_device(m, device))
         _set_module(model, n, new)
+
+
+def _meta_tensors(model: nn.Module, skip: Collection[str] = ()) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """``(name, module, leaf, tensor)`` of every parameter / persistent buffer still on the meta
+    device, outside the modules named in ``skip``."""
+    for mod_name, mod in model.named_modules():
+        if mod_name in skip:
+            continue
+        local = list(mod._parameters.items()) + [
+            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
+        ]
+        for leaf, t in local:
+            if t is not None and t.is_meta:
+                yield (f"{mod_name}.{leaf}" if mod_name else leaf), mod, leaf, t
+
+
+def check_meta_fill(model: nn.Module, reader: CheckpointReader, skip: Collection[str] = ()) -> None:
+    """What :func:`fill_meta_from_checkpoint` would refuse (a missing tensor, a shape mismatch), from
+    the shard headers alone; ``skip``: modules about to be replaced, whose tensors do not matter."""
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    missing = []
+    for name, _mod, _leaf, t in _meta_tensors(model, skip):
+        if name not in reader:
+            if not (tied and name.endswith("lm_head.weight")):
+                missing.append(name)
+            continue
+        _dtype, shape = reader.metadata(name)
+        if tuple(shape) != tuple(t.shape):
+            raise CheckpointError(f"{reader.folder}: tensor {name!r} is {list(shape)}, the model expects "
+                                  f"{list(t.shape)}")
+    if missing:
+        raise CheckpointError(f"{reader.folder}: the model's tensor(s) {missing[:5]} are missing from the checkpoint")
 
 
 def fill_meta_from_checkpoint(
@@ -303,36 +399,22 @@ def fill_meta_from_checkpoint(
     """Load every parameter / persistent buffer of ``model`` still on the meta device from ``reader``.
 
     Tensors already holding data are left alone. Float tensors take ``dtype`` (default: the meta
-    tensor's own dtype). Tied output embeddings are re-tied instead of loaded.
+    tensor's own dtype). Tied output embeddings are re-tied instead of loaded. Everything is
+    checked (:func:`check_meta_fill`) before the first tensor is loaded.
     """
+    check_meta_fill(model, reader)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    missing = []
-    for mod_name, mod in model.named_modules():
-        local = list(mod._parameters.items()) + [
-            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
-        ]
-        for leaf, t in local:
-            if t is None or not t.is_meta:
-                continue
-            name = f"{mod_name}.{leaf}" if mod_name else leaf
-            if name not in reader:
-                if tied and name.endswith("lm_head.weight"):
-                    continue
-                missing.append(name)
-                continue
-            value = reader.get(name)
-            if tuple(value.shape) != tuple(t.shape):
-                raise CheckpointError(f"{reader.folder}: tensor {name!r} is {list(value.shape)}, the model expects "
-                                      f"{list(t.shape)}")
-            target_dtype = (dtype or t.dtype) if t.dtype.is_floating_point else t.dtype
-            value = value.to(device=dev, dtype=target_dtype)
-            if leaf in mod._parameters:
-                mod._parameters[leaf] = nn.Parameter(value, requires_grad=t.requires_grad)
-            else:
-                mod._buffers[leaf] = value
-    if missing:
-        raise CheckpointError(f"{reader.folder}: the model's tensor(s) {missing[:5]} are missing from the checkpoint")
+    for name, mod, leaf, t in list(_meta_tensors(model)):
+        if name not in reader:  # only the tied output embedding (checked above)
+            continue
+        value = reader.get(name)
+        target_dtype = (dtype or t.dtype) if t.dtype.is_floating_point else t.dtype
+        value = value.to(device=dev, dtype=target_dtype)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = nn.Parameter(value, requires_grad=t.requires_grad)
+        else:
+            mod._buffers[leaf] = value
     if tied and hasattr(model, "tie_weights"):
         model.tie_weights()
 
@@ -365,17 +447,23 @@ def load_nvfp4_model(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    ignore: Iterable[str] = DEFAULT_IGNORE,
+    ignore: Iterable[str] | None = None,
 ) -> nn.Module:
     """A causal LM with ``NVFP4Linear`` layers, read from a checkpoint folder without dense Linear weights.
 
     ``path`` holds an NVFP4 checkpoint (compressed-tensors NVFP4A16 such as ``qerl-quantize``
-    writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint is
-    quantized on load, one fused group at a time (``ignore`` then says what stays dense).
+    writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint
+    (including one whose config says ``{"quant_method": "qerl_nvfp4"}``: quantize at load, as vLLM
+    does) is quantized on load, one fused group at a time. ``ignore``: what stays dense; by default
+    the checkpoint's own qerl_nvfp4 ``ignore`` list where it has one (the layers vLLM keeps dense),
+    else :data:`DEFAULT_IGNORE`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = CheckpointReader(path)
+    declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
+    if ignore is None:
+        ignore = DEFAULT_IGNORE if declared_ignore is None else declared_ignore
     config = dict(reader.config)
     for key in ("quantization_config", "compression_config"):
         config.pop(key, None)
@@ -385,7 +473,8 @@ def load_nvfp4_model(
     hf_config = AutoConfig.for_model(**config)
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore)
+    targets = declared_targets if reader.format == FORMAT_BF16 else None
+    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets)
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         from transformers import GenerationConfig

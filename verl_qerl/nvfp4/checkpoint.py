@@ -10,15 +10,17 @@ time through ``safetensors.safe_open`` so nothing holds a whole model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .format import (
     BLOCK_SIZE,
@@ -30,12 +32,20 @@ from .format import (
     MODELOPT_WEIGHT_SCALE_2,
     SCALE_DTYPE,
 )
+from .quant_config import (
+    CT_FORMAT,
+    FORMAT_BF16,
+    FORMAT_CT,
+    FORMAT_MODELOPT,
+    QuantConfigError,
+    declared_quant_config,
+    read_json_object,
+)
 from .quantize import NVFP4FormatError, NVFP4Weight
 
-CT_FORMAT = "nvfp4-pack-quantized"
-FORMAT_BF16 = "unquantized"
-FORMAT_CT = "compressed-tensors"
-FORMAT_MODELOPT = "modelopt"
+__all__ = ["CT_FORMAT", "FORMAT_BF16", "FORMAT_CT", "FORMAT_MODELOPT", "CheckpointError", "CheckpointReader",
+           "PatternError", "check_patterns", "ct_quantization_config", "ct_tensors", "detect_format",
+           "matches_pattern", "validate_nvfp4"]
 
 #: The compressed-tensors version whose config schema we write (the one vLLM 0.24/0.32 pin).
 CT_CONFIG_VERSION = "0.17.0"
@@ -43,6 +53,10 @@ CT_CONFIG_VERSION = "0.17.0"
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read as asked; the message names the file or tensor."""
+
+
+class PatternError(ValueError):
+    """A module name pattern that cannot work; the message names the option and the pattern."""
 
 
 def ct_quantization_config(ignore: Iterable[str] = ("lm_head",)) -> dict:
@@ -100,38 +114,54 @@ def matches_pattern(module: str, patterns: Iterable[str]) -> bool:
     return False
 
 
+def check_patterns(patterns: Iterable[Any], option: str) -> list[str]:
+    """``patterns`` as a list, each a non-empty string and every ``re:`` one a valid regular
+    expression; otherwise a :class:`PatternError` naming ``option`` (the flag or key) and the pattern."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for pat in patterns:
+        if not isinstance(pat, str) or not pat:
+            raise PatternError(f"{option}: {pat!r} is not a module name pattern (an exact module name, a dotted "
+                               "suffix such as 'down_proj', or 're:<regex>')")
+        if pat.startswith("re:"):
+            try:
+                re.compile(pat[3:])
+            except re.error as err:
+                raise PatternError(f"{option}: {pat!r} is not a valid regular expression ({err})") from err
+        out.append(pat)
+    return out
+
+
 def detect_format(config: dict, folder: Path | None = None) -> str:
-    """Which weight layout a checkpoint's config.json (and hf_quant_config.json) declares."""
-    qc = config.get("quantization_config") or config.get("compression_config")
-    if qc is None and folder is not None and (folder / "hf_quant_config.json").is_file():
-        qc = json.loads((folder / "hf_quant_config.json").read_text())
-        qc = {"quant_method": "modelopt", **qc.get("quantization", qc)}
-    if not qc:
-        return FORMAT_BF16
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "compressed-tensors":
-        fmts = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
-        if CT_FORMAT not in fmts:
-            raise CheckpointError(f"compressed-tensors checkpoint with format(s) {sorted(map(str, fmts))}; "
-                                  f"only {CT_FORMAT!r} (NVFP4) is supported")
-        for name, group in (qc.get("config_groups") or {}).items():
-            gs = (group.get("weights") or {}).get("group_size")
-            if gs not in (None, BLOCK_SIZE):
-                raise CheckpointError(f"quantization_config.config_groups.{name}.weights.group_size={gs}; "
-                                      f"NVFP4 needs {BLOCK_SIZE}")
-        return FORMAT_CT
-    if method == "modelopt" or "quant_algo" in qc:
-        algo = str(qc.get("quant_algo", "")).upper()
-        if "FP4" not in algo:
-            raise CheckpointError(f"ModelOpt checkpoint with quant_algo={algo!r}; only NVFP4 is supported")
-        gs = qc.get("group_size")
-        if gs not in (None, BLOCK_SIZE):
-            raise CheckpointError(f"ModelOpt quantization group_size={gs}; NVFP4 needs {BLOCK_SIZE}")
-        return FORMAT_MODELOPT
-    if method in ("qerl_nvfp4",):
-        return FORMAT_CT
-    raise CheckpointError(f"unsupported quantization_config.quant_method {method!r} (expected compressed-tensors "
-                          "NVFP4, ModelOpt NVFP4, or an unquantized checkpoint)")
+    """Which weight layout a checkpoint's config.json (and hf_quant_config.json) declares: one of
+    :data:`~verl_qerl.nvfp4.quant_config.CHECKPOINT_FORMATS`, read as the vLLM method reads it."""
+    from .quant_config import detect_format as classify
+
+    try:
+        return classify(config, folder)
+    except QuantConfigError as err:
+        where = f"{folder}: " if folder is not None else ""
+        raise CheckpointError(f"{where}{err}") from err
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, the shard index) as a dict; errors name the file."""
+    try:
+        return read_json_object(path)
+    except QuantConfigError as err:
+        raise CheckpointError(str(err)) from err
+
+
+@contextlib.contextmanager
+def open_shard(path: Path) -> Iterator[Any]:
+    """``safe_open`` of one shard; a truncated or corrupt file raises :class:`CheckpointError` naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the shard is damaged or "
+                              "incomplete: copy or download it again") from err
 
 
 def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
@@ -149,6 +179,8 @@ class CheckpointReader:
     folder: Path
     config: dict = field(init=False)
     format: str = field(init=False)
+    #: The quantization dict the checkpoint declares (config.json or hf_quant_config.json), or None.
+    quant_config: dict | None = field(init=False)
     _where: dict[str, str] = field(init=False, repr=False)
 
     def __init__(self, folder: str | os.PathLike) -> None:
@@ -158,14 +190,18 @@ class CheckpointReader:
         cfg_path = self.folder / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint folder)")
-        self.config = json.loads(cfg_path.read_text())
+        self.config = read_config_json(cfg_path)
+        try:
+            self.quant_config = declared_quant_config(self.config, self.folder)
+        except QuantConfigError as err:
+            raise CheckpointError(f"{self.folder}: {err}") from err
         self.format = detect_format(self.config, self.folder)
         self._where = self._index()
 
     def _index(self) -> dict[str, str]:
         index = self.folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = read_config_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map'")
             for shard in sorted(set(weight_map.values())):
@@ -179,7 +215,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder}: no *.safetensors weights{hint}")
         where = {}
         for shard in shards:
-            with safe_open(self.folder / shard, framework="pt") as f:
+            with open_shard(self.folder / shard) as f:
                 for name in f.keys():
                     where[name] = shard
         return where
@@ -200,20 +236,20 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
-        with safe_open(self.folder / self._where[name], framework="pt") as f:
+        with open_shard(self.folder / self._where[name]) as f:
             return f.get_tensor(name)
 
     def metadata(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of a tensor without reading its data."""
         if name not in self._where:
             raise CheckpointError(f"{self.folder}: tensor {name!r} is missing")
-        with safe_open(self.folder / self._where[name], framework="pt") as f:
+        with open_shard(self.folder / self._where[name]) as f:
             sl = f.get_slice(name)
             dtype = _SAFETENSORS_DTYPES.get(sl.get_dtype())
             return dtype, tuple(sl.get_shape())
 
     def iter_shard(self, shard: str) -> Iterator[tuple[str, torch.Tensor]]:
-        with safe_open(self.folder / shard, framework="pt") as f:
+        with open_shard(self.folder / shard) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -227,8 +263,7 @@ class CheckpointReader:
             return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
         return []
 
-    def read_nvfp4(self, module: str) -> NVFP4Weight:
-        """One quantized layer, validated, as compressed-tensors tensors (divisor global scale)."""
+    def _nvfp4_names(self, module: str) -> tuple[str, str, str]:
         if self.format == FORMAT_CT:
             names = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
         elif self.format == FORMAT_MODELOPT:
@@ -238,12 +273,30 @@ class CheckpointReader:
         for n in names:
             if f"{module}.{n}" not in self._where:
                 raise CheckpointError(f"{self.folder}: module {module!r} lacks tensor '{module}.{n}'")
-        packed, scale, third = (self.get(f"{module}.{n}") for n in names)
-        if self.format == FORMAT_MODELOPT:
-            global_scale = torch.reciprocal(third.to(torch.float32).reshape(1))
-        else:
-            global_scale = third.to(torch.float32).reshape(-1)
-        return validate_nvfp4(module, packed, scale, global_scale)
+        return tuple(f"{module}.{n}" for n in names)  # type: ignore[return-value]
+
+    def _global_scale(self, name: str) -> torch.Tensor:
+        """The divisor: compressed-tensors stores it, ModelOpt its reciprocal."""
+        third = self.get(name).to(torch.float32)
+        return torch.reciprocal(third.reshape(1)) if self.format == FORMAT_MODELOPT else third.reshape(-1)
+
+    def read_nvfp4(self, module: str) -> NVFP4Weight:
+        """One quantized layer, validated, as compressed-tensors tensors (divisor global scale)."""
+        packed_name, scale_name, gs_name = self._nvfp4_names(module)
+        packed, scale = self.get(packed_name), self.get(scale_name)
+        return validate_nvfp4(module, packed, scale, self._global_scale(gs_name))
+
+    def check_nvfp4(self, module: str, expected_shape: tuple[int, int] | None = None) -> None:
+        """What :meth:`read_nvfp4` would refuse, from the shard headers and the global scale alone
+        (no packed weights read): to check every layer before a model changes."""
+        packed_name, scale_name, gs_name = self._nvfp4_names(module)
+        meta = []
+        for name in (packed_name, scale_name):
+            dtype, shape = self.metadata(name)
+            if dtype is None:
+                raise NVFP4FormatError(f"{name}: stored with a dtype torch cannot read")
+            meta.append(torch.empty(shape, dtype=dtype, device="meta"))
+        validate_nvfp4(module, meta[0], meta[1], self._global_scale(gs_name), expected_shape=expected_shape)
 
 
 _SAFETENSORS_DTYPES = {

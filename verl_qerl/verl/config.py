@@ -35,8 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..aqn import AQNConfig
+from ..aqn import AQNConfig, short_run
 from ..convert import DEFAULT_IGNORE
+from ..nvfp4.checkpoint import PatternError, check_patterns
+from ..nvfp4.quant_config import FORMAT_BF16
 
 logger = logging.getLogger("verl_qerl")
 
@@ -79,6 +81,10 @@ class QeRLConfig:
             raise QeRLConfigError(f"qerl.mode={self.mode!r}: unknown mode; choose one of {', '.join(MODES)}")
         if self.quantized_checkpoint is not None and self.mode != "nvfp4":
             raise QeRLConfigError(f"qerl.quantized_checkpoint is only used with qerl.mode=nvfp4, not {self.mode!r}")
+        try:
+            object.__setattr__(self, "ignore", tuple(check_patterns(self.ignore, "qerl.ignore")))
+        except PatternError as err:
+            raise QeRLConfigError(str(err)) from err
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QeRLConfig:
@@ -136,13 +142,13 @@ def read_qerl(config: Any) -> QeRLConfig | None:
 
 
 def checkpoint_format(path: Any) -> str | None:
-    """The weight format of a local checkpoint folder (``unquantized``, ``compressed-tensors``,
-    ``modelopt``), or None when ``path`` is not a local folder with a config.json (a hub id or a
-    remote path: verl copies it later and the actor hook checks it then)."""
-    import json
+    """The weight format of a local checkpoint folder (one of
+    :data:`~verl_qerl.nvfp4.quant_config.CHECKPOINT_FORMATS`, read as vLLM's ``qerl_nvfp4`` reads
+    it), or None when ``path`` is not a local folder with a config.json (a hub id or a remote path:
+    verl copies it later and the actor hook checks it then)."""
     from pathlib import Path
 
-    from ..nvfp4.checkpoint import CheckpointError, detect_format
+    from ..nvfp4.checkpoint import CheckpointError, detect_format, read_config_json
 
     if not path:
         return None
@@ -150,7 +156,7 @@ def checkpoint_format(path: Any) -> str | None:
     if not (folder / "config.json").is_file():
         return None
     try:
-        return detect_format(json.loads((folder / "config.json").read_text()), folder)
+        return detect_format(read_config_json(folder / "config.json"), folder)
     except CheckpointError as err:
         raise QeRLConfigError(f"actor_rollout_ref.model.path={str(path)!r}: {err}") from err
 
@@ -161,7 +167,7 @@ def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
 
     path = _get(config, "actor_rollout_ref.model.path")
     fmt = checkpoint_format(path)
-    if fmt in (None, "unquantized"):
+    if fmt in (None, FORMAT_BF16):
         return
     if qerl.mode != "nvfp4":
         raise QeRLConfigError(
@@ -173,6 +179,38 @@ def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
         raise QeRLConfigError(
             f"qerl.quantized_checkpoint={qc!r} with actor_rollout_ref.model.path={str(path)!r}, which is already an "
             "NVFP4 checkpoint: the actor and vLLM both load model.path; leave qerl.quantized_checkpoint null")
+
+
+def _lora_rank(config: Any) -> int:
+    """The LoRA rank (``model.lora.rank`` where set, else ``model.lora_rank``); an error naming the key
+    for anything but a whole number."""
+    key = "actor_rollout_ref.model.lora.rank"
+    value = _get(config, key, 0)
+    if not value:
+        key = "actor_rollout_ref.model.lora_rank"
+        value = _get(config, key, 0)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise QeRLConfigError(f"{key}={value!r}: must be an integer (the LoRA rank; the paper uses 32)")
+    return value
+
+
+def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
+    """A run shorter than the AQN stages skips most of the schedule (one step: no noise at all).
+
+    Refused here when ``trainer.total_training_steps`` fixes the length; otherwise verl derives it
+    from the data set and the trainer warns once it knows (:class:`verl_qerl.verl.trainer.AQNDriver`).
+    """
+    steps = _get(config, "trainer.total_training_steps")
+    if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        return
+    short = short_run(steps, qerl.aqn)
+    if short:
+        stages = qerl.aqn.num_stages
+        raise QeRLConfigError(
+            f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
+            f"{stages} steps, lower qerl.aqn.num_stages (>= 3), or turn AQN off (qerl.aqn.enable=false)")
 
 
 def _set(config: Any, dotted: str, value: Any, changes: list[str]) -> None:
@@ -192,8 +230,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
     if qerl is None:
         return None
     changes: list[str] = []
-    rank = _get(config, "actor_rollout_ref.model.lora.rank", 0) or _get(config, "actor_rollout_ref.model.lora_rank", 0)
-    rank = int(rank)
+    rank = _lora_rank(config)
     if rank <= 0:
         raise QeRLConfigError(
             f"actor_rollout_ref.model.lora_rank={rank} with qerl.mode={qerl.mode}: QeRL trains LoRA adapters on a "
@@ -204,6 +241,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
             "qerl.aqn.apply_to=both: not supported by the verl trainer yet (the actor would need each step's noise "
             "in compute_log_prob and update_actor); use apply_to=rollout, the paper's setting"
         )
+    _check_run_length(config, qerl)
     _check_model_path(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
     if rollout != "vllm":

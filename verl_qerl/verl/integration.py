@@ -65,6 +65,7 @@ def nvfp4_actor_source(model_config, qerl=None):
     """
     from pathlib import Path
 
+    from ..nvfp4.quant_config import FORMAT_BF16
     from .config import QeRLConfigError, checkpoint_format
 
     qerl = qerl if qerl is not None else _qerl_of(model_config)
@@ -72,7 +73,7 @@ def nvfp4_actor_source(model_config, qerl=None):
         return None
     local = getattr(model_config, "local_path", None) or getattr(model_config, "path", None)
     fmt = checkpoint_format(local)
-    if fmt is not None and fmt != "unquantized":
+    if fmt is not None and fmt != FORMAT_BF16:
         qc = qerl.quantized_checkpoint
         if qc and Path(qc).resolve() != Path(local).resolve():
             raise QeRLConfigError(f"actor_rollout_ref.model.path={local!r} is already an NVFP4 checkpoint; "

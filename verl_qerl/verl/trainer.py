@@ -13,7 +13,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-from ..aqn import aqn_metrics, sigma_at, stage_of
+from ..aqn import aqn_metrics, short_run, sigma_at, stage_of
 from .config import TRAINER_MODE, QeRLConfig, read_qerl
 
 logger = logging.getLogger("verl_qerl")
@@ -36,6 +36,13 @@ class AQNDriver:
         self._ready = False
         if self.cfg.enable:
             self.cfg.validate(self.total_steps)
+            short = short_run(self.total_steps, self.cfg)
+            if short:  # a fixed trainer.total_training_steps this short is refused by apply_qerl already
+                logger.warning(
+                    "[verl-qerl] AQN: the run has %d training steps, fewer than qerl.aqn.num_stages=%d: %s. Set "
+                    "trainer.total_training_steps >= %d (or more data / epochs), lower qerl.aqn.num_stages, or turn "
+                    "AQN off (qerl.aqn.enable=false)", self.total_steps, self.cfg.num_stages, short,
+                    self.cfg.num_stages)
 
     def sigma(self, step: int) -> float:
         return sigma_at(step, self.total_steps, self.cfg) if self.cfg.enable else 0.0

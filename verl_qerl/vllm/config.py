@@ -35,19 +35,23 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from verl_qerl.nvfp4.checkpoint import CT_FORMAT, matches_pattern
+from verl_qerl.nvfp4 import quant_config
+from verl_qerl.nvfp4.checkpoint import matches_pattern
 from verl_qerl.nvfp4.format import BLOCK_SIZE
+from verl_qerl.nvfp4.quant_config import (
+    CHECKPOINT_FORMATS,
+    FORMAT_BF16,
+    FORMAT_CT,
+    FORMAT_MODELOPT,
+    QuantConfigError,
+    modelopt_block,
+)
 
 from . import compat
 
 logger = logging.getLogger(__name__)
 
-METHOD_NAME = "qerl_nvfp4"
-
-FORMAT_BF16 = "bf16"
-FORMAT_CT = "compressed-tensors"
-FORMAT_MODELOPT = "modelopt"
-CHECKPOINT_FORMATS = (FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT)
+METHOD_NAME = quant_config.QERL_QUANT_METHOD
 
 #: HF ``model_type`` values whose vLLM models we have run: dense decoders with q/k/v/o and
 #: gate/up/down linears and plain RMSNorm gains (what AQN perturbs).
@@ -55,9 +59,6 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 #: Set to 1 to skip the architecture allow-list (at your own risk; AQN and LoRA untested there).
 ALLOW_UNTESTED_ARCH_ENV = "QERL_NVFP4_ALLOW_UNTESTED_ARCH"
-
-#: ModelOpt ``quant_algo`` values that are NVFP4 weights (W4A4 runs weight-only here).
-MODELOPT_FP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 
 
 class QeRLNvFp4Error(ValueError):
@@ -72,72 +73,14 @@ def _is_ignored(name: str, patterns: Iterable[str]) -> bool:
     return any("*" in p and (fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p)) for p in patterns)
 
 
-def _modelopt_block(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ModelOpt settings of a quantization dict, flat; ``None`` if it is not ModelOpt."""
-    nested = cfg.get("quantization")
-    if isinstance(nested, Mapping) and ("quant_algo" in nested or cfg.get("producer", {}).get("name") == "modelopt"):
-        return {**nested}
-    method = str(cfg.get("quant_method", "")).lower()
-    if method.startswith("modelopt") or "quant_algo" in cfg:
-        return dict(cfg)
-    return None
-
-
 def classify_quant_config(cfg: Mapping[str, Any] | None) -> str:
-    """Which of :data:`CHECKPOINT_FORMATS` a checkpoint's quantization dict describes.
-
-    Raises :class:`QeRLNvFp4Error` for a quantized checkpoint we cannot serve (not NVFP4, group
-    size other than 16, asymmetric, quantized KV cache), naming the setting.
-    """
-    if not cfg:
-        return FORMAT_BF16
-    method = str(cfg.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
-    if method == METHOD_NAME:
-        fmt = str(cfg.get("checkpoint_format", FORMAT_BF16))
-        if fmt not in CHECKPOINT_FORMATS:
-            raise QeRLNvFp4Error(f"quantization_config.checkpoint_format={fmt!r}; expected one of {CHECKPOINT_FORMATS}")
-        gs = cfg.get("group_size", BLOCK_SIZE)
-        if gs != BLOCK_SIZE:
-            raise QeRLNvFp4Error(f"quantization_config.group_size={gs}; NVFP4 uses blocks of {BLOCK_SIZE}")
-        return fmt
-    if method == "compressed-tensors":
-        groups = cfg.get("config_groups") or {}
-        if not groups:
-            raise QeRLNvFp4Error("compressed-tensors quantization_config has no config_groups")
-        for gname, group in groups.items():
-            fmt = group.get("format") or cfg.get("format")
-            w = group.get("weights") or {}
-            where = f"quantization_config.config_groups.{gname}"
-            if fmt != CT_FORMAT:
-                raise QeRLNvFp4Error(f"{where}.format={fmt!r}: qerl_nvfp4 serves only {CT_FORMAT!r} (NVFP4) "
-                                     "compressed-tensors checkpoints; give a BF16 checkpoint to quantize at load")
-            if w.get("num_bits") != 4 or w.get("type") != "float":
-                raise QeRLNvFp4Error(f"{where}.weights: num_bits={w.get('num_bits')} type={w.get('type')!r}; "
-                                     "NVFP4 needs 4-bit float weights")
-            if w.get("group_size") != BLOCK_SIZE:
-                raise QeRLNvFp4Error(f"{where}.weights.group_size={w.get('group_size')}; NVFP4 (and qerl_nvfp4) "
-                                     f"needs {BLOCK_SIZE}")
-            if w.get("strategy") not in (None, "tensor_group") or w.get("symmetric") is False:
-                raise QeRLNvFp4Error(f"{where}.weights: strategy={w.get('strategy')!r} "
-                                     f"symmetric={w.get('symmetric')}; NVFP4 is symmetric 'tensor_group'")
-        if cfg.get("kv_cache_scheme"):
-            raise QeRLNvFp4Error("quantization_config.kv_cache_scheme is set; qerl_nvfp4 does not quantize the "
-                                 "KV cache")
-        return FORMAT_CT
-    mo = _modelopt_block(cfg)
-    if mo is not None:
-        algo = str(mo.get("quant_algo", "")).upper()
-        if algo not in MODELOPT_FP4_ALGOS:
-            raise QeRLNvFp4Error(f"ModelOpt quant_algo={algo!r}; qerl_nvfp4 serves {MODELOPT_FP4_ALGOS}")
-        gs = mo.get("group_size", BLOCK_SIZE)
-        if gs != BLOCK_SIZE:
-            raise QeRLNvFp4Error(f"ModelOpt group_size={gs}; NVFP4 (and qerl_nvfp4) needs {BLOCK_SIZE}")
-        if mo.get("kv_cache_quant_algo"):
-            raise QeRLNvFp4Error(f"ModelOpt kv_cache_quant_algo={mo['kv_cache_quant_algo']!r}; qerl_nvfp4 does not "
-                                 "quantize the KV cache")
-        return FORMAT_MODELOPT
-    raise QeRLNvFp4Error(f"checkpoint quantized with quant_method={method!r}; qerl_nvfp4 serves BF16 checkpoints "
-                         "(quantized at load), compressed-tensors NVFP4 and ModelOpt NVFP4")
+    """Which of :data:`CHECKPOINT_FORMATS` a checkpoint's quantization dict describes: the one
+    classifier of :mod:`verl_qerl.nvfp4.quant_config` (shared with the actor's checkpoint reader),
+    its errors raised as :class:`QeRLNvFp4Error`."""
+    try:
+        return quant_config.classify_quant_config(cfg)
+    except QuantConfigError as err:
+        raise QeRLNvFp4Error(str(err)) from err
 
 
 @register_quantization_config(METHOD_NAME)
@@ -202,7 +145,7 @@ class QeRLNvFp4Config(QuantizationConfig):
             return cls(FORMAT_CT, ignore=config.get("ignore") or [], targets=targets,
                        activation_scales=activation_scales)
         if fmt == FORMAT_MODELOPT:
-            mo = _modelopt_block(config) or {}
+            mo = modelopt_block(config) or {}
             ignore = mo.get("exclude_modules") or mo.get("ignore") or config.get("ignore") or []
             activation_scales = str(mo.get("quant_algo", "")).upper() == "NVFP4"
             return cls(FORMAT_MODELOPT, ignore=ignore, activation_scales=activation_scales)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from peft.tuners.lora import LoraConfig, LoraLayer
+from peft.tuners.lora import LoraConfig, LoraLayer, LoraModel
 
 from ..linear import NVFP4Linear
 
@@ -108,3 +108,31 @@ class NVFP4LoraLinear(nn.Module, LoraLayer):
 
     def __repr__(self) -> str:
         return "lora." + super().__repr__()
+
+
+def refuse_merge_up_front() -> None:
+    """Make peft refuse a merge of a model with NVFP4 LoRA layers before it merges anything.
+
+    ``merge_and_unload`` and ``merge_adapter`` merge layer by layer in module order, after one call
+    to ``LoraModel._check_merge_allowed``. :meth:`NVFP4LoraLinear.merge` refuses only when its turn
+    comes: layers kept in BF16 (``ignore=``) ahead of the first NVFP4 layer would already have been
+    merged and unwrapped. The check is extended (once, for every ``LoraModel``) to look for NVFP4
+    layers first; models without them are unaffected.
+    """
+    original = LoraModel._check_merge_allowed
+    if getattr(original, "_refuses_nvfp4", False):
+        return
+
+    def _check_merge_allowed(self: LoraModel) -> None:
+        nvfp4 = [name for name, module in self.model.named_modules() if isinstance(module, NVFP4LoraLinear)]
+        if nvfp4:
+            more = f" and {len(nvfp4) - 1} more" if len(nvfp4) > 1 else ""
+            raise NVFP4MergeError(f"{MERGE_REFUSED} NVFP4 layer(s) with adapters: {nvfp4[0]}{more}; nothing was "
+                                  "merged.")
+        original(self)
+
+    _check_merge_allowed._refuses_nvfp4 = True  # type: ignore[attr-defined]
+    LoraModel._check_merge_allowed = _check_merge_allowed  # type: ignore[method-assign]
+
+
+refuse_merge_up_front()
