@@ -908,6 +908,8 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
     cases = {"missing_module": gone, "missing_scale": missing, "group32": group32, "shapes32": shapes32, "arch": arch,
              "fp8": fp8}
     job = {"engines": [{"name": k, "llm": _llm_kwargs(v)} for k, v in cases.items()]}
+    bad_rule = {"quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "ct019"}}
+    job["engines"].append({"name": "bad_rule", "llm": _llm_kwargs(tiny_bf16, hf_overrides=bad_rule)})
     res = run_driver(job, multiproc=False)
     TIMINGS["errors_driver_s"] = res["_wall_s"]
     return res
@@ -920,6 +922,7 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
     ("shapes32", ["model.layers.0.mlp.down_proj", "group size 32"]),
     ("arch", ["does not support model_type=", "MistralForCausalLM", "qwen2, llama"]),
     ("fp8", ["quant_method='fp8'", "qerl_nvfp4 serves"]),
+    ("bad_rule", ["quantization_config.scale_rule='ct019'", "('bf16', 'fp32')"]),
 ])
 def test_bad_checkpoints_fail_at_load_with_a_clear_message(error_results, case, needles):
     res = error_results[case]
