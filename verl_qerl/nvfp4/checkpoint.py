@@ -30,7 +30,7 @@ from .format import (
     MODELOPT_WEIGHT_SCALE_2,
     SCALE_DTYPE,
 )
-from .quantize import NVFP4FormatError, NVFP4Weight
+from .quantize import SCALE_RULES, NVFP4FormatError, NVFP4Weight, quantize
 
 CT_FORMAT = "nvfp4-pack-quantized"
 FORMAT_BF16 = "unquantized"
@@ -144,6 +144,31 @@ def recorded_scale_rule(config: dict) -> str | None:
     """The scale rule a checkpoint's config.json says it was quantized with, or None (not recorded)."""
     rule = config.get(SCALE_RULE_KEY)
     return None if rule is None else str(rule)
+
+
+def matching_scale_rules(nvfp4: CheckpointReader, source: CheckpointReader) -> list[str]:
+    """The scale rules under which ``source``'s dense weights give ``nvfp4``'s bytes, judged on one layer.
+
+    The smallest NVFP4 layer that ``source`` holds densely is re-quantized under each rule with the
+    checkpoint's own global scale (so fused layers need no siblings); a rule matches when block
+    scales and codes are identical. An empty list means neither rule made the checkpoint from these
+    weights (calibrated scales, another model, or another tool).
+    """
+    layers = [m for m in nvfp4.nvfp4_modules() if f"{m}.weight" in source]
+    if not layers:
+        return []
+    sizes = {m: int(torch.tensor(source.metadata(f"{m}.weight")[1]).prod()) for m in layers}
+    module = min(layers, key=lambda m: (sizes[m], m))
+    stored, dense = nvfp4.read_nvfp4(module), source.get(f"{module}.weight")
+    if tuple(dense.shape) != stored.shape:
+        return []
+    matches = []
+    for rule in SCALE_RULES:
+        q = quantize(dense, stored.global_scale, name=f"{module}.weight", rule=rule)
+        same_scales = torch.equal(q.scale.view(torch.uint8), stored.scale.view(torch.uint8))
+        if same_scales and torch.equal(q.packed, stored.packed):
+            matches.append(rule)
+    return matches
 
 
 def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
