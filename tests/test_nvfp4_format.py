@@ -287,3 +287,14 @@ def test_shape_mismatch_in_dequantize_and_pack():
         pack_fp4(torch.zeros(2, 3, dtype=torch.uint8))
     with pytest.raises(NVFP4FormatError, match="uint8"):
         unpack_fp4(torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_bf16_rule_does_not_depend_on_how_a_device_divides():
+    """CUDA divides a bf16 tensor by a scalar as ``a * (1 / b)`` in fp32, the CPU as ``a / b``: after the
+    bf16 rounding the two agree for every bf16 amax, so the bf16 rule gives the same scales on either."""
+    a = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    divided = (a / 6.0).to(torch.bfloat16)
+    multiplied = (a * torch.tensor(1 / 6.0, dtype=torch.float32)).to(torch.bfloat16)
+    assert torch.equal(divided, multiplied)
+    # the same holds for the global scale's two bf16 roundings (1 / amax is correctly rounded in fp32 on both)
+    assert torch.equal((1.0 / a).to(torch.bfloat16), torch.reciprocal(a.to(torch.bfloat16)))
