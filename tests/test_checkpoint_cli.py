@@ -95,6 +95,35 @@ def test_quantized_equals_in_memory_quantize(tiny_bf16, tiny_nvfp4):
         assert torch.equal(again.scale.view(torch.uint8), stored.scale.view(torch.uint8))
 
 
+def test_scale_rule_option_is_applied_and_recorded(tiny_bf16, tiny_nvfp4, tmp_path):
+    """``--scale-rule fp32`` writes the fp32 rule's bytes; the default is bf16; config.json says which."""
+    from verl_qerl.nvfp4 import fused_global_scale
+    from verl_qerl.nvfp4.checkpoint import SCALE_RULE_KEY, recorded_scale_rule
+
+    dst = tmp_path / "fp32"
+    res = run_cli(str(tiny_bf16), str(dst), "--scale-rule", "fp32")
+    assert res.returncode == 0, res.stderr
+    assert "scale rule fp32" in res.stdout
+    src = _all_tensors(tiny_bf16)
+    readers = {"fp32": CheckpointReader(dst), "bf16": CheckpointReader(tiny_nvfp4)}
+    for rule, reader in readers.items():
+        assert recorded_scale_rule(reader.config) == reader.config[SCALE_RULE_KEY] == rule
+        groups: dict[str, list[str]] = {}
+        for module in reader.nvfp4_modules():
+            groups.setdefault(fused_group(module), []).append(module)
+        for members in groups.values():
+            gs = fused_global_scale([src[f"{m}.weight"] for m in members], rule=rule)
+            for m in members:
+                stored, want = reader.read_nvfp4(m), quantize(src[f"{m}.weight"], gs, rule=rule)
+                assert torch.equal(stored.global_scale, want.global_scale), (rule, m)
+                assert torch.equal(stored.packed, want.packed), (rule, m)
+                assert torch.equal(stored.scale.view(torch.uint8), want.scale.view(torch.uint8)), (rule, m)
+    gs = {r: [float(rd.read_nvfp4(m).global_scale) for m in rd.nvfp4_modules()] for r, rd in readers.items()}
+    assert gs["fp32"] != gs["bf16"]
+    bad = run_cli(str(tiny_bf16), str(tmp_path / "x"), "--scale-rule", "ct019")
+    assert bad.returncode == 2 and "invalid choice: 'ct019'" in bad.stderr and not (tmp_path / "x").exists()
+
+
 def test_multi_shard_source_and_ignore_patterns(tmp_path):
     src = make_tiny_model(tmp_path / "src", arch="llama", num_hidden_layers=3)
     # re-shard the single file into three shards + index, as big hub checkpoints are

@@ -201,6 +201,26 @@ def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16,
         assert torch.equal(from_ct(ids).logits, nvfp4_fp32(ids).logits)
 
 
+def test_scale_rule_reaches_every_quantizing_path(tiny_bf16, tmp_path):
+    """quantize_model, load_nvfp4_model of a BF16 folder and qerl-quantize agree under the fp32 rule too."""
+    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.modeling import ModelConversionError, load_nvfp4_model, quantize_model
+
+    ckpt = quantize_checkpoint(tiny_bf16, tmp_path / "fp32", scale_rule="fp32").dst
+    expected = load_nvfp4_model(ckpt, dtype=torch.float32).state_dict()
+    in_memory = quantize_model(_hf(tiny_bf16), "nvfp4", scale_rule="fp32")
+    from_folder = load_nvfp4_model(tiny_bf16, dtype=torch.float32, scale_rule="fp32")
+    for model in (in_memory, from_folder):
+        sd = model.state_dict()
+        for k, v in expected.items():
+            assert torch.equal(sd[k], v), k
+    default = quantize_model(_hf(tiny_bf16), "nvfp4").state_dict()
+    gs = [k for k in expected if k.endswith("weight_global_scale")]
+    assert len(gs) == 14 and sum(not torch.equal(default[k], expected[k]) for k in gs) >= 7
+    with pytest.raises(ModelConversionError, match=r"scale_rule='fp16': unknown NVFP4 scale rule"):
+        quantize_model(_hf(tiny_bf16), "nvfp4", scale_rule="fp16")
+
+
 def test_load_nvfp4_model_builds_no_dense_linear_weights(tiny_nvfp4, monkeypatch):
     from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model, params_on_meta
 
@@ -575,6 +595,7 @@ def test_export_merged_nvfp4_loads_in_compressed_tensors_and_matches(lora_nvfp4,
     reader = CheckpointReader(out)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "nvfp4-pack-quantized" and qc["ignore"] == ["lm_head"]
+    assert reader.config["qerl_scale_rule"] == "bf16"
     layers = {n: m for n, m in lora_nvfp4.base_model.model.named_modules() if isinstance(m, NVFP4LoraLinear)}
     assert sorted(reader.nvfp4_modules()) == sorted(layers)
     merged = {n: m.base_layer.dequantize_weight(torch.float32) + m.get_delta_weight("default")

@@ -1,4 +1,10 @@
-"""The NVFP4 number format: bit-exact against compressed-tensors, and its properties."""
+"""The NVFP4 number format: bit-exact against compressed-tensors, and its properties.
+
+compressed-tensors 0.17.0 (vLLM's pin) is the oracle here, driven the way llm-compressor's min-max
+observer drives it: statistics in the model's dtype. Float32 statistics give the ``fp32`` scale
+rule, bfloat16 ones the ``bf16`` rule (llm-compressor 0.14 / compressed-tensors 0.19 themselves are
+checked in test_llmcompressor_oracle.py, in their own environment).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_qerl.nvfp4 import (
+    DEFAULT_SCALE_RULE,
     E2M1_MAGNITUDES,
+    SCALE_RULES,
     NVFP4FormatError,
     cast_to_e2m1_codes,
     dequantize,
@@ -27,14 +35,24 @@ SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
 GRID = torch.tensor(E2M1_MAGNITUDES)
 
 
-def ct_compress(weight: torch.Tensor, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """What llm-compressor's min-max NVFP4A16 flow produces, through compressed-tensors' own functions."""
-    w = weight.to(torch.float32)
+STATS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ct_compress(
+    weight: torch.Tensor, global_scale: torch.Tensor | None = None, rule: str = "fp32"
+) -> dict[str, torch.Tensor]:
+    """What llm-compressor's min-max NVFP4A16 flow produces, through compressed-tensors' own functions.
+
+    The model (and so the observer's statistics and the weight_scale parameter) is in the rule's
+    dtype: float32 for ``fp32``, bfloat16 for ``bf16``.
+    """
+    w = weight.to(STATS_DTYPE[rule])
     n, k = w.shape
     gs = generate_gparam(w.min(), w.max()) if global_scale is None else global_scale
     groups = w.reshape(n, k // 16, 16)
     scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), SCHEME.weights, global_scale=gs)
-    return NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, SCHEME)
+    state = {"weight": w, "weight_scale": scale.to(w.dtype), "weight_global_scale": gs}
+    return NVFP4PackedCompressor.compress(state, SCHEME)
 
 
 def ct_decompress(packed, scale, gs) -> torch.Tensor:
@@ -47,19 +65,23 @@ def assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rule, dtype", [("fp32", torch.float32), ("fp32", torch.bfloat16), ("fp32", torch.float16),
+                                         ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("shape", [(16, 16), (48, 32), (64, 128), (96, 2048), (7, 160)])
-def test_bit_exact_with_compressed_tensors(shape, dtype):
+def test_bit_exact_with_compressed_tensors(shape, dtype, rule):
     gen = torch.Generator().manual_seed(hash((shape, str(dtype))) % 2**31)
-    for trial in range(4):
+    for trial in range(5):
         std = float(torch.rand((), generator=gen) * 2 + 1e-3)
         w = (torch.randn(shape, generator=gen) * std).to(dtype)
         if trial == 1:
             w[0, :16] = 0  # an all-zero block
         if trial == 2:
             w[:, 3] *= 50  # outliers
-        ref = ct_compress(w)
-        ours = quantize(w)
+        if trial == 3:
+            w[-1, :8] = -0.0  # negative zeros (code 0, not 8, in compressed-tensors)
+            w[0, 1] = -1e-30 if dtype != torch.float16 else -1e-7  # a tiny negative (code 8)
+        ref = ct_compress(w, rule=rule)
+        ours = quantize(w, rule=rule)
         assert_same_bytes(ours.packed, ref["weight_packed"])
         assert_same_bytes(ours.scale, ref["weight_scale"])
         assert_same_bytes(ours.global_scale, ref["weight_global_scale"])
@@ -68,20 +90,45 @@ def test_bit_exact_with_compressed_tensors(shape, dtype):
         assert torch.equal(theirs, ours.dequantize(theirs.dtype))
 
 
-def test_fused_global_scale_matches_compressed_tensors_rule():
+@pytest.mark.parametrize("rule", SCALE_RULES)
+def test_fused_global_scale_matches_compressed_tensors_rule(rule):
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(64, 128, generator=gen) * s for s in (0.02, 0.05, 0.01))
-    shared = fused_global_scale([q, k, v])
-    # llm-compressor's fused rule: the minimum of the parts' compressed-tensors global scales
+    dtype = STATS_DTYPE[rule]
+    q, k, v = ((torch.randn(64, 128, generator=gen) * s).to(dtype) for s in (0.02, 0.05, 0.01))
+    shared = fused_global_scale([q, k, v], rule=rule)
+    # llm-compressor's fused rule: compressed-tensors' global scale of the largest amax of the parts ...
+    amax = torch.stack([t.abs().amax() for t in (q, k, v)]).amax()
+    assert_same_bytes(shared, generate_gparam(-amax, amax))
+    # ... which is the minimum of the parts' own global scales
     parts = [generate_gparam(t.min(), t.max()) for t in (q, k, v)]
-    assert_same_bytes(shared, torch.stack(parts).amin(0))
     assert torch.equal(shared, parts[1])  # k has the largest amax
     for part in (q, k, v):
-        ref = ct_compress(part, shared)
-        ours = quantize(part, shared)
+        ref = ct_compress(part, shared, rule=rule)
+        ours = quantize(part, shared, rule=rule)
         assert_same_bytes(ours.packed, ref["weight_packed"])
         assert_same_bytes(ours.scale, ref["weight_scale"])
         assert torch.equal(ours.global_scale, shared)
+
+
+@pytest.mark.parametrize("rule", SCALE_RULES)
+def test_an_all_zero_part_does_not_force_the_fused_global_scale_to_one(rule):
+    q = torch.randn(32, 64) * 0.03
+    v = torch.zeros(32, 64)
+    assert float(quantize(v, rule=rule).global_scale) == 1.0  # alone, an all-zero weight gets 1.0
+    shared = fused_global_scale([q, v], rule=rule)
+    assert torch.equal(shared, fused_global_scale([q], rule=rule))  # llm-compressor: from the group's amax
+    assert float(shared) > 1000
+
+
+def test_rules_differ_by_bf16_rounding_and_unknown_rules_are_refused():
+    assert DEFAULT_SCALE_RULE == "bf16" and set(SCALE_RULES) == {"bf16", "fp32"}
+    w = torch.randn(16, 64).to(torch.bfloat16) * 0.0371
+    g32, g16 = (quantize(w, rule=r).global_scale for r in ("fp32", "bf16"))
+    assert not torch.equal(g32, g16)
+    assert float(g16) == float(g16.to(torch.bfloat16))  # the bf16 rule's global scale is a bf16 value
+    assert abs(float(g16) / float(g32) - 1) < 2 ** -7
+    with pytest.raises(NVFP4FormatError, match=r"scale_rule='ct019': unknown NVFP4 scale rule; choose one of bf16"):
+        quantize(w, rule="ct019")
 
 
 def test_every_grid_value_round_trips_exactly():
@@ -103,7 +150,8 @@ def test_every_grid_value_round_trips_exactly():
 def test_codes_of_grid_and_ties():
     for i, m in enumerate(E2M1_MAGNITUDES):
         assert int(cast_to_e2m1_codes(torch.tensor([m]))) == i
-        assert int(cast_to_e2m1_codes(torch.tensor([-m]))) == i | 8
+        if m > 0:  # -0.0 is code 0 (below)
+            assert int(cast_to_e2m1_codes(torch.tensor([-m]))) == i | 8
     ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
     for x, want in ties.items():
         for sign in (1, -1):
@@ -117,6 +165,9 @@ def test_codes_of_grid_and_ties():
         hi = E2M1_MAGNITUDES[int(cast_to_e2m1_codes(torch.tensor([x + eps]))) & 7]
         assert lo < x < hi
     assert int(cast_to_e2m1_codes(torch.tensor([100.0]))) == 7  # saturates
+    # signs as compressed-tensors gives them: a negative value that rounds to zero keeps its sign (code 8),
+    # a negative zero does not (code 0)
+    assert cast_to_e2m1_codes(torch.tensor([-1e-30, -0.0, 0.0, -0.2])).tolist() == [8, 0, 0, 8]
 
 
 def _nearest_grid_error(scaled: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
@@ -236,3 +287,14 @@ def test_shape_mismatch_in_dequantize_and_pack():
         pack_fp4(torch.zeros(2, 3, dtype=torch.uint8))
     with pytest.raises(NVFP4FormatError, match="uint8"):
         unpack_fp4(torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_bf16_rule_does_not_depend_on_how_a_device_divides():
+    """CUDA divides a bf16 tensor by a scalar as ``a * (1 / b)`` in fp32, the CPU as ``a / b``: after the
+    bf16 rounding the two agree for every bf16 amax, so the bf16 rule gives the same scales on either."""
+    a = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    divided = (a / 6.0).to(torch.bfloat16)
+    multiplied = (a * torch.tensor(1 / 6.0, dtype=torch.float32)).to(torch.bfloat16)
+    assert torch.equal(divided, multiplied)
+    # the same holds for the global scale's two bf16 roundings (1 / amax is correctly rounded in fp32 on both)
+    assert torch.equal((1.0 / a).to(torch.bfloat16), torch.reciprocal(a.to(torch.bfloat16)))

@@ -110,6 +110,9 @@ def test_no_block_changes_nothing():
         (["trainer.total_training_steps=2"],
          r"trainer.total_training_steps=2 is fewer than qerl.aqn.num_stages=10"),
         (["+qerl.aqn.total_steps=5"], r"qerl.aqn: total_steps: 5 is fewer than num_stages=10"),
+        (["qerl.scale_rule=ct019"], r"qerl.scale_rule='ct019': unknown NVFP4 scale rule; choose one of bf16, fp32"),
+        (["qerl.scale_rule=fp32", "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.quantization_config"
+          ".scale_rule=bf16"], r"hf_overrides.quantization_config=.* conflicts with qerl.scale_rule=fp32"),
     ],
 )
 def test_invalid_combinations_fail_with_the_key(overrides, match):
@@ -303,3 +306,80 @@ def test_replay_poll_interval_must_be_positive_seconds():
         with pytest.raises(QeRLConfigError, match="qerl.replay_poll_s"):
             QeRLConfig(replay_poll_s=bad)
     assert QeRLConfig.from_dict({"replay_poll_s": 0.5}).to_dict()["replay_poll_s"] == 0.5
+
+
+HF_OVERRIDES = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
+
+
+def test_scale_rule_reaches_vllm_only_where_vllm_quantizes(tiny_nvfp4):
+    from omegaconf import OmegaConf
+
+    cfg = composed("+qerl=nvfp4")  # default rule: vLLM's default too, nothing to pass
+    assert apply_qerl(cfg).scale_rule == "bf16"
+    assert OmegaConf.select(cfg, HF_OVERRIDES) is None
+    cfg = composed("+qerl=nvfp4", "qerl.scale_rule=fp32")  # BF16 model.path: quantized at load by vLLM
+    qerl = apply_qerl(cfg)
+    assert qerl.scale_rule == "fp32" and cfg.actor_rollout_ref.model.lora.qerl.scale_rule == "fp32"
+    assert OmegaConf.to_container(OmegaConf.select(cfg, HF_OVERRIDES)) == {
+        "quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}}
+    # an NVFP4 model.path is read as it is by both sides: no override (it would replace its quantization_config)
+    cfg = composed("+qerl=nvfp4", "qerl.scale_rule=fp32", f"actor_rollout_ref.model.path={tiny_nvfp4}")
+    apply_qerl(cfg)
+    assert OmegaConf.select(cfg, HF_OVERRIDES) is None
+
+
+def test_an_nvfp4_twin_must_match_the_scale_rule_vllm_uses(tiny_bf16, tiny_nvfp4, tmp_path):
+    import json
+    import shutil
+
+    from verl_qerl.convert import quantize_checkpoint
+
+    path = f"actor_rollout_ref.model.path={tiny_bf16}"
+    # recorded by qerl-quantize (bf16, the default) ...
+    apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={tiny_nvfp4}"))
+    with pytest.raises(QeRLConfigError, match=r"made with scale rule 'bf16' \(its config.json records it\), but "
+                                              r"qerl.scale_rule='fp32'.*set qerl.scale_rule=bf16"):
+        apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={tiny_nvfp4}", "qerl.scale_rule=fp32"))
+    # ... or not recorded (an earlier qerl-quantize, llm-compressor): one layer of model.path is re-quantized
+    old = quantize_checkpoint(tiny_bf16, tmp_path / "old", scale_rule="fp32").dst
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["qerl_scale_rule"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QeRLConfigError, match=r"made with scale rule 'fp32' \(re-quantizing one layer of model.path "
+                                              r"matches it\), but qerl.scale_rule='bf16'.*set qerl.scale_rule=fp32"):
+        apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={old}"))
+    apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={old}", "qerl.scale_rule=fp32"))
+    # a twin of another model matches neither rule: a warning, not an error
+    other = tmp_path / "other"
+    shutil.copytree(old, other)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(other / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        tensors[name] = tensors[name] ^ 0x11
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={other}"))
+
+
+def test_fsdp_engine_hook_quantizes_with_the_configured_scale_rule(tiny_bf16):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_qerl.modeling import NVFP4Linear, quantize_model
+    from verl_qerl.verl.integration import convert_for_lora
+
+    cfg = composed("+qerl=nvfp4", "qerl.scale_rule=fp32")
+    apply_qerl(cfg)
+    model_config = SimpleNamespace(lora=dict(cfg.actor_rollout_ref.model.lora))
+    module = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)
+    assert convert_for_lora(module, model_config).scale_rule == "fp32"
+    want = quantize_model(AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32), "nvfp4",
+                          scale_rule="fp32").state_dict()
+    default = quantize_model(AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32), "nvfp4").state_dict()
+    got = module.state_dict()
+    layers = [n for n, m in module.named_modules() if isinstance(m, NVFP4Linear)]
+    assert len(layers) == 14
+    for n in layers:
+        for leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
+            assert torch.equal(got[f"{n}.{leaf}"], want[f"{n}.{leaf}"]), (n, leaf)
+    assert any(not torch.equal(got[f"{n}.weight_global_scale"], default[f"{n}.weight_global_scale"]) for n in layers)

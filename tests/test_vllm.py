@@ -264,7 +264,7 @@ def _linear_names(n_layers: int = 2) -> list[str]:
     return [f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}" for i in range(n_layers) for p in PROJ]
 
 
-def _ref_weights_from_bf16(folder: Path) -> dict[str, torch.Tensor]:
+def _ref_weights_from_bf16(folder: Path, rule: str = "bf16") -> dict[str, torch.Tensor]:
     """What quantize-at-load must produce: our format library, fused q/k/v and gate/up global scales."""
     from verl_qerl.convert import fused_group
     from verl_qerl.nvfp4 import fused_global_scale, quantize
@@ -278,9 +278,9 @@ def _ref_weights_from_bf16(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for members in groups.values():
         ws = [reader.get(f"{m}.weight") for m in members]
-        gs = fused_global_scale(ws)
+        gs = fused_global_scale(ws, rule=rule)
         for m, w in zip(members, ws):
-            out[m] = quantize(w, gs).dequantize(torch.float32)
+            out[m] = quantize(w, gs, rule=rule).dequantize(torch.float32)
     return out
 
 
@@ -709,7 +709,9 @@ def modelopt_checkpoint(tiny_nvfp4, tmp_path_factory) -> Path:
 
 
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
-ENGINES_BCD = ("B_fp32", "B_bf16", "C", "D", "B_kernel", "C_kernel")
+ENGINES_BCD = ("B_fp32", "B_bf16", "C", "D", "B_kernel", "C_kernel", "A_fp32_rule")
+#: How a user picks the fp32 scale rule for vLLM's quantize-at-load (verl-qerl sets it from qerl.scale_rule).
+FP32_RULE_OVERRIDES = {"quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}}
 BF16_AQN = {"seed": 11, "step": 2, "sigma": 2e-3}  # below bf16's spacing near 1 (7.8e-3): needs SR to land
 
 
@@ -733,6 +735,8 @@ def engines_bcd(tiny_bf16, tiny_nvfp4, ct_checkpoint, modelopt_checkpoint) -> di
         # the FP4 GEMM's repacked layout (what CUDA runs), through verl_qerl.kernels' torch reference
         {"name": "B_kernel", "llm": _llm_kwargs(tiny_nvfp4), "tasks": common, "env": {BACKEND_ENV: "kernel"}},
         {"name": "C_kernel", "llm": _llm_kwargs(ct_checkpoint), "tasks": common, "env": {BACKEND_ENV: "kernel"}},
+        # the BF16 checkpoint quantized at load under the fp32 scale rule, chosen through hf_overrides
+        {"name": "A_fp32_rule", "llm": _llm_kwargs(tiny_bf16, hf_overrides=FP32_RULE_OVERRIDES), "tasks": common[:2]},
     ]}
     res = run_driver(job, multiproc=False)
     for name in ENGINES_BCD:
@@ -756,6 +760,18 @@ def test_qerl_quantize_checkpoint_generates_and_equals_quantize_at_load(engines_
     diff = _max_diff(b["base"], _hf_logprobs(hf, b["base"]))
     TIMINGS["logprob_max_diff_qerl_quantize_ckpt_fp32"] = diff
     assert diff <= 1e-3, diff
+
+
+def test_quantize_at_load_follows_the_scale_rule(engines_bcd, engine_a, tiny_bf16):
+    """The default rule is bf16 (engine A); hf_overrides' scale_rule=fp32 gives the fp32 rule's weights."""
+    default, fp32 = engine_a["summary"][0], engines_bcd["A_fp32_rule"]["summary"][0]
+    for summary, rule in ((default, "bf16"), (fp32, "fp32")):
+        qerl = [v for v in summary["layers"].values() if v["method"] == "QeRLNvFp4LinearMethod"]
+        assert len(qerl) == 8 and {(v["format"], v["scale_rule"]) for v in qerl} == {("bf16", rule)}
+    assert fp32["nvfp4_digest"] != default["nvfp4_digest"]
+    ref = _ref_weights_from_bf16(tiny_bf16, rule="fp32")
+    for name, w in ref.items():
+        assert torch.equal(_engine_weight(engines_bcd["A_fp32_rule"]["dequant"][0], name), w), name
 
 
 def test_bf16_engine_generates_and_matches_hf_bf16(engines_bcd, tiny_bf16, tiny_nvfp4):
@@ -892,6 +908,8 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
     cases = {"missing_module": gone, "missing_scale": missing, "group32": group32, "shapes32": shapes32, "arch": arch,
              "fp8": fp8}
     job = {"engines": [{"name": k, "llm": _llm_kwargs(v)} for k, v in cases.items()]}
+    bad_rule = {"quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "ct019"}}
+    job["engines"].append({"name": "bad_rule", "llm": _llm_kwargs(tiny_bf16, hf_overrides=bad_rule)})
     res = run_driver(job, multiproc=False)
     TIMINGS["errors_driver_s"] = res["_wall_s"]
     return res
@@ -904,6 +922,7 @@ def error_results(tiny_nvfp4, tiny_bf16, tmp_path_factory) -> dict:
     ("shapes32", ["model.layers.0.mlp.down_proj", "group size 32"]),
     ("arch", ["does not support model_type=", "MistralForCausalLM", "qwen2, llama"]),
     ("fp8", ["quant_method='fp8'", "qerl_nvfp4 serves"]),
+    ("bad_rule", ["quantization_config.scale_rule='ct019'", "('bf16', 'fp32')"]),
 ])
 def test_bad_checkpoints_fail_at_load_with_a_clear_message(error_results, case, needles):
     res = error_results[case]

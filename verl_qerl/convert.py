@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from .nvfp4.checkpoint import (
     FORMAT_BF16,
+    SCALE_RULE_KEY,
     CheckpointError,
     CheckpointReader,
     check_patterns,
@@ -37,7 +38,7 @@ from .nvfp4.checkpoint import (
     matches_pattern,
 )
 from .nvfp4.quant_config import quantize_at_load_layers
-from .nvfp4.quantize import compute_global_scale, quantize
+from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
 
 #: model_type values whose Linear layout (q/k/v/o, gate/up/down, lm_head) we have tested.
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -195,12 +196,15 @@ def quantize_checkpoint(
     ignore: Iterable[str] = (),
     force: bool = False,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> ConversionReport:
     """Write an NVFP4A16 compressed-tensors checkpoint of the BF16 checkpoint at ``src`` to ``dst``.
 
     ``ignore``: extra module patterns (exact names, dotted suffixes or ``re:<regex>``) kept in BF16,
     on top of :data:`DEFAULT_IGNORE`. ``progress(iterable, total, desc)`` wraps the loops (tqdm).
+    ``scale_rule``: how scales are computed (``verl_qerl.nvfp4.SCALE_RULES``); recorded in config.json.
     """
+    check_scale_rule(scale_rule, "scale_rule")
     src, shown = Path(src), Path(dst)
     wrap = progress or (lambda it, total, desc: it)
     ignore = check_patterns(ignore, "ignore")
@@ -228,12 +232,13 @@ def quantize_checkpoint(
     report = ConversionReport(src=src, dst=shown)
     target_set = set(targets)
     try:
-        # Pass 1: per-group global scale (min over parts of 448*6/amax).
-        group_scale: dict[str, torch.Tensor] = {}
+        # Pass 1: per-group global scale, from the largest amax of the group's parts.
+        group_amax: dict[str, torch.Tensor] = {}
         for module in wrap(targets, len(targets), "scan amax"):
-            gs = compute_global_scale(reader.get(f"{module}.weight"), f"{module}.weight")
+            amax = checked_amax(reader.get(f"{module}.weight"), f"{module}.weight")
             key = fused_group(module)
-            group_scale[key] = gs if key not in group_scale else torch.minimum(group_scale[key], gs)
+            group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
+        group_scale = {key: global_scale_from_amax(amax, scale_rule) for key, amax in group_amax.items()}
 
         weight_map: dict[str, str] = {}
         total = len(reader.names())
@@ -244,7 +249,7 @@ def quantize_checkpoint(
                 report.bytes_in += tensor.numel() * tensor.element_size()
                 module = name.removesuffix(".weight")
                 if name.endswith(".weight") and module in target_set:
-                    q = quantize(tensor, group_scale[fused_group(module)], name=name)
+                    q = quantize(tensor, group_scale[fused_group(module)], name=name, rule=scale_rule)
                     out.update(ct_tensors(module, q))
                     report.quantized.append(module)
                 else:
@@ -263,6 +268,7 @@ def quantize_checkpoint(
         config.pop("compression_config", None)
         untargeted = [m for m in linear if m not in wanted and not matches_pattern(m, patterns)]
         config["quantization_config"] = ct_quantization_config(patterns + untargeted)
+        config[SCALE_RULE_KEY] = scale_rule
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):

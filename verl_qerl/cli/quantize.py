@@ -9,6 +9,8 @@ import time
 
 from tqdm import tqdm
 
+from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
+
 
 class Terminated(BaseException):
     """SIGTERM, raised like KeyboardInterrupt so that the temporary output folder is removed on the way out."""
@@ -35,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep matching modules in BF16: an exact module name, a dotted suffix "
                         "(e.g. 'down_proj') or 're:<regex>'; repeatable. lm_head is always kept.")
     parser.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
+    parser.add_argument("--scale-rule", choices=SCALE_RULES, default=DEFAULT_SCALE_RULE,
+                        help="how the global and block scales are rounded (recorded in config.json as "
+                        "'qerl_scale_rule'). bf16 (default): as llm-compressor's NVFP4A16 on a BF16 model, "
+                        "bit-exact with llm-compressor 0.14.0.1 / compressed-tensors 0.19.0; fp32: scales in "
+                        "float32, bit-exact with compressed-tensors' functions on the float32 weight (0.17.0), "
+                        "this tool's output before the bf16 rule. Codes are round-to-nearest-even under both.")
     args = parser.parse_args(argv)
 
     from .. import convert
@@ -51,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        report = convert.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force, progress=progress)
+        report = convert.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force, progress=progress,
+                                             scale_rule=args.scale_rule)
     except (FileExistsError, ValueError) as err:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2
@@ -69,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = report.bytes_out / max(report.bytes_in, 1)
     print(f"qerl-quantize: wrote {report.dst}: {len(report.quantized)} Linear layers in NVFP4, "
           f"{len(report.kept)} tensors kept; {report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB "
-          f"({ratio:.2f}x) in {dt:.1f} s")
+          f"({ratio:.2f}x) in {dt:.1f} s, scale rule {args.scale_rule}")
     return 0
 
 

@@ -29,9 +29,10 @@ import torch
 import torch.nn as nn
 
 from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
-from ..nvfp4 import BLOCK_SIZE, NVFP4FormatError, fused_global_scale
+from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, NVFP4FormatError, check_scale_rule, fused_global_scale
 from ..nvfp4.checkpoint import (
     FORMAT_BF16,
+    SCALE_RULE_KEY,
     CheckpointError,
     CheckpointReader,
     PatternError,
@@ -120,6 +121,7 @@ def quantize_model(
     dtype: torch.dtype | None = None,
     strict_arch: bool = True,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> nn.Module:
     """Replace the Linear layers of ``model`` in place by the ``mode``'s frozen base layers.
 
@@ -130,14 +132,16 @@ def quantize_model(
     from instead of the model (its Linear weights may then be on the meta device; other meta
     parameters are filled from the checkpoint too). ``device``/``dtype``: where the new layers
     live and their compute dtype (default: those of the replaced layer; CPU for meta layers).
-    Returns ``model``.
+    ``scale_rule``: how NVFP4 scales are computed when quantizing dense weights (see
+    ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). Returns ``model``.
     """
     if mode not in MODES:
         raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
     try:
         ignore = check_patterns(ignore, "quantize_model: ignore")
         targets = None if targets is None else check_patterns(targets, "quantize_model: targets")
-    except PatternError as exc:
+        check_scale_rule(scale_rule, "quantize_model: scale_rule")
+    except (PatternError, NVFP4FormatError) as exc:
         raise ModelConversionError(str(exc)) from exc
     _check_model(model, strict_arch)
     if mode == "bf16":
@@ -163,7 +167,7 @@ def quantize_model(
     if reader is not None and reader.format != FORMAT_BF16:
         _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap, before_replacing)
     else:
-        _quantize_layers(model, names, reader, device, dtype, wrap, before_replacing)
+        _quantize_layers(model, names, reader, device, dtype, wrap, before_replacing, scale_rule)
     if reader is not None:
         fill_meta_from_checkpoint(model, reader, device=device, dtype=dtype)
     return model
@@ -193,6 +197,7 @@ def _quantize_layers(
     dtype: torch.dtype | None,
     wrap: Callable[[Iterable, int, str], Iterable],
     before_replacing: Callable[[Collection[str]], None],
+    scale_rule: str,
 ) -> None:
     """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights.
 
@@ -216,7 +221,7 @@ def _quantize_layers(
     for group in wrap(dense, len(dense), "check NVFP4 layers"):
         weights = [_dense_weight(model, n, reader, device) for n in group]
         try:
-            scales[group[0]] = fused_global_scale(weights, [f"{n}.weight" for n in group])
+            scales[group[0]] = fused_global_scale(weights, [f"{n}.weight" for n in group], scale_rule)
         except NVFP4FormatError as exc:
             raise ModelConversionError(f"quantize_model: {exc}") from exc
         for n in group:
@@ -229,7 +234,7 @@ def _quantize_layers(
         for n in group:
             m = model.get_submodule(n)
             w = _dense_weight(model, n, reader, device)
-            q = quantize_rows(w, scales[group[0]], name=f"{n}.weight")
+            q = quantize_rows(w, scales[group[0]], name=f"{n}.weight", scale_rule=scale_rule)
             bias = biases[n]
             new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
                                          device=w.device)
@@ -448,6 +453,7 @@ def load_nvfp4_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     ignore: Iterable[str] | None = None,
+    scale_rule: str | None = None,
 ) -> nn.Module:
     """A causal LM with ``NVFP4Linear`` layers, read from a checkpoint folder without dense Linear weights.
 
@@ -456,7 +462,9 @@ def load_nvfp4_model(
     (including one whose config says ``{"quant_method": "qerl_nvfp4"}``: quantize at load, as vLLM
     does) is quantized on load, one fused group at a time. ``ignore``: what stays dense; by default
     the checkpoint's own qerl_nvfp4 ``ignore`` list where it has one (the layers vLLM keeps dense),
-    else :data:`DEFAULT_IGNORE`.
+    else :data:`DEFAULT_IGNORE`. ``scale_rule``: how the scales are computed; by default the
+    checkpoint's own qerl_nvfp4 ``scale_rule`` where it has one (what vLLM would use), else
+    :data:`~verl_qerl.nvfp4.DEFAULT_SCALE_RULE`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -465,7 +473,7 @@ def load_nvfp4_model(
     if ignore is None:
         ignore = DEFAULT_IGNORE if declared_ignore is None else declared_ignore
     config = dict(reader.config)
-    for key in ("quantization_config", "compression_config"):
+    for key in ("quantization_config", "compression_config", SCALE_RULE_KEY):
         config.pop(key, None)
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ModelConversionError(f"{Path(path)}: model_type={config.get('model_type')!r} is not supported "
@@ -474,7 +482,10 @@ def load_nvfp4_model(
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     targets = declared_targets if reader.format == FORMAT_BF16 else None
-    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets)
+    if scale_rule is None:
+        scale_rule = str((reader.quant_config or {}).get("scale_rule", DEFAULT_SCALE_RULE))
+    quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets,
+                   scale_rule=scale_rule)
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         from transformers import GenerationConfig
@@ -492,6 +503,7 @@ def build_nvfp4_model(
     ignore: Iterable[str] = DEFAULT_IGNORE,
     auto_class=None,
     meta: bool = False,
+    scale_rule: str = DEFAULT_SCALE_RULE,
     **from_config_kwargs,
 ) -> nn.Module:
     """Build ``auto_class`` (default ``AutoModelForCausalLM``) from ``hf_config`` with NVFP4Linear layers.
@@ -502,7 +514,7 @@ def build_nvfp4_model(
     layers take ``dtype``. A ``quantization_config`` in ``hf_config`` is dropped (on a copy) so that
     transformers never runs its own quantizer. ``meta=True`` builds meta shells only (parameters
     and NVFP4 buffers on meta, the NVFP4 layers being those the checkpoint stores): for the ranks
-    that receive their weights by broadcast from rank 0.
+    that receive their weights by broadcast from rank 0. ``scale_rule`` applies to a BF16 checkpoint.
     """
     import copy
 
@@ -519,5 +531,5 @@ def build_nvfp4_model(
         stored = reader.nvfp4_modules() if reader.format != FORMAT_BF16 else None
         quantize_model(model, "nvfp4", ignore=ignore, targets=stored, device="meta", dtype=dtype)
         return model
-    quantize_model(model, "nvfp4", checkpoint=reader, dtype=dtype, ignore=ignore)
+    quantize_model(model, "nvfp4", checkpoint=reader, dtype=dtype, ignore=ignore, scale_rule=scale_rule)
     return model

@@ -21,8 +21,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from ..convert import DEFAULT_IGNORE, fused_group
-from ..nvfp4 import fused_global_scale
-from ..nvfp4.checkpoint import ct_quantization_config, ct_tensors, matches_pattern
+from ..nvfp4 import DEFAULT_SCALE_RULE, check_scale_rule, fused_global_scale
+from ..nvfp4.checkpoint import SCALE_RULE_KEY, ct_quantization_config, ct_tensors, matches_pattern
 from .linear import NVFP4Linear, quantize_rows
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -131,14 +131,17 @@ def export_merged(
     ignore: Iterable[str] = DEFAULT_IGNORE,
     tokenizer: str | os.PathLike | object | None = None,
     max_shard_bytes: int = 5 << 30,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> Path:
     """Write ``model`` (a PeftModel or a model with NVFP4Linear / LoRA layers) with adapters merged.
 
     ``dtype``: ``"bf16"`` (also ``"fp16"``, ``"fp32"``) for a dense checkpoint, ``"nvfp4"`` for a
     re-quantized compressed-tensors NVFP4A16 one (layers matching ``ignore`` stay dense).
     ``tokenizer``: a folder to copy tokenizer/generation files from, or an object with
-    ``save_pretrained``. ``out_dir`` must not exist or be empty. Returns the folder.
+    ``save_pretrained``. ``out_dir`` must not exist or be empty. ``scale_rule``: how the
+    ``"nvfp4"`` export computes its scales (``verl_qerl.nvfp4.SCALE_RULES``). Returns the folder.
     """
+    check_scale_rule(scale_rule, "export_merged: scale_rule")
     key = dtype.lower()
     if key != "nvfp4" and key not in _DTYPES:
         raise ValueError(f"export_merged: dtype={dtype!r}; expected 'bf16', 'fp16', 'fp32' or 'nvfp4'")
@@ -164,10 +167,10 @@ def export_merged(
             merged = {n: _dense(layers[n]) for n in group}
             quantized = key == "nvfp4" and not any(matches_pattern(n, ignore) for n in group)
             if quantized:
-                gs = fused_global_scale([w for w, _ in merged.values()], [f"{n}.weight" for n in group])
+                gs = fused_global_scale([w for w, _ in merged.values()], [f"{n}.weight" for n in group], scale_rule)
             for n, (w, bias) in merged.items():
                 if quantized:
-                    for k, t in ct_tensors(n, quantize_rows(w, gs, name=f"{n}.weight")).items():
+                    for k, t in ct_tensors(n, quantize_rows(w, gs, name=f"{n}.weight", scale_rule=scale_rule)).items():
                         writer.add(k, t)
                 else:
                     writer.add(f"{n}.weight", w.to(dense_dtype))
@@ -183,13 +186,14 @@ def export_merged(
             writer.add(name, tensor.to(dense_dtype) if tensor.dtype.is_floating_point else tensor)
         writer.finish()
         cfg = config.to_dict()
-        for k in ("quantization_config", "compression_config"):
+        for k in ("quantization_config", "compression_config", SCALE_RULE_KEY):
             cfg.pop(k, None)
         cfg["dtype"] = str(dense_dtype).removeprefix("torch.")
         cfg.pop("torch_dtype", None)
         if key == "nvfp4":
             dense_linear = [n for n in kept_dense if not any(matches_pattern(n, [p]) for p in ignore)]
             cfg["quantization_config"] = ct_quantization_config(ignore + dense_linear)
+            cfg[SCALE_RULE_KEY] = scale_rule
         (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
         _write_side_files(base, out, tokenizer)
     except BaseException:

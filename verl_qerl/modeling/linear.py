@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..nvfp4 import BLOCK_SIZE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
+from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
 from . import _ops
 
 #: Rows quantized at a time by :meth:`NVFP4Linear.from_linear`: bounds the float32 temporaries of
@@ -150,19 +150,21 @@ class NVFP4Linear(nn.Module):
         *,
         name: str = "linear",
         weight: torch.Tensor | None = None,
+        scale_rule: str = DEFAULT_SCALE_RULE,
     ) -> NVFP4Linear:
         """Quantize an ``nn.Linear`` (round to nearest even; ``global_scale`` for fused groups).
 
         ``weight`` overrides ``linear.weight`` (used when the weight comes from a checkpoint and
         the module is an empty shell). Rows are quantized in chunks so the float32 temporaries stay
         small; quantization is row-independent given the global scale, so chunking is exact.
+        ``scale_rule``: see ``verl_qerl.nvfp4.SCALE_RULES``.
         """
         w = linear.weight if weight is None else weight
         if w.is_meta:
             raise NVFP4FormatError(f"{name}.weight: is on the meta device (no data to quantize); "
                                    "load the model's weights first or pass checkpoint= to quantize_model")
         dtype = w.dtype if w.dtype.is_floating_point else torch.bfloat16
-        q = quantize_rows(w, global_scale, name=f"{name}.weight")
+        q = quantize_rows(w, global_scale, name=f"{name}.weight", scale_rule=scale_rule)
         bias = linear.bias
         if bias is not None and bias.is_meta:
             raise NVFP4FormatError(f"{name}.bias: is on the meta device (no data)")
@@ -257,15 +259,17 @@ def quantize_rows(
     *,
     name: str = "weight",
     chunk_elements: int = QUANTIZE_CHUNK_ELEMENTS,
+    scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> NVFP4Weight:
     """:func:`verl_qerl.nvfp4.quantize`, row-chunked so temporaries stay ~``chunk_elements`` floats."""
     if global_scale is None:
         from ..nvfp4 import compute_global_scale
 
-        global_scale = compute_global_scale(weight, name)
+        global_scale = compute_global_scale(weight, name, scale_rule)
     if weight.dim() != 2 or weight.shape[0] * weight.shape[1] <= chunk_elements:
-        return quantize(weight, global_scale, name=name)
+        return quantize(weight, global_scale, name=name, rule=scale_rule)
     rows = max(1, chunk_elements // weight.shape[1])
-    parts = [quantize(weight[i : i + rows], global_scale, name=name) for i in range(0, weight.shape[0], rows)]
+    parts = [quantize(weight[i : i + rows], global_scale, name=name, rule=scale_rule)
+             for i in range(0, weight.shape[0], rows)]
     scale = torch.cat([p.scale.view(torch.uint8) for p in parts]).view(SCALE_DTYPE)
     return NVFP4Weight(torch.cat([p.packed for p in parts]), scale, parts[0].global_scale)

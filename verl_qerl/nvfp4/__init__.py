@@ -2,9 +2,12 @@
 
 from .format import BLOCK_SIZE, E2M1_MAGNITUDES, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, e2m1_values
 from .quantize import (
+    DEFAULT_SCALE_RULE,
+    SCALE_RULES,
     NVFP4FormatError,
     NVFP4Weight,
     cast_to_e2m1_codes,
+    check_scale_rule,
     compute_block_scales,
     compute_global_scale,
     dequantize,
@@ -18,13 +21,16 @@ from .quantize import (
 
 __all__ = [
     "BLOCK_SIZE",
+    "DEFAULT_SCALE_RULE",
     "E2M1_MAGNITUDES",
     "FP4_MAX",
     "FP8_E4M3_MAX",
     "SCALE_DTYPE",
+    "SCALE_RULES",
     "NVFP4FormatError",
     "NVFP4Weight",
     "cast_to_e2m1_codes",
+    "check_scale_rule",
     "compute_block_scales",
     "compute_global_scale",
     "dequantize",

@@ -41,7 +41,7 @@ from .quant_config import (
     declared_quant_config,
     read_json_object,
 )
-from .quantize import NVFP4FormatError, NVFP4Weight
+from .quantize import SCALE_RULES, NVFP4FormatError, NVFP4Weight, quantize
 
 __all__ = ["CT_FORMAT", "FORMAT_BF16", "FORMAT_CT", "FORMAT_MODELOPT", "CheckpointError", "CheckpointReader",
            "PatternError", "check_patterns", "ct_quantization_config", "ct_tensors", "detect_format",
@@ -49,6 +49,12 @@ __all__ = ["CT_FORMAT", "FORMAT_BF16", "FORMAT_CT", "FORMAT_MODELOPT", "Checkpoi
 
 #: The compressed-tensors version whose config schema we write (the one vLLM 0.24/0.32 pin).
 CT_CONFIG_VERSION = "0.17.0"
+
+#: Top-level config.json key recording the scale rule (``verl_qerl.nvfp4.SCALE_RULES``) a checkpoint
+#: was quantized with. Outside ``quantization_config`` on purpose: compressed-tensors validates that
+#: block with pydantic (extra keys are ignored today, and slated to be refused); transformers and
+#: vLLM keep or ignore unknown top-level keys.
+SCALE_RULE_KEY = "qerl_scale_rule"
 
 
 class CheckpointError(ValueError):
@@ -162,6 +168,37 @@ def open_shard(path: Path) -> Iterator[Any]:
     except SafetensorError as err:
         raise CheckpointError(f"{path}: not a readable safetensors file ({err}); the shard is damaged or "
                               "incomplete: copy or download it again") from err
+
+
+def recorded_scale_rule(config: dict) -> str | None:
+    """The scale rule a checkpoint's config.json says it was quantized with, or None (not recorded)."""
+    rule = config.get(SCALE_RULE_KEY)
+    return None if rule is None else str(rule)
+
+
+def matching_scale_rules(nvfp4: CheckpointReader, source: CheckpointReader) -> list[str]:
+    """The scale rules under which ``source``'s dense weights give ``nvfp4``'s bytes, judged on one layer.
+
+    The smallest NVFP4 layer that ``source`` holds densely is re-quantized under each rule with the
+    checkpoint's own global scale (so fused layers need no siblings); a rule matches when block
+    scales and codes are identical. An empty list means neither rule made the checkpoint from these
+    weights (calibrated scales, another model, or another tool).
+    """
+    layers = [m for m in nvfp4.nvfp4_modules() if f"{m}.weight" in source]
+    if not layers:
+        return []
+    sizes = {m: int(torch.tensor(source.metadata(f"{m}.weight")[1]).prod()) for m in layers}
+    module = min(layers, key=lambda m: (sizes[m], m))
+    stored, dense = nvfp4.read_nvfp4(module), source.get(f"{module}.weight")
+    if tuple(dense.shape) != stored.shape:
+        return []
+    matches = []
+    for rule in SCALE_RULES:
+        q = quantize(dense, stored.global_scale, name=f"{module}.weight", rule=rule)
+        same_scales = torch.equal(q.scale.view(torch.uint8), stored.scale.view(torch.uint8))
+        if same_scales and torch.equal(q.packed, stored.packed):
+            matches.append(rule)
+    return matches
 
 
 def ignore_list(config: dict, folder: Path | None = None) -> list[str]:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .format import BLOCK_SIZE
+from .quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
 FORMAT_BF16 = "bf16"
 FORMAT_CT = "compressed-tensors"
@@ -141,6 +142,9 @@ def classify_quant_config(cfg: Mapping[str, Any] | None) -> str:
         gs = cfg.get("group_size", BLOCK_SIZE)
         if gs != BLOCK_SIZE:
             raise QuantConfigError(f"quantization_config.group_size={gs}; NVFP4 needs {BLOCK_SIZE}")
+        rule = cfg.get("scale_rule", DEFAULT_SCALE_RULE)
+        if rule not in SCALE_RULES:
+            raise QuantConfigError(f"quantization_config.scale_rule={rule!r}; expected one of {SCALE_RULES}")
         return fmt
     if method == "compressed-tensors":
         _check_compressed_tensors(cfg)

@@ -6,6 +6,7 @@ Users write one block (``+qerl=nvfp4`` from the shipped hydra group, or ``+qerl.
       mode: nvfp4                 # nvfp4 (QeRL) | bf16 (plain LoRA) | nf4 (QLoRA)
       quantized_checkpoint: null  # an NVFP4 twin of a BF16 model.path to build the actor from (else quantize)
       ignore: [lm_head]           # modules kept in BF16
+      scale_rule: bf16            # how BF16 weights are quantized (verl_qerl.nvfp4.SCALE_RULES), actor and vLLM alike
       aqn: {enable, sigma_start, sigma_end, num_stages, schedule, seed, apply_to, ...}
 
 In the driver, before verl validates its own config, :func:`apply_qerl` checks the block against the
@@ -25,6 +26,11 @@ Where the nvfp4 base weights come from (no BF16 copy of the Linear weights in th
 * BF16 ``model.path`` + ``quantized_checkpoint`` = its NVFP4 twin: the actor is built from the
   twin the same way; vLLM reads the BF16 ``model.path`` and quantizes it at load (same numbers).
 * BF16 ``model.path`` alone: verl loads it, the actor quantizes its Linear layers in place.
+
+Wherever BF16 weights are quantized (the actor in place, vLLM at load), ``scale_rule`` says how, and
+both sides use it; a non-default rule reaches vLLM through ``engine_kwargs.vllm.hf_overrides``. An
+NVFP4 twin must have been made from ``model.path`` with that rule (recorded in its config.json by
+``qerl-quantize``, otherwise checked on one layer), or the actor and vLLM would hold different weights.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from ..aqn import AQNConfig, short_run
 from ..convert import DEFAULT_IGNORE
 from ..nvfp4.checkpoint import PatternError, check_patterns
 from ..nvfp4.quant_config import FORMAT_BF16
+from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
 logger = logging.getLogger("verl_qerl")
 
@@ -67,6 +74,8 @@ class QeRLConfig:
     mode: str = "nvfp4"
     quantized_checkpoint: str | None = None
     ignore: tuple[str, ...] = DEFAULT_IGNORE
+    #: how BF16 weights are quantized to NVFP4, by the actor and by vLLM alike (verl_qerl.nvfp4.SCALE_RULES)
+    scale_rule: str = DEFAULT_SCALE_RULE
     aqn: AQNConfig = field(default_factory=lambda: AQNConfig(enable=False))
     #: seconds between the sync trainer's checks for finished rollouts. verl 0.9.1's ReplayBuffer polls every
     #: 2.0 s, so every step's rollout phase is rounded up to a multiple of 2 s (seen on H200: 25M-model steps log
@@ -79,6 +88,9 @@ class QeRLConfig:
             raise QeRLConfigError(f"qerl.replay_poll_s={self.replay_poll_s!r}: must be seconds in (0, 10]")
         if self.mode not in MODES:
             raise QeRLConfigError(f"qerl.mode={self.mode!r}: unknown mode; choose one of {', '.join(MODES)}")
+        if self.scale_rule not in SCALE_RULES:
+            raise QeRLConfigError(f"qerl.scale_rule={self.scale_rule!r}: unknown NVFP4 scale rule; choose one of "
+                                  f"{', '.join(SCALE_RULES)}")
         if self.quantized_checkpoint is not None and self.mode != "nvfp4":
             raise QeRLConfigError(f"qerl.quantized_checkpoint is only used with qerl.mode=nvfp4, not {self.mode!r}")
         try:
@@ -105,7 +117,7 @@ class QeRLConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "quantized_checkpoint": self.quantized_checkpoint, "ignore": list(self.ignore),
-                "aqn": self.aqn.to_dict(), "replay_poll_s": self.replay_poll_s}
+                "scale_rule": self.scale_rule, "aqn": self.aqn.to_dict(), "replay_poll_s": self.replay_poll_s}
 
 
 def _plain(node: Any) -> Any:
@@ -211,6 +223,51 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
         raise QeRLConfigError(
             f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
             f"{stages} steps, lower qerl.aqn.num_stages (>= 3), or turn AQN off (qerl.aqn.enable=false)")
+def _check_twin_scale_rule(config: Any, qerl: QeRLConfig) -> None:
+    """A BF16 ``model.path``'s NVFP4 twin must be what vLLM makes of ``model.path`` under ``qerl.scale_rule``."""
+    from pathlib import Path
+
+    from ..nvfp4.checkpoint import CheckpointReader, matching_scale_rules, recorded_scale_rule
+
+    path, twin = _get(config, "actor_rollout_ref.model.path"), qerl.quantized_checkpoint
+    if not twin or checkpoint_format(path) != FORMAT_BF16 or checkpoint_format(twin) in (None, FORMAT_BF16):
+        return
+    twin_reader = CheckpointReader(Path(str(twin)).expanduser())
+    recorded = recorded_scale_rule(twin_reader.config)
+    if recorded is not None:
+        rules, how = [recorded], "its config.json records"
+    else:
+        rules = matching_scale_rules(twin_reader, CheckpointReader(Path(str(path)).expanduser()))
+        how = "re-quantizing one layer of model.path matches"
+    if qerl.scale_rule in rules:
+        return
+    if rules:
+        raise QeRLConfigError(
+            f"qerl.quantized_checkpoint={twin!r} was made with scale rule {rules[0]!r} ({how} it), but "
+            f"qerl.scale_rule={qerl.scale_rule!r}: vLLM would quantize actor_rollout_ref.model.path differently from "
+            f"the actor's weights; set qerl.scale_rule={rules[0]}")
+    logger.warning("[verl-qerl] qerl.quantized_checkpoint=%s is not what either NVFP4 scale rule makes of "
+                   "actor_rollout_ref.model.path=%s (calibrated scales, or another model?): the actor will hold its "
+                   "weights, vLLM its own quantization of model.path", twin, path)
+
+
+def _vllm_scale_rule(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
+    """Give vLLM's quantize-at-load the actor's scale rule (only needed when it is not the default)."""
+    path_format = checkpoint_format(_get(config, "actor_rollout_ref.model.path"))
+    if qerl.mode != "nvfp4" or path_format not in (None, FORMAT_BF16):
+        return  # a quantized model.path: vLLM and the actor both read its bytes
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
+    overrides = dict(_plain(_get(config, key, {})) or {})
+    have = overrides.get("quantization_config")
+    want = {"quant_method": VLLM_QUANTIZATION["nvfp4"], "scale_rule": qerl.scale_rule}
+    if have is not None:
+        have = dict(_plain(have))
+        if {**have, "scale_rule": have.get("scale_rule", DEFAULT_SCALE_RULE)} != want:
+            raise QeRLConfigError(f"{key}.quantization_config={have} conflicts with qerl.scale_rule={qerl.scale_rule} "
+                                  f"(which needs {want}); leave it unset")
+        return
+    if qerl.scale_rule != DEFAULT_SCALE_RULE:
+        _set(config, key, {**overrides, "quantization_config": want}, changes)
 
 
 def _set(config: Any, dotted: str, value: Any, changes: list[str]) -> None:
@@ -243,6 +300,8 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
         )
     _check_run_length(config, qerl)
     _check_model_path(config, qerl)
+    if qerl.mode == "nvfp4":
+        _check_twin_scale_rule(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
     if rollout != "vllm":
         raise QeRLConfigError(f"actor_rollout_ref.rollout.name={rollout!r}: QeRL rolls out on vLLM; set it to 'vllm'")
@@ -277,6 +336,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
                               f"with qerl.mode={qerl.mode} (which needs {want_quant!r})")
     if want_quant and have_quant is None:
         _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.quantization", want_quant, changes)
+    _vllm_scale_rule(config, qerl, changes)
     rollout_quant = _get(config, "actor_rollout_ref.rollout.quantization")
     if rollout_quant is not None:
         raise QeRLConfigError(f"actor_rollout_ref.rollout.quantization={rollout_quant!r}: leave it null; QeRL "

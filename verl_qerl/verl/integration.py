@@ -139,8 +139,10 @@ def convert_for_lora(module, model_config):
         logger.warning("[verl-qerl] actor: Linear layers already NVFP4 (built from the checkpoint); LoRA only")
         return qerl
 
-    quantize_model(module, mode=qerl.mode, ignore=qerl.ignore, checkpoint=qerl.quantized_checkpoint)
-    logger.warning("[verl-qerl] actor: Linear layers converted to %s (ignore=%s)", qerl.mode, list(qerl.ignore))
+    quantize_model(module, mode=qerl.mode, ignore=qerl.ignore, checkpoint=qerl.quantized_checkpoint,
+                   scale_rule=qerl.scale_rule)
+    logger.warning("[verl-qerl] actor: Linear layers converted to %s (ignore=%s, scale rule %s)", qerl.mode,
+                   list(qerl.ignore), qerl.scale_rule)
     return qerl
 
 

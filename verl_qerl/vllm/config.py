@@ -9,7 +9,9 @@ Python values.
 One method name serves four checkpoint layouts (``checkpoint_format``):
 
 * ``bf16``: an unquantized checkpoint (no ``quantization_config``), quantized while loading with
-  exactly :func:`verl_qerl.nvfp4.quantize`, fused q/k/v and gate/up sharing a global scale;
+  exactly :func:`verl_qerl.nvfp4.quantize`, fused q/k/v and gate/up sharing a global scale, under
+  ``scale_rule`` (default ``verl_qerl.nvfp4.DEFAULT_SCALE_RULE``; another one is chosen with
+  ``hf_overrides={"quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}}``);
 * ``compressed-tensors``: NVFP4A16 / NVFP4 ``nvfp4-pack-quantized`` (ours from ``qerl-quantize``,
   llm-compressor's, or any written by the ``compressed-tensors`` package);
 * ``modelopt``: ModelOpt NVFP4 / W4A16_NVFP4 (``weight`` uint8, ``weight_scale_2`` multiplier).
@@ -46,6 +48,7 @@ from verl_qerl.nvfp4.quant_config import (
     QuantConfigError,
     modelopt_block,
 )
+from verl_qerl.nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
 from . import compat
 
@@ -91,6 +94,8 @@ class QeRLNvFp4Config(QuantizationConfig):
     the checkpoint's tensor names). ``ignore`` / ``targets`` follow compressed-tensors' rules
     (ModelOpt ``exclude_modules`` with ``*`` wildcards too). ``activation_scales`` is True for W4A4
     checkpoints, whose input scales are loaded into placeholders and dropped (we run W4A16).
+    ``scale_rule`` is how a BF16 checkpoint is quantized at load (``verl_qerl.nvfp4.SCALE_RULES``);
+    the training side's ``quantize_model`` must use the same one for the two to hold equal weights.
     """
 
     def __init__(
@@ -99,10 +104,14 @@ class QeRLNvFp4Config(QuantizationConfig):
         ignore: Iterable[str] | None = None,
         targets: Iterable[str] | None = None,
         activation_scales: bool = False,
+        scale_rule: str = DEFAULT_SCALE_RULE,
     ) -> None:
         super().__init__()
         if checkpoint_format not in CHECKPOINT_FORMATS:
             raise QeRLNvFp4Error(f"checkpoint_format={checkpoint_format!r}; expected one of {CHECKPOINT_FORMATS}")
+        if scale_rule not in SCALE_RULES:
+            raise QeRLNvFp4Error(f"scale_rule={scale_rule!r}; expected one of {SCALE_RULES}")
+        self.scale_rule = scale_rule
         self.checkpoint_format = checkpoint_format
         self.ignore = list(ignore if ignore is not None else ["lm_head"])
         self.targets = list(targets if targets is not None else ["Linear"])
@@ -111,7 +120,7 @@ class QeRLNvFp4Config(QuantizationConfig):
 
     def __repr__(self) -> str:
         return (f"QeRLNvFp4Config(checkpoint_format={self.checkpoint_format!r}, ignore={self.ignore}, "
-                f"targets={self.targets}, activation_scales={self.activation_scales})")
+                f"targets={self.targets}, activation_scales={self.activation_scales}, scale_rule={self.scale_rule!r})")
 
     # -- vLLM's QuantizationConfig interface ------------------------------------------------------
 
@@ -149,7 +158,8 @@ class QeRLNvFp4Config(QuantizationConfig):
             ignore = mo.get("exclude_modules") or mo.get("ignore") or config.get("ignore") or []
             activation_scales = str(mo.get("quant_algo", "")).upper() == "NVFP4"
             return cls(FORMAT_MODELOPT, ignore=ignore, activation_scales=activation_scales)
-        return cls(fmt, ignore=config.get("ignore", ["lm_head"]), targets=config.get("targets"))
+        return cls(fmt, ignore=config.get("ignore", ["lm_head"]), targets=config.get("targets"),
+                   scale_rule=config.get("scale_rule", DEFAULT_SCALE_RULE))
 
     @classmethod
     def from_config_dict_json(cls, text: str) -> QeRLNvFp4Config:

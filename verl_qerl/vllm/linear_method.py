@@ -10,7 +10,8 @@ Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, 
 3. ``process_weights_after_loading`` checks completeness, brings every layout to one canonical form
    (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
    fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
-   whole fused group, so it is bit-identical to ``qerl-quantize``), and where the FP4 GEMM runs
+   whole fused group, under the config's scale rule, so it is bit-identical to ``qerl-quantize``
+   and ``quantize_model`` with the same rule), and where the FP4 GEMM runs
    (CUDA with ``verl_qerl.kernels``) replaces packed weight and scales by the kernel's repacked
    layout (no second copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA
    wrappers look for it (for its device only).
@@ -237,10 +238,11 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         compat.tp_all_reduce_max(amax)  # each rank holds a slice; the scale is that of the whole weight
         if not bool(torch.isfinite(amax).all()):
             raise QeRLNvFp4Error(f"{layer.qerl_prefix}.weight: contains NaN/Inf; refusing to quantize")
-        gscale = global_scale_from_amax(amax.max())  # == min over parts of 2688/amax_part, bit for bit
+        rule = self.config.scale_rule
+        gscale = global_scale_from_amax(amax.max(), rule)  # == verl_qerl.nvfp4.fused_global_scale, bit for bit
         packed_rows, scale_rows = [], []
         for start in range(0, w.shape[0], _QUANT_ROWS):
-            q = quantize(w[start:start + _QUANT_ROWS], gscale, name=f"{layer.qerl_prefix}.weight")
+            q = quantize(w[start:start + _QUANT_ROWS], gscale, name=f"{layer.qerl_prefix}.weight", rule=rule)
             packed_rows.append(q.packed)
             scale_rows.append(q.scale)
         return torch.cat(packed_rows), torch.cat(scale_rows), gscale.to(w.device)

@@ -138,7 +138,7 @@ class QeRLWorkerExtension:
                 from .linear_method import QeRLNvFp4LinearMethod
 
                 info.update(backend=module.qerl_backend, layout=module.qerl_layout, format=module.qerl_format,
-                            uniform_scale=module.qerl_uniform_scale,
+                            uniform_scale=module.qerl_uniform_scale, scale_rule=method.config.scale_rule,
                             global_scale=module.weight_global_scale.detach().cpu().tolist(),
                             shape=[module.output_size_per_partition, module.input_size_per_partition])
                 for t in QeRLNvFp4LinearMethod.canonical_nvfp4(module):  # layout-independent digest
