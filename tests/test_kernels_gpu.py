@@ -178,6 +178,8 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
     ref = reference.linear_f64(x, packed, scale, gs, bias)
     if variant == "streamk" and torch.cuda.get_device_capability()[0] == 9:
         assert kernels.extension().streamk_grid(m, n) > 0, "stream-K must apply on Hopper for block_m 32 / 64"
+    if variant == "wgmma" and torch.cuda.get_device_capability() == (9, 0):
+        assert kernels.extension().gemm_choice(m, n, k, VARIANT_MODES[variant]) == "wgmma", "wgmma must run on sm_90"
     mode = VARIANT_MODES[variant]
     outs = []
     for _ in range(3):
@@ -191,6 +193,66 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
     assert err <= TOL, f"{variant}: rel err {err:.3e}"
     for o in outs[1:]:
         assert torch.equal(o, out), f"{variant}: not deterministic"
+
+
+def _needs_wgmma() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 (Hopper) only")
+    assert kernels.extension().gemm_choice(64, 256, 128, 7) == "wgmma", "sm_90 device but no sm_90a wgmma build"
+
+
+WGMMA_SHAPES = [
+    # (N, K): Qwen2.5-7B qkv, an odd number of 16-row blocks with a half 256-row tile (N % 256 = 112), a single
+    # stage, other hidden sizes than Qwen2.5's (Llama-7B-like 4096 / 11008, Qwen2.5-0.5B's 896)
+    (4608, 3584),
+    (1136, 640),
+    (272, 128),
+    (11008, 4096),
+    (896, 896),
+]
+
+
+@pytest.mark.parametrize("n,k", WGMMA_SHAPES)
+def test_wgmma_kernel_every_m(n: int, k: int) -> None:
+    """The Hopper wgmma kernel (mode 7) at M from 1 to 4096 (both token tiles, 64 and 128; tails in M; whole and
+    partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    _needs_wgmma()
+    packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
+    rw = kernels.repack(packed, scale)
+    g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
+    bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
+    w = reference.dequantize_f64(packed, scale, gs)
+    for m in (1, 7, 63, 64, 65, 128, 129, 300, 1000, 4096):
+        if m * n > 4096 * 4608:
+            continue
+        x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+        b = bias if m % 2 else None
+        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+        outs = []
+        for _ in range(2):
+            poison((m, n), torch.bfloat16)
+            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, 7))
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
+        err = rel(outs[0], ref)
+        assert err <= TOL, f"M={m}: rel err {err:.3e}"
+        assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+
+
+def test_wgmma_graph_capture() -> None:
+    """The wgmma kernel with stream-K partials (workspace, shared semaphores) captures and replays in a CUDA graph."""
+    _needs_wgmma()
+    m, n, k = 96, 3584, 3584
+    packed, scale, gs = rand_nvfp4(n, k, seed=41)
+    rw = kernels.repack(packed, scale)
+    x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 7)
+
+    graph, y_static = capture_graph(f, x_static)
+    for i, x_new in replay_with_fresh_inputs(graph, x_static):
+        assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
 
 
 def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:

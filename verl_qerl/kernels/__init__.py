@@ -59,10 +59,10 @@ GEMM_K_MULTIPLE = K_STAGE
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
 #: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies.
-GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4}
+GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7}
 #: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
 #: it applies (block_m 32 / 64), v5 elsewhere.
-GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5}
+GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5, "wgmma": 7}
 
 
 #: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
