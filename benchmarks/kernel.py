@@ -58,7 +58,7 @@ from results_format import target_met, target_status  # benchmarks/: this script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import reference, streamk  # noqa: E402
+from verl_qerl.kernels import dispatch, reference, streamk  # noqa: E402
 
 DEV = "cuda"
 MODELS = {
@@ -859,6 +859,11 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"# wrote {path}")
+    # the measured winners per GEMM shape and M: auto mode's calibration (verl_qerl/kernels/dispatch.py)
+    table = dispatch.table_from_rows(rows, name, tuple(torch.cuda.get_device_capability()), out["command"])
+    table_path = path.with_name(path.name.replace("kernel-", "gemm_dispatch-"))
+    table_path.write_text(json.dumps(table))
+    print(f"# wrote the measured dispatch table {table_path} ({len(table['points'])} points)")
 
     print()
     print("\n".join(table_lines(rows, name)))

@@ -407,6 +407,68 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   return out;
 }
 
+// ---- measured dispatch (auto mode on devices with a calibration table; benchmarks/kernel.py writes it)
+//
+// The GEMMs the op can run, by role. Their names (gemm_kernel_names) are the one list Python reads, so the table
+// file, gemm_choice and the Python side share the spelling.
+enum GemmKernel : int64_t { kKernelV5 = 0, kKernelStreamK = 1, kKernelWgmma = 2, kKernelDequantCublas = 3 };
+const std::vector<std::string>& gemm_kernel_names() {
+  static const std::vector<std::string> names = {"v5", "streamk", "wgmma", "dqmm"};
+  return names;
+}
+
+// One measured point: for an [n, k] weight at m tokens, `kernel` was the fastest (CUDA-graph time).
+struct DispatchPoint {
+  int64_t n, k, m, kernel;
+};
+std::vector<DispatchPoint> g_table;  // empty: the rule-based dispatch below (sm_80 / sm_89, or no table loaded)
+
+void set_dispatch_table(const std::vector<std::vector<int64_t>>& points) {
+  std::vector<DispatchPoint> t;
+  for (const auto& p : points) {
+    QCHECK(p.size() == 4, "qerl set_dispatch_table: each point is [n, k, m, kernel id], got ", int64_t(p.size()),
+           " values");
+    QCHECK(p[0] > 0 && p[1] > 0 && p[2] > 0, "qerl set_dispatch_table: n, k, m must be positive, got [", p[0],
+           ", ", p[1], ", ", p[2], "]");
+    QCHECK(p[3] >= 0 && p[3] < int64_t(gemm_kernel_names().size()), "qerl set_dispatch_table: unknown kernel id ",
+           p[3]);
+    t.push_back({p[0], p[1], p[2], p[3]});
+  }
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_table = std::move(t);
+}
+
+// The measured kernel for (m, n, k), or -1 without a table: the point of the nearest measured weight shape
+// (distance |ln n - ln n'| + |ln k - ln k'|), then of its nearest measured M (|ln m - ln m'|; a tie goes to the
+// larger M). Nearest-point rather than thresholds: the table is the measurement, nothing is hand-set.
+int64_t table_pick(int64_t m, int64_t n, int64_t k) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (g_table.empty()) return -1;
+  const double lm = std::log(double(m)), ln = std::log(double(n)), lk2 = std::log(double(k));
+  double best_shape = 1e300;
+  int64_t bn = 0, bk = 0;
+  for (const auto& p : g_table) {
+    const double d = std::fabs(ln - std::log(double(p.n))) + std::fabs(lk2 - std::log(double(p.k)));
+    if (d < best_shape - 1e-12) {
+      best_shape = d;
+      bn = p.n;
+      bk = p.k;
+    }
+  }
+  double best_m = 1e300;
+  int64_t best_m_val = 0, kernel = -1;
+  for (const auto& p : g_table) {
+    if (p.n != bn || p.k != bk) continue;
+    const double d = std::fabs(lm - std::log(double(p.m)));
+    if (d < best_m - 1e-12 || (std::fabs(d - best_m) <= 1e-12 && p.m > best_m_val)) {
+      best_m = d;
+      best_m_val = p.m;
+      kernel = p.kernel;
+    }
+  }
+  return kernel;
+}
+
 // mode: 0 = auto: fused kernel for M <= threshold and supported shapes, else dequant + cuBLAS; the fused kernel
 //           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles or long ranges), v5 elsewhere,
 //       1 = v5 kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
@@ -423,8 +485,24 @@ struct Route {
   bool wgmma;      // the Hopper wgmma kernel, where it is available (else `policy` decides)
 };
 
-Route route(int64_t m, int64_t k, at::ScalarType dtype, int64_t mode) {
+Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, int64_t mode) {
   const bool kernel_ok = dtype == at::kBFloat16 && k % QERL_GEMM_BK == 0;
+  if (mode == 0 && kernel_ok) {
+    // auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel
+    switch (table_pick(m, n, k)) {
+      case kKernelV5:
+        return {true, StreamK::kNever, false};
+      case kKernelStreamK:
+        return {true, StreamK::kWhereItApplies, false};
+      case kKernelWgmma:
+        if (wgmma_grid(m, n) > 0) return {true, StreamK::kNever, true};
+        break;  // not available in this build / device: the rule below
+      case kKernelDequantCublas:
+        return {false, StreamK::kNever, false};
+      default:
+        break;  // no table: the rule below
+    }
+  }
   const bool auto_m = mode == 0 || mode == 4 || mode == 6;
   const bool kernel =
       mode == 1 || mode == 5 || mode == 7 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
@@ -446,7 +524,7 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
          " (0 auto, 1 v5 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 6 auto v5, "
          "7 kernel wgmma, 16 + splits)");
-  const Route r = route(x.size(0), x.size(1), x.scalar_type(), mode);
+  const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
   if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy, r.wgmma);
   return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
@@ -455,7 +533,7 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
 // "v5" or "streamk" (benchmarks label their rows with it; no launch).
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
   QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
-  const Route r = route(m, k, at::kBFloat16, mode);
+  const Route r = route(m, n, k, at::kBFloat16, mode);
   if (!r.kernel) return "dqmm";
   if (r.wgmma && wgmma_grid(m, n) > 0) return "wgmma";
   return streamk_launch_grid(m, n, k, r.policy) > 0 ? "streamk" : "v5";
@@ -496,5 +574,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5 or streamk");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
+  m.def("gemm_kernel_names", &gemm_kernel_names,
+        "the GEMM kernels by id (the calibration table's kernel ids; gemm_choice's names)");
+  m.def("set_dispatch_table", &set_dispatch_table,
+        "auto mode's calibration: [[n, k, m, kernel id], ...] measured points (empty list: the rule-based dispatch)");
+  m.def("table_pick", &table_pick, "the calibration table's kernel id for (M, N, K), -1 without a table");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
 }

@@ -117,6 +117,10 @@ def load_extension(verbose: bool = False) -> bool:
 
             ext = build.load(verbose=verbose)
             ext.init_workspace(torch.cuda.current_device())
+            from . import dispatch
+
+            log.info("verl_qerl.kernels: GEMM dispatch: %s",
+                     dispatch.install(ext, tuple(torch.cuda.get_device_capability())))
             _State.ext = ext
             _State.reason = ""
         except Exception as ex:  # noqa: BLE001 - any failure means "use the fallback"
