@@ -13,9 +13,11 @@
 //  * CTA tile: 256 weight rows (the repacked 128-row tiles 2t, 2t+1) x T tokens, 2 warpgroups. Warpgroup g owns
 //    tile 2t+g and issues two m64 wgmmas per k16 step (its rows 0-63: warp w decodes n16 block w; rows 64-127:
 //    block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes nothing.
-//  * Activations in shared memory in wgmma's no-swizzle K-major layout: 8 x 8 core matrices of 128 contiguous
-//    bytes; 16-byte chunk c = 128 (r/8) + 8 kc + r%8 (token r, k chunk kc of the 128-wide stage) at c * 16, so
-//    LBO (next core matrix along K) = 128 B, SBO (next 8 tokens) = 2048 B, and each k16 step starts 256 B on.
+//  * Activations in shared memory in wgmma's 128-byte-swizzled K-major layout: per k64 half of a stage, token row
+//    r holds its 128 bytes at r * 128 with 16-byte chunk q at (q ^ (r % 8)) * 16; SBO (next 8 tokens) = 1024 B,
+//    and k16 step j of the half starts at +32 j. (The first build used the no-swizzle layout, core matrices of
+//    8 tokens at a 2048-byte stride: every wgmma read 8 core matrices from the same banks and the kernel ran at
+//    ~30% of the tensor pipe; benchmarks/NOTES.md "v6.0 outcome".)
 //  * Ring: STAGES slots of (weights 16 KB, scales 2 KB, activations T x 256 B), cp.async by all threads,
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
 //    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
@@ -25,9 +27,6 @@
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
-#include <cstdlib>
-#include <utility>
-
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
@@ -45,7 +44,10 @@ template <int T>
 struct WgCfg {
   static constexpr int STAGE_BYTES = X_OFF + T * WG_BK * 2;
   static constexpr int STAGES = T == 64 ? 6 : 4;  // ~205 KB either way: one CTA per SM
-  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+  // + 1 KB: the ring starts at the first 1024-byte boundary of the dynamic shared memory (the 128-byte swizzle
+  // pattern of the activations repeats every 1024 bytes and is anchored to absolute shared addresses)
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
+  static_assert(STAGE_BYTES % 1024 == 0 && X_OFF % 1024 == 0, "activation blocks must stay 1024-byte aligned");
   static constexpr int ACC = T / 2;  // FP32 accumulators per thread per m64 block
   static_assert(T == 64 || T == 128, "wgmma kernel: T = 64 or 128 tokens per tile");
   static_assert(ACC % 4 == 0, "partials are stored as float4");
@@ -120,14 +122,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
                             const uint4* __restrict__ qs, const float* __restrict__ gscale,
                             const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                             float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                            int units_per_cta, uint64_t desc_hi) {
+                            int units_per_cta) {
 #ifdef QERL_WGMMA_DEVICE
   using C = WgCfg<T>;
   constexpr int STAGES = C::STAGES;
   constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
   constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
 
   const int tid = threadIdx.x;
@@ -145,7 +147,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int u_begin = blockIdx.x * L;
   const int u_end = min(u_begin + L, total_units);
   const int my_first_tile = u_begin / S;
-  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
+  // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
+  // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
+  const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
@@ -176,9 +182,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     const int s_h = tid / TILE_S_VEC;
     const bool s_copies = tid < 2 * TILE_S_VEC && (s_h == 0 || has_hi);
     const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
-    // activation chunk c = tid + 256 i: token row (c / 128) * 8 + c % 8 = x_row0 + 16 i, k chunk (c / 8) % 16
-    const int x_row0 = (tid >> 7) * 8 + (tid & 7);
-    const int x_kc = (tid >> 3) & 15;
+    // activation chunk c = tid + 256 i: token row c / 16 = x_row0 + 16 i, k chunk c % 16 (a warp reads two
+    // rows of 256 contiguous bytes). In shared memory: k64 half kc / 8 at hh * T * 128, row r at r * 128, its
+    // 16-byte chunk kc % 8 at ((kc % 8) ^ (r % 8)) * 16 (wgmma's 128-byte swizzle, K-major)
+    const int x_row0 = tid >> 4;
+    const int x_kc = tid & 15;
+    const uint32_t x_dst0 =
+        X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 + ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
     const int x_rows_left = M - m0 - x_row0;
     const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * WG_BK + x_kc * 8;
     const size_t x_row_step = size_t(16) * K;
@@ -198,7 +208,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       for (int i = 0; i < XPER; ++i) {
         const bool valid = 16 * i < x_rows_left;
         // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
-        cp_async16_u32(base + X_OFF + (tid + WG_THREADS * i) * 16, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
+        cp_async16_u32(base + x_dst0 + i * 16 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
       }
     };
 
@@ -229,7 +239,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t(((t * 4 + j) * 256) >> 4));
+          for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
         wgmma_commit();
       }
       wgmma_wait<1>();
@@ -377,16 +387,6 @@ WgSchedule wg_schedule(int M, int N, int K, int grid, int block_t) {
   return s;
 }
 
-// The B descriptor's fixed fields: LBO (next core matrix along K) = 128 B, SBO (next 8 tokens) = 2048 B, in
-// 16-byte units at bits 16-29 / 32-45, no swizzle (bits 62-63 = 0). QERL_WGMMA_SWAP_LBO_SBO=1 swaps the two
-// (a diagnostic for the first GPU validation only).
-uint64_t b_desc_fixed_fields() {
-  uint64_t lbo = 128, sbo = (WG_BK / 8) * 128;
-  const char* e = std::getenv("QERL_WGMMA_SWAP_LBO_SBO");
-  if (e != nullptr && e[0] == '1') std::swap(lbo, sbo);
-  return ((lbo >> 4) << 16) | ((sbo >> 4) << 32);
-}
-
 template <int T>
 cudaError_t launch_wg(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
                       void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
@@ -397,7 +397,7 @@ cudaError_t launch_wg(const void* x, const void* qweight, const void* qscale, co
   nvfp4_gemm_wgmma_kernel<T><<<s.ctas, WG_THREADS, WgCfg<T>::SMEM_BYTES, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
       gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-      s.units_per_cta, b_desc_fixed_fields());
+      s.units_per_cta);
   return cudaGetLastError();
 }
 
