@@ -255,6 +255,57 @@ def test_wgmma_graph_capture() -> None:
         assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
 
 
+#: gemm_choice's answer -> the op mode that forces that kernel
+CHOICE_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "dqmm": 2}
+
+
+@pytest.fixture()
+def rule_dispatch():  # noqa: ANN201
+    """Auto mode without the calibration table (the rule-based dispatch other GPUs use); the table is put back
+    afterwards."""
+    from verl_qerl.kernels import dispatch
+
+    ext = kernels.extension()
+    ext.set_dispatch_table([])
+    yield ext
+    dispatch.install(ext, tuple(torch.cuda.get_device_capability()))
+
+
+def test_auto_follows_the_calibration_table() -> None:
+    """Auto mode on a device with a table runs the measured kernel of the nearest weight shape and M (log
+    distance), bit-equal to that kernel forced; without a table it falls back to the rules."""
+    from verl_qerl.kernels import dispatch
+
+    ext = kernels.extension()
+    names = list(ext.gemm_kernel_names())
+    assert names == ["v5", "streamk", "wgmma", "dqmm"]
+    n, k = 1136, 640
+    packed, scale, gs = rand_nvfp4(n, k, seed=5)
+    rw = kernels.repack(packed, scale)
+    wg = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "streamk"
+    table = [[n, k, 1, "v5"], [n, k, 64, wg], [n, k, 1024, "dqmm"], [99968, 99968, 64, "v5"]]
+    try:
+        ext.set_dispatch_table([[a, b, c, names.index(d)] for a, b, c, d in table])
+        for m, want in ((1, "v5"), (5, "v5"), (40, wg), (64, wg), (200, wg), (500, "dqmm"), (3000, "dqmm")):
+            assert ext.gemm_choice(m, n, k, 0) == want, m
+            # another shape near this one (log distance) follows it, not the far-away point
+            assert ext.gemm_choice(m, n + 16, k, 0) == want, m
+            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            auto = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 0)
+            forced = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, CHOICE_MODES[want])
+            assert torch.equal(auto, forced), m
+        with pytest.raises(RuntimeError, match="unknown kernel id"):
+            ext.set_dispatch_table([[n, k, 1, 9]])
+        ext.set_dispatch_table([])
+        assert ext.table_pick(64, n, k) == -1
+    finally:
+        dispatch.install(ext, tuple(torch.cuda.get_device_capability()))
+    if torch.cuda.get_device_capability() == (9, 0) and dispatch.DEFAULT_TABLE.is_file():
+        shipped = dispatch.load_table(dispatch.DEFAULT_TABLE, names)
+        for pn, pk, pm, kern in shipped["points"]:
+            assert ext.gemm_choice(pm, pn, pk, 0) == kern, (pn, pk, pm)
+
+
 def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode 5), =v5 runs v5
     (bit-equal to mode 1), the default (auto) runs what ``gemm_choice`` reports for the shape, M <= 16 keeps v5
@@ -270,7 +321,8 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 5)
         monkeypatch.delenv("QERL_GEMM_KERNEL", raising=False)
         auto = kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
-        assert torch.equal(auto, sk if ext.gemm_choice(m, n, k, 0) == "streamk" else v5)
+        forced_mode = CHOICE_MODES[ext.gemm_choice(m, n, k, 0)]
+        assert torch.equal(auto, torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, forced_mode))
         monkeypatch.setenv("QERL_GEMM_KERNEL", "v5")
         assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), v5)
         monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
@@ -298,13 +350,13 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
 
 
-def test_auto_picks_streamk_by_shape() -> None:
+def test_auto_picks_streamk_by_shape(rule_dispatch) -> None:  # noqa: ANN001
     """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
     each CTA's range has >= 24 K stages: the 7B gate_up shape (148 tiles at M = 64) and the 32B down shape
     (20 tiles, 33 stages per CTA) take stream-K, 7B qkv (18 tiles, 4 stages per CTA) and 7B down (14 tiles, 16
     stages) v5, M <= 16 v5 and M above the threshold dequant + cuBLAS; moving the tunable flips the choice,
     and the result is bit-equal to the forced kernel the choice names."""
-    ext = kernels.extension()
+    ext = rule_dispatch
     gemm_max_m, penalty, min_tiles, min_stages = ext.get_tuning()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = ext.streamk_grid(64, 37888)
