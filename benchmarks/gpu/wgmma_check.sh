@@ -11,6 +11,9 @@ OUT=${OUT:?set OUT to an output folder}
 cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# a private JIT cache: a build killed mid-way on a shared warm machine leaves torch's lock file behind, and every
+# later build of the same extension waits on it forever (seen: build step timed out at 300 s)
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/qerl-ext-$$}"
 LOG="$OUT/wgmma_check.log"; : > "$LOG"
 fail=0
 step() {  # step NAME TIMEOUT_S CMD...: run, log its rc and seconds, keep going
@@ -22,9 +25,9 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log its rc and seconds, keep going
   return $rc
 }
 echo "[wgmma_check] $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
-step build 300 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
+step build 150 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
 import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
-if ! step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
+if ! step wgmma_tests 100 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
     > '$OUT/wgmma_tests.log' 2>&1"; then
   tail -30 "$OUT/wgmma_tests.log" | tee -a "$LOG"
   # diagnostic: the shared-memory descriptor's LBO / SBO roles swapped
@@ -32,7 +35,7 @@ if ! step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider t
     tests/test_kernels_gpu.py -k 'wgmma_kernel_every_m and 4608' 2>&1 | tail -5" | tee -a "$LOG"
 fi
 tail -3 "$OUT/wgmma_tests.log" | tee -a "$LOG"
-step timing 260 python3 benchmarks/kernel.py --no-tune --no-marlin --variants v5,streamk,wgmma \
+step timing 150 python3 benchmarks/kernel.py --no-tune --no-marlin --variants v5,streamk,wgmma \
   --models qwen2.5-7b,qwen2.5-32b --ms "${WGMMA_MS:-1,16,64,128,256,1024}" --out "$OUT"
 step gpu_tests 200 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py > '$OUT/gpu_tests.log' 2>&1"
 tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
