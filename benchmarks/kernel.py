@@ -13,6 +13,10 @@ rule), times in one run:
 * ``kernel_streamk`` -- with ``--variants v5,streamk``: the stream-K fused kernel (v5.5-v5.7, which the
   dispatch picks by shape) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
   per-GEMM and per-layer ratio ``streamk/v5`` = v5 time / stream-K time (> 1: stream-K faster);
+* ``kernel_wgmma`` -- with ``--variants v5,streamk,wgmma``: the Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu,
+  mode 7) forced at every M <= 1024 on sm_90; the run also writes ``gemm_dispatch-<gpu>.json``, the fastest
+  measured kernel per GEMM shape and M, which auto mode reads as its calibration (verl_qerl/kernels/dispatch.py;
+  copy it to verl_qerl/kernels/gemm_dispatch_h200.json to ship it);
 * ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
   ``float4_e2m1f`` type), through vLLM's public helpers ``prepare_fp4_layer_for_marlin`` and
   ``apply_fp4_marlin_linear`` (``vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py``,

@@ -15,9 +15,9 @@
 //    block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes nothing.
 //  * Activations in shared memory in wgmma's 128-byte-swizzled K-major layout: per k64 half of a stage, token row
 //    r holds its 128 bytes at r * 128 with 16-byte chunk q at (q ^ (r % 8)) * 16; SBO (next 8 tokens) = 1024 B,
-//    and k16 step j of the half starts at +32 j. (The first build used the no-swizzle layout, core matrices of
-//    8 tokens at a 2048-byte stride: every wgmma read 8 core matrices from the same banks and the kernel ran at
-//    ~30% of the tensor pipe; benchmarks/NOTES.md "v6.0 outcome".)
+//    and k16 step j of the half starts at +32 j. (The no-swizzle layout, core matrices of 8 tokens 2048 bytes
+//    apart, puts the 8 core matrices one wgmma reads together on the same banks: measured 1.3x slower,
+//    benchmarks/NOTES.md.)
 //  * Ring: STAGES slots of (weights 16 KB, scales 2 KB, activations T x 256 B), cp.async by all threads,
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
 //    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
@@ -35,9 +35,7 @@ namespace {
 
 constexpr int WG_BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile
 constexpr int WG_BK = QERL_GEMM_BK;      // K per pipeline stage
-constexpr int PRODUCERS = 128;           // warpgroup 0: cp.async into the ring
-constexpr int CONSUMERS = 256;           // warpgroups 1, 2: decode + wgmma, one 128-row tile each
-constexpr int WG_THREADS = PRODUCERS + CONSUMERS;
+constexpr int WG_THREADS = 256;          // 2 warpgroups
 constexpr int TILE_W_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 512;  // one 128-row tile, one stage: 8 KB
 constexpr int TILE_S_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 64;   // 1 KB
 constexpr int X_OFF = 2 * TILE_W_BYTES + 2 * TILE_S_BYTES;  // activations after both tiles' weights and scales
@@ -45,7 +43,7 @@ constexpr int X_OFF = 2 * TILE_W_BYTES + 2 * TILE_S_BYTES;  // activations after
 template <int T>
 struct WgCfg {
   static constexpr int STAGE_BYTES = X_OFF + T * WG_BK * 2;
-  static constexpr int STAGES = T == 64 ? 6 : 4;  // ~205-210 KB either way: one CTA per SM
+  static constexpr int STAGES = T == 64 ? 6 : 4;  // ~205 KB either way: one CTA per SM
   // + 1 KB: the ring starts at the first 1024-byte boundary of the dynamic shared memory (the 128-byte swizzle
   // pattern of the activations repeats every 1024 bytes and is anchored to absolute shared addresses)
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
@@ -66,35 +64,6 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued before has completed (the arrival is one of the
-// barrier's expected count: .noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Barrier of the two consumer warpgroups only (named barrier 1; the producer never waits on it).
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
-template <int R>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-template <int R>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 // Orders the compiler's uses of an accumulator after a wgmma wait (the asm above does not name the registers).
 __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
@@ -157,20 +126,18 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #ifdef QERL_WGMMA_DEVICE
   using C = WgCfg<T>;
   constexpr int STAGES = C::STAGES;
+  constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
-  constexpr int NQ = ACC / 4;  // float4 partials per m64 block per thread
-  constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
-  constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
-  constexpr int XPER = T * (WG_BK / 8) / PRODUCERS;  // activation chunks per producer thread per stage
-  static_assert(TILE_W_VEC % PRODUCERS == 0, "weights: whole chunks per producer thread");
-  static_assert(2 * TILE_S_VEC == PRODUCERS, "scales: one chunk per producer thread");
+  constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[STAGES];   // slot loaded: PRODUCERS cp.async arrivals
-  __shared__ __align__(8) uint64_t empty_bar[STAGES];  // slot consumed: CONSUMERS arrivals
   __shared__ int s_is_last;
 
   const int tid = threadIdx.x;
+  const int lane = tid & 31;
   const int warp = tid >> 5;
+  const int wg = warp >> 2;  // warpgroup: 128-row tile 2t + wg
+  const int wl = warp & 3;   // warp in the warpgroup
+
   const int S = K / WG_BK;
   const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
   const int n_tiles = (N + WG_BN - 1) / WG_BN;
@@ -182,226 +149,193 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int my_first_tile = u_begin / S;
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
-  const uint32_t full0 = smem_u32(&full_bar[0]);
-  const uint32_t empty0 = smem_u32(&empty_bar[0]);
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(full0 + 8 * i, PRODUCERS);
-      mbar_init(empty0 + 8 * i, CONSUMERS);
-    }
-  }
-  __syncthreads();
+  // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
+  // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
+  const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
 
-  // warp-uniform role (the shuffle tells the compiler so: wgmma must not sit on a possibly divergent path)
-  const int role = __shfl_sync(0xffffffffu, warp / 4, 0);
-  if (role == 0) {
-    // ================= producer warpgroup: cp.async of every stage of this CTA's range into the ring
-    setmaxnreg_dec<56>();
-    const int ptid = tid;
-    int g = 0;  // stages issued so far (ring slot g % STAGES, use g / STAGES)
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / S;
-      const int kb = u - tile * S;
-      const int ke = min(S, u_end - tile * S);
-      const int mtile = tile / n_tiles;
-      const int ntile = tile - mtile * n_tiles;
-      const int m0 = mtile * T;
-      const bool has_hi = 2 * ntile + 1 < tiles_128;
-      const size_t tile_stride = size_t(S) * TILE_W_VEC;
-      const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * TILE_W_VEC + ptid;
-      const int s_h = ptid / TILE_S_VEC;
-      const bool s_copies = s_h == 0 || has_hi;
-      const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (ptid % TILE_S_VEC);
-      // activation chunk c = ptid + 128 i: token row c / 16 = x_row0 + 8 i, k chunk c % 16 (a warp reads two rows
-      // of 256 contiguous bytes). In shared memory: k64 half kc / 8 at (kc / 8) T 128, row r at r 128, its 16-byte
-      // chunk kc % 8 at ((kc % 8) ^ (r % 8)) 16 (wgmma's 128-byte swizzle, K-major; r % 8 = x_row0 % 8)
-      const int x_row0 = ptid >> 4;
-      const int x_kc = ptid & 15;
-      const uint32_t x_dst0 =
-          X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 + ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
-      const int x_rows_left = M - m0 - x_row0;
-      const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * WG_BK + x_kc * 8;
-      const size_t x_row_step = size_t(8) * K;
-      for (int s_rel = 0; s_rel < ke - kb; ++s_rel, ++g) {
-        const int slot = g % STAGES;
-        if (g >= STAGES) mbar_wait(empty0 + 8 * slot, ((g / STAGES) - 1) & 1);
-        const uint32_t base = smem_base + slot * C::STAGE_BYTES;
-        const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
+  constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
+  constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
+  constexpr int XPER = T * (WG_BK / 8) / WG_THREADS;  // activation chunks per thread per stage
+  static_assert(TILE_W_VEC == 2 * WG_THREADS, "weights: thread t copies chunks t, t + 256 of each tile");
+  static_assert(2 * TILE_S_VEC <= WG_THREADS, "scales: one chunk per thread at most");
+
+  for (int u = u_begin; u < u_end;) {
+    const int tile = u / S;
+    const int kb = u - tile * S;
+    const int ke = min(S, u_end - tile * S);
+    const int count = ke - kb;
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * T;
+    const bool has_hi = 2 * ntile + 1 < tiles_128;
+    const bool active = wg == 0 || has_hi;  // warpgroup-uniform
+
+    float acc[2][ACC];
 #pragma unroll
-        for (int i = 0; i < TILE_W_VEC / PRODUCERS; ++i) cp_async16_u32(base + (ptid + PRODUCERS * i) * 16, w + PRODUCERS * i, 16);
-        if (has_hi) {
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int i = 0; i < TILE_W_VEC / PRODUCERS; ++i)
-            cp_async16_u32(base + TILE_W_BYTES + (ptid + PRODUCERS * i) * 16, w + tile_stride + PRODUCERS * i, 16);
-        }
-        if (s_copies) cp_async16_u32(base + 2 * TILE_W_BYTES + ptid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
-        const __nv_bfloat16* xs = x_thr + size_t(s_rel) * WG_BK;
-#pragma unroll 1
-        for (int i = 0; i < XPER; ++i) {
-          const bool valid = 8 * i < x_rows_left;
-          // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
-          cp_async16_u32(base + x_dst0 + i * 8 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
-        }
-        cp_async_arrive_noinc(full0 + 8 * slot);  // arrives once this thread's copies above have landed
+      for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
+
+    // cp.async sources formed once per segment, advanced by a constant per stage
+    const size_t tile_stride = size_t(S) * TILE_W_VEC;
+    const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * TILE_W_VEC + tid;
+    const int s_h = tid / TILE_S_VEC;
+    const bool s_copies = tid < 2 * TILE_S_VEC && (s_h == 0 || has_hi);
+    const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
+    // activation chunk c = tid + 256 i: token row c / 16 = x_row0 + 16 i, k chunk c % 16 (a warp reads two
+    // rows of 256 contiguous bytes). In shared memory: k64 half kc / 8 at hh * T * 128, row r at r * 128, its
+    // 16-byte chunk kc % 8 at ((kc % 8) ^ (r % 8)) * 16 (wgmma's 128-byte swizzle, K-major)
+    const int x_row0 = tid >> 4;
+    const int x_kc = tid & 15;
+    const uint32_t x_dst0 =
+        X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 + ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
+    const int x_rows_left = M - m0 - x_row0;
+    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * WG_BK + x_kc * 8;
+    const size_t x_row_step = size_t(16) * K;
+
+    auto load_stage = [&](int buf, int s_rel) {
+      const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+      const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
+      cp_async16_u32(base + tid * 16, w, 16);
+      cp_async16_u32(base + (tid + WG_THREADS) * 16, w + WG_THREADS, 16);
+      if (has_hi) {
+        cp_async16_u32(base + TILE_W_BYTES + tid * 16, w + tile_stride, 16);
+        cp_async16_u32(base + TILE_W_BYTES + (tid + WG_THREADS) * 16, w + tile_stride + WG_THREADS, 16);
       }
-      u = tile * S + ke;
-    }
-    cp_async_wait<0>();  // nothing in flight when the CTA retires
-  } else {
-    // ================= consumer warpgroups: decode + wgmma, partials, fix-up, epilogue
-    setmaxnreg_inc<224>();
-    const int ctid = tid - PRODUCERS;  // 0..255
-    const int lane = ctid & 31;
-    const int cwg = role - 1;        // consumer warpgroup: 128-row tile 2t + cwg
-    const int wl = (ctid >> 5) & 3;  // warp in the warpgroup
-    const int tok_lane = 2 * (lane & 3);
-    // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
-    // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
-    const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
-    int g = 0;  // stages consumed so far
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / S;
-      const int kb = u - tile * S;
-      const int ke = min(S, u_end - tile * S);
-      const int count = ke - kb;
-      const int mtile = tile / n_tiles;
-      const int ntile = tile - mtile * n_tiles;
-      const int m0 = mtile * T;
-      const bool has_hi = 2 * ntile + 1 < tiles_128;
-      // warpgroup 2 without a second 128-row tile computes on whatever its half of the ring holds (the producer
-      // loads nothing there) and stores nothing: branch-free wgmma issue (a wgmma behind a branch is serialized)
-      const bool active = cwg == 0 || has_hi;
-
-      float acc[2][ACC];
+      if (s_copies) cp_async16_u32(base + 2 * TILE_W_BYTES + tid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
+      const __nv_bfloat16* xs = x_thr + size_t(s_rel) * WG_BK;
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
-
-      for (int it = 0; it < count; ++it, ++g) {
-        const int slot = g % STAGES;
-        mbar_wait(full0 + 8 * slot, (g / STAGES) & 1);
-        fence_proxy_async();  // the cp.async (generic proxy) writes, now visible here, are read by the tensor core
-        {
-          const uint8_t* base = smem + slot * C::STAGE_BYTES;
-          const uint4* wsm = reinterpret_cast<const uint4*>(base + cwg * TILE_W_BYTES);
-          const uint2* ssm = reinterpret_cast<const uint2*>(base + 2 * TILE_W_BYTES + cwg * TILE_S_BYTES);
-          const uint64_t desc0 = desc_hi | uint64_t(((smem_base + slot * C::STAGE_BYTES + X_OFF) >> 4) & 0x3FFF);
-#pragma unroll
-          for (int t = 0; t < 2; ++t) {  // k64 half of the stage
-            uint32_t a[2][4][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int blk = (h * 4 + wl) * 2 + t;  // n16 block h*4 + wl, k64 tile t of this 128-row tile
-              const uint4 wv = wsm[blk * 32 + lane];
-              const uint2 sv = ssm[blk * 8 + (lane >> 2)];
-#pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
-                decode_raw(word_of(wv, j), a[h][j]);
-                a[h][j][0] = bf16x2_mul_lo(a[h][j][0], s2);
-                a[h][j][1] = bf16x2_mul_hi(a[h][j][1], s2);
-                a[h][j][2] = bf16x2_mul_lo(a[h][j][2], s2);
-                a[h][j][3] = bf16x2_mul_hi(a[h][j][3], s2);
-              }
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
-            wgmma_commit();
-          }
-          // this stage's first half and everything before it are done: the previous stage's slot is free
-          wgmma_wait<1>();
-        }
-        if (it > 0) mbar_arrive(empty0 + 8 * ((g - 1) % STAGES));
+      for (int i = 0; i < XPER; ++i) {
+        const bool valid = 16 * i < x_rows_left;
+        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
+        cp_async16_u32(base + x_dst0 + i * 16 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
       }
-      wgmma_wait<0>();
-      if (count > 0) mbar_arrive(empty0 + 8 * ((g - 1) % STAGES));  // the segment's last stage
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
+    };
 
-      // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
-      const int c_first = (tile * S) / L;
-      const int c_last = (tile * S + S - 1) / L;
-      bool do_store = true;
-      if (c_first != c_last) {
-        const int slot = tile == my_first_tile ? 0 : 1;
-        float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (T * WG_BN));
-        if (active) {
+    auto compute_stage = [&](int buf) {
+      const uint8_t* base = smem + buf * C::STAGE_BYTES;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base + wg * TILE_W_BYTES);
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + 2 * TILE_W_BYTES + wg * TILE_S_BYTES);
+      const uint64_t desc0 = desc_hi | uint64_t(((smem_base + buf * C::STAGE_BYTES + X_OFF) >> 4) & 0x3FFF);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-              if (m0 + 8 * q + tok_lane < M)
-                mine[(h * NQ + q) * CONSUMERS + ctid] =
-                    make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
-        }
-        // arrival count on the tile's counter (consumer threads only: the producer warpgroup runs ahead)
-        __threadfence();
-        consumer_sync();
-        if (ctid == 0) {
-          const int prev = atomicAdd(&counters[tile], 1);
-          s_is_last = (prev == c_last - c_first);
-        }
-        consumer_sync();
-        do_store = s_is_last != 0;
-        if (do_store) {
-          __threadfence();
-          if (active) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-#pragma unroll
-              for (int q = 0; q < NQ; ++q) acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-#pragma unroll 1
-              for (int c = c_first; c <= c_last; ++c) {
-                const int cslot = tile == (c * L) / S ? 0 : 1;
-                const float4* part = reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (T * WG_BN)) +
-                                     h * NQ * CONSUMERS + ctid;
-#pragma unroll
-                for (int q = 0; q < NQ; ++q) {
-                  const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * CONSUMERS)
-                                                               : make_float4(0.f, 0.f, 0.f, 0.f);
-                  acc[h][4 * q] += v.x;
-                  acc[h][4 * q + 1] += v.y;
-                  acc[h][4 * q + 2] += v.z;
-                  acc[h][4 * q + 3] += v.w;
-                }
-              }
-            }
-          }
-          if (ctid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
-        }
-      }
-
-      // ---- epilogue: acc[h][4 q + c] is weight row 128 cwg + 64 h + 16 wl + lane/4 + 8 (c/2), token
-      // 8 q + 2 (lane%4) + c%2
-      if (do_store && active) {
-        const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+      for (int t = 0; t < 2; ++t) {  // k64 half of the stage
+        uint32_t a[2][4][4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          const int blk = (h * 4 + wl) * 2 + t;  // n16 block h*4 + wl, k64 tile t of this 128-row tile
+          const uint4 wv = wsm[blk * 32 + lane];
+          const uint2 sv = ssm[blk * 8 + (lane >> 2)];
 #pragma unroll
-          for (int rh = 0; rh < 2; ++rh) {
-            const int n = ntile * WG_BN + cwg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
-            if (n >= N) continue;
-            const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int m = m0 + 8 * q + tok_lane + e;
-                if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[h][4 * q + 2 * rh + e] * alpha + bv);
-              }
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
+            decode_raw(word_of(wv, j), a[h][j]);
+            a[h][j][0] = bf16x2_mul_lo(a[h][j][0], s2);
+            a[h][j][1] = bf16x2_mul_hi(a[h][j][1], s2);
+            a[h][j][2] = bf16x2_mul_lo(a[h][j][2], s2);
+            a[h][j][3] = bf16x2_mul_hi(a[h][j][3], s2);
           }
         }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
+        wgmma_commit();
       }
-      consumer_sync();  // s_is_last is reused by the next segment
-      u = tile * S + ke;
+      wgmma_wait<1>();
+    };
+
+    // ---- the segment's stages [kb, ke)
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+      if (s < count) load_stage(s, s);
+      cp_async_commit();
     }
+    for (int it = 0; it < count; ++it) {
+      cp_async_wait<PF - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      const int nxt = it + PF;
+      if (nxt < count) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+      if (active) compute_stage(it % STAGES);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before the next segment refills it
+
+    // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
+    const int tok_lane = 2 * (lane & 3);
+    const int c_first = (tile * S) / L;
+    const int c_last = (tile * S + S - 1) / L;
+    bool do_store = true;
+    if (c_first != c_last) {
+      const int slot = tile == my_first_tile ? 0 : 1;
+      float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (T * WG_BN));
+      if (active) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int q = 0; q < NQ; ++q)
+            if (m0 + 8 * q + tok_lane < M)
+              mine[(h * NQ + q) * WG_THREADS + tid] =
+                  make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
+      }
+      do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
+      if (do_store) {
+        __threadfence();
+        if (active) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int q = 0; q < NQ; ++q) acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
+#pragma unroll 1
+            for (int c = c_first; c <= c_last; ++c) {
+              const int cslot = tile == (c * L) / S ? 0 : 1;
+              const float4* part =
+                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (T * WG_BN)) + h * NQ * WG_THREADS + tid;
+#pragma unroll
+              for (int q = 0; q < NQ; ++q) {
+                const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WG_THREADS)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[h][4 * q] += v.x;
+                acc[h][4 * q + 1] += v.y;
+                acc[h][4 * q + 2] += v.z;
+                acc[h][4 * q + 3] += v.w;
+              }
+            }
+          }
+        }
+        if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
+      }
+    }
+
+    // ---- epilogue: acc[h][4 q + c] is weight row 128 wg + 64 h + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
+    if (do_store && active) {
+      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int n = ntile * WG_BN + wg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
+          if (n >= N) continue;
+          const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+          for (int q = 0; q < NQ; ++q)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int m = m0 + 8 * q + tok_lane + e;
+              if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[h][4 * q + 2 * rh + e] * alpha + bv);
+            }
+        }
+      }
+    }
+    __syncthreads();  // s_is_last is reused by the next segment
+    u = tile * S + ke;
   }
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (qerl_nvfp4_gemm_wgmma_ctas_per_sm = 0)
