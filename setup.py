@@ -23,7 +23,7 @@ setup(
     # hydra_plugins/ is hydra's namespace package for plugins: ours adds the `qerl` config group.
     packages=find_packages(include=["verl_qerl", "verl_qerl.*"])
     + find_namespace_packages(include=["hydra_plugins.*"]),
-    package_data={"verl_qerl": ["py.typed", "verl/hydra/qerl/*.yaml"]},
+    package_data={"verl_qerl": ["py.typed", "verl/hydra/qerl/*.yaml", "kernels/gemm_dispatch_*.json"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.9",

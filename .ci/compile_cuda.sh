@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA kernels (no GPU, no torch): catches a build break before it
 # reaches the GPU machine. Compiles every cuda/*.cu alone for sm_90a (Hopper, the target) and for
-# sm_80 / sm_89 (the code uses only mma.sync / ldmatrix / cp.async, so it must build there too).
+# sm_80 / sm_89 (the mma.sync kernels must build there too; the wgmma kernel builds to a stub there).
 # Fails loudly: any nvcc error, any ptxas spill or stack frame in a kernel, or a missing nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,9 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
   for src in "${sources[@]}"; do
     obj="$tmp/$(basename "$src" .cu).${arch##*=}.o"
     log="$tmp/log"
-    if ! "$NVCC" -c -O3 -std=c++17 --expt-relaxed-constexpr -Werror all-warnings \
+    defs=()
+    [ "${arch##*=}" = "sm_90a" ] && defs=(-DQERL_HAVE_SM90A=1)  # the wgmma kernel's host side (build.py sets it too)
+    if ! "$NVCC" -c -O3 -std=c++17 --expt-relaxed-constexpr -Werror all-warnings "${defs[@]}" \
         -gencode="arch=$arch" -Xptxas -v -o "$obj" "$src" >"$log" 2>&1; then
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}" >&2
       cat "$log" >&2

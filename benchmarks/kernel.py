@@ -13,6 +13,10 @@ rule), times in one run:
 * ``kernel_streamk`` -- with ``--variants v5,streamk``: the stream-K fused kernel (v5.5-v5.7, which the
   dispatch picks by shape) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
   per-GEMM and per-layer ratio ``streamk/v5`` = v5 time / stream-K time (> 1: stream-K faster);
+* ``kernel_wgmma`` -- with ``--variants v5,streamk,wgmma``: the Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu,
+  mode 7) forced at every M <= 1024 on sm_90; the run also writes ``gemm_dispatch-<gpu>.json``, the fastest
+  measured kernel per GEMM shape and M, which auto mode reads as its calibration (verl_qerl/kernels/dispatch.py;
+  copy it to verl_qerl/kernels/gemm_dispatch_h200.json to ship it);
 * ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
   ``float4_e2m1f`` type), through vLLM's public helpers ``prepare_fp4_layer_for_marlin`` and
   ``apply_fp4_marlin_linear`` (``vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py``,
@@ -58,7 +62,7 @@ from results_format import target_met, target_status  # benchmarks/: this script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import reference, streamk  # noqa: E402
+from verl_qerl.kernels import dispatch, reference, streamk  # noqa: E402
 
 DEV = "cuda"
 MODELS = {
@@ -72,12 +76,13 @@ MODELS = {
 }
 #: the issue's table (and the only models whose rows become targets)
 DEFAULT_MODELS = ("qwen2.5-7b", "qwen2.5-32b")
-MS = [1, 4, 16, 64, 256, 1024, 4096]
+MS = [1, 4, 16, 64, 128, 256, 1024, 4096]
 ROT = 4
-TARGETS = [  # (M predicate, target ratio vs bf16)
-    (lambda m: m <= 16, 4.0),
-    (lambda m: m == 64, 3.0),
-    (lambda m: m == 256, 1.2),
+TARGETS = [  # (M predicate, target ratio vs bf16), issue 18's per-layer targets on the H200
+    (lambda m: m <= 16, 2.5),
+    (lambda m: m == 64, 2.0),
+    (lambda m: m == 128, 1.5),
+    (lambda m: m == 256, 1.0),
     (lambda m: m >= 1024, 0.95),
 ]
 MARLIN_TARGET = 1.0  # ours per-layer speedup vs vLLM's Marlin FP4, every M (issue 3 stretch)
@@ -102,9 +107,12 @@ def parse_variants(text: str | None) -> list[str]:
 
 
 def variant_applies(variant: str, m: int) -> bool:
-    """Whether timing ``variant`` at M measures anything but v5 again (stream-K: block_m 32 / 64 only)."""
+    """Whether timing ``variant`` at M measures anything but v5 again (stream-K: block_m 32 / 64 only; wgmma:
+    every M, on sm_90 only -- elsewhere its forced mode runs stream-K / v5)."""
     if variant == "v5":
         return True
+    if variant == "wgmma":
+        return m <= 1024 and torch.cuda.get_device_capability() == (9, 0)
     return streamk.applies(m) and m <= 1024
 
 
@@ -457,7 +465,11 @@ def sanitize_run() -> int:
                           (70, 128, 256, 17), (3, 256, 512, 2), (300, 2048, 256, 2), (260, 1040, 384, 3),
                           # the stream-K variant (mode 5): whole tiles, many partials, half tiles, M tails
                           (17, 272, 128, 5), (33, 400, 640, 5), (100, 1040, 768, 5), (200, 528, 896, 5),
-                          (64, 4352, 3584, 5)]:
+                          (64, 4352, 3584, 5),
+                          # the wgmma kernel (mode 7; stream-K / v5 where it is unavailable): both token tiles,
+                          # half 256-row tiles, partial segments, M tails
+                          (1, 272, 128, 7), (64, 1136, 640, 7), (65, 4352, 3584, 7), (300, 528, 896, 7),
+                          (129, 256, 1024, 7)]:
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
@@ -851,6 +863,11 @@ def main() -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
     print(f"# wrote {path}")
+    # the measured winners per GEMM shape and M: auto mode's calibration (verl_qerl/kernels/dispatch.py)
+    table = dispatch.table_from_rows(rows, name, tuple(torch.cuda.get_device_capability()), out["command"])
+    table_path = path.with_name(path.name.replace("kernel-", "gemm_dispatch-"))
+    table_path.write_text(json.dumps(table))
+    print(f"# wrote the measured dispatch table {table_path} ({len(table['points'])} points)")
 
     print()
     print("\n".join(table_lines(rows, name)))

@@ -57,6 +57,18 @@ int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m);
 // memory is too small for its ring, e.g. sm_89: callers fall back to qerl_nvfp4_gemm_launch).
 int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m);
 
+// Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu, sm_90a builds only): persistent stream-K over 256-row x block_t
+// token tiles, block_t in {64, 128}. Same workspace / counter contract as the stream-K launch above.
+// qerl_nvfp4_gemm_wgmma_ctas_per_sm is 0 where the kernel is not available (not built for sm_90a, not an sm_90
+// device, or too little shared memory): callers then run another kernel.
+cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
+                                         const float* global_scale, const void* bias, void* out, float* workspace,
+                                         int* counters, int M, int N, int K, int grid, int block_t,
+                                         cudaStream_t stream);
+size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t);
+int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t);
+int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t);
+
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,
                                       const float* global_scale, void* out, int N, int K,

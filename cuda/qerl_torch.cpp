@@ -317,9 +317,34 @@ int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
   return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, k, grid)) ? grid : 0;
 }
 
+// Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu): tokens per tile for M, and the CTAs it requests on the current
+// device (SMs x resident CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
+int wgmma_block_t(int64_t m) { return m <= 64 ? 64 : 128; }
+
+int64_t wgmma_grid(int64_t m, int64_t n) {
+  const int block_t = wgmma_block_t(m);
+  static int cache[64][2];
+  static bool known[64][2] = {};
+  const int dev = at::cuda::current_device();
+  const int b = block_t == 128 ? 1 : 0;
+  int per_sm = 0;
+  if (dev < 0 || dev >= 64) {
+    per_sm = qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
+  } else {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!known[dev][b]) {
+      cache[dev][b] = qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
+      known[dev][b] = true;
+    }
+    per_sm = cache[dev][b];
+  }
+  if (per_sm <= 0 || qerl_nvfp4_gemm_wgmma_tiles(int(m), int(n), block_t) > kCounterCap) return 0;
+  return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
+}
+
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
-                            StreamK policy = StreamK::kNever) {
+                            StreamK policy = StreamK::kNever, bool wgmma = false) {
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -336,6 +361,18 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     QCHECK(b.numel() == n && b.device() == x.device(), "qerl::nvfp4_gemm: bias must be [", n, "] on ",
                 x.device());
     bptr = b.data_ptr();
+  }
+  if (const int64_t grid = wgmma ? wgmma_grid(m, n) : 0; grid > 0) {
+    const int block_t = wgmma_block_t(m);
+    const size_t wsf = qerl_nvfp4_gemm_wgmma_workspace_floats(int(m), int(n), int(k), int(grid), block_t);
+    at::Tensor wws;
+    if (wsf > 0) wws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
+    check_cuda(qerl_nvfp4_gemm_wgmma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
+                                            out.data_ptr(), wsf > 0 ? wws.data_ptr<float>() : nullptr,
+                                            counters_for(x.device()), int(m), int(n), int(k), int(grid), block_t,
+                                            at::cuda::getCurrentCUDAStream()),
+               "nvfp4_gemm (wgmma) launch");
+    return out;
   }
   const int block_m = pick_block_m(m);
   if (const int64_t grid = streamk_launch_grid(m, n, k, policy); grid > 0) {
@@ -370,27 +407,109 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   return out;
 }
 
+// ---- measured dispatch (auto mode on devices with a calibration table; benchmarks/kernel.py writes it)
+//
+// The GEMMs the op can run, by role. Their names (gemm_kernel_names) are the one list Python reads, so the table
+// file, gemm_choice and the Python side share the spelling.
+enum GemmKernel : int64_t { kKernelV5 = 0, kKernelStreamK = 1, kKernelWgmma = 2, kKernelDequantCublas = 3 };
+const std::vector<std::string>& gemm_kernel_names() {
+  static const std::vector<std::string> names = {"v5", "streamk", "wgmma", "dqmm"};
+  return names;
+}
+
+// One measured point: for an [n, k] weight at m tokens, `kernel` was the fastest (CUDA-graph time).
+struct DispatchPoint {
+  int64_t n, k, m, kernel;
+};
+std::vector<DispatchPoint> g_table;  // empty: the rule-based dispatch below (sm_80 / sm_89, or no table loaded)
+
+void set_dispatch_table(const std::vector<std::vector<int64_t>>& points) {
+  std::vector<DispatchPoint> t;
+  for (const auto& p : points) {
+    QCHECK(p.size() == 4, "qerl set_dispatch_table: each point is [n, k, m, kernel id], got ", int64_t(p.size()),
+           " values");
+    QCHECK(p[0] > 0 && p[1] > 0 && p[2] > 0, "qerl set_dispatch_table: n, k, m must be positive, got [", p[0],
+           ", ", p[1], ", ", p[2], "]");
+    QCHECK(p[3] >= 0 && p[3] < int64_t(gemm_kernel_names().size()), "qerl set_dispatch_table: unknown kernel id ",
+           p[3]);
+    t.push_back({p[0], p[1], p[2], p[3]});
+  }
+  std::lock_guard<std::mutex> lk(g_mu);
+  g_table = std::move(t);
+}
+
+// The measured kernel for (m, n, k), or -1 without a table: the point of the nearest measured weight shape
+// (distance |ln n - ln n'| + |ln k - ln k'|), then of its nearest measured M (|ln m - ln m'|; a tie goes to the
+// larger M). Nearest-point rather than thresholds: the table is the measurement, nothing is hand-set.
+int64_t table_pick(int64_t m, int64_t n, int64_t k) {
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (g_table.empty()) return -1;
+  const double lm = std::log(double(m)), ln = std::log(double(n)), lk2 = std::log(double(k));
+  double best_shape = 1e300;
+  int64_t bn = 0, bk = 0;
+  for (const auto& p : g_table) {
+    const double d = std::fabs(ln - std::log(double(p.n))) + std::fabs(lk2 - std::log(double(p.k)));
+    if (d < best_shape - 1e-12) {
+      best_shape = d;
+      bn = p.n;
+      bk = p.k;
+    }
+  }
+  double best_m = 1e300;
+  int64_t best_m_val = 0, kernel = -1;
+  for (const auto& p : g_table) {
+    if (p.n != bn || p.k != bk) continue;
+    const double d = std::fabs(lm - std::log(double(p.m)));
+    if (d < best_m - 1e-12 || (std::fabs(d - best_m) <= 1e-12 && p.m > best_m_val)) {
+      best_m = d;
+      best_m_val = p.m;
+      kernel = p.kernel;
+    }
+  }
+  return kernel;
+}
+
 // mode: 0 = auto: fused kernel for M <= threshold and supported shapes, else dequant + cuBLAS; the fused kernel
 //           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles or long ranges), v5 elsewhere,
 //       1 = v5 kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
 //       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
 //           slower than 2 on the H100: kept for experiments), >= 16: v5 kernel with splits = mode - 16,
 //       4 = as 0, 5 = as 1, but the fused kernel is stream-K wherever it applies (block_m 32 / 64 on a device
-//           with enough shared memory per CTA; v5 elsewhere), 6 = as 0 with v5 only.
+//           with enough shared memory per CTA; v5 elsewhere), 6 = as 0 with v5 only,
+//       7 = the Hopper wgmma kernel at every M where it is available (sm_90a build on an sm_90 device), as 5
+//           elsewhere.
 //       Python maps QERL_GEMM_KERNEL=auto|v5|streamk to 0|6|4 (verl_qerl/kernels/__init__.py).
 struct Route {
   bool kernel;     // fused kernel (else dequant + cuBLAS)
-  StreamK policy;  // which fused kernel may run
+  StreamK policy;  // which mma.sync fused kernel may run
+  bool wgmma;      // the Hopper wgmma kernel, where it is available (else `policy` decides)
 };
 
-Route route(int64_t m, int64_t k, at::ScalarType dtype, int64_t mode) {
+Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, int64_t mode) {
   const bool kernel_ok = dtype == at::kBFloat16 && k % QERL_GEMM_BK == 0;
+  if (mode == 0 && kernel_ok) {
+    // auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel
+    switch (table_pick(m, n, k)) {
+      case kKernelV5:
+        return {true, StreamK::kNever, false};
+      case kKernelStreamK:
+        return {true, StreamK::kWhereItApplies, false};
+      case kKernelWgmma:
+        if (wgmma_grid(m, n) > 0) return {true, StreamK::kNever, true};
+        break;  // not available in this build / device: the rule below
+      case kKernelDequantCublas:
+        return {false, StreamK::kNever, false};
+      default:
+        break;  // no table: the rule below
+    }
+  }
   const bool auto_m = mode == 0 || mode == 4 || mode == 6;
-  const bool kernel = mode == 1 || mode == 5 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
+  const bool kernel =
+      mode == 1 || mode == 5 || mode == 7 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
   const StreamK policy = mode == 0 ? StreamK::kWherePays
-                         : (mode == 4 || mode == 5) ? StreamK::kWhereItApplies
-                                                    : StreamK::kNever;
-  return {kernel, policy};
+                         : (mode == 4 || mode == 5 || mode == 7) ? StreamK::kWhereItApplies
+                                                                 : StreamK::kNever;
+  return {kernel, policy, mode == 7};
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -402,20 +521,21 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
-  QCHECK(mode >= 0 && (mode <= 6 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
+  QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
          " (0 auto, 1 v5 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 6 auto v5, "
-         "16 + splits)");
-  const Route r = route(x.size(0), x.size(1), x.scalar_type(), mode);
-  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy);
+         "7 kernel wgmma, 16 + splits)");
+  const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
+  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy, r.wgmma);
   return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
 
 // What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: "dqmm",
 // "v5" or "streamk" (benchmarks label their rows with it; no launch).
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
-  QCHECK(mode >= 0 && (mode <= 6 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
-  const Route r = route(m, k, at::kBFloat16, mode);
+  QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
+  const Route r = route(m, n, k, at::kBFloat16, mode);
   if (!r.kernel) return "dqmm";
+  if (r.wgmma && wgmma_grid(m, n) > 0) return "wgmma";
   return streamk_launch_grid(m, n, k, r.policy) > 0 ? "streamk" : "v5";
 }
 
@@ -454,5 +574,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5 or streamk");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
+  m.def("gemm_kernel_names", &gemm_kernel_names,
+        "the GEMM kernels by id (the calibration table's kernel ids; gemm_choice's names)");
+  m.def("set_dispatch_table", &set_dispatch_table,
+        "auto mode's calibration: [[n, k, m, kernel id], ...] measured points (empty list: the rule-based dispatch)");
+  m.def("table_pick", &table_pick, "the calibration table's kernel id for (M, N, K), -1 without a table");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
 }

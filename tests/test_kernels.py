@@ -223,3 +223,16 @@ def test_reference_matches_format_module() -> None:
     x = torch.randn(3, 256).to(torch.bfloat16)
     out = kernels.linear(x, q.packed, q.scale, q.global_scale, kernel_weight=rw)
     assert rel_err(out, reference.linear_f64(x, q.packed, q.scale, q.global_scale)) < 1e-2
+
+
+def test_build_targets_sm90a_for_hopper() -> None:
+    """The JIT build compiles Hopper for sm_90a (wgmma needs it; plain sm_90 has no wgmma) and tells the wgmma
+    launcher so; other GPUs keep their own target; an explicit TORCH_CUDA_ARCH_LIST is left to torch."""
+    from verl_qerl.kernels import build
+
+    assert build.arch_flags([(9, 0)], None) == ["-gencode=arch=compute_90a,code=sm_90a", build.SM90A_DEFINE]
+    assert build.arch_flags([(8, 9), (8, 0)], None) == [
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_89,code=sm_89"]
+    assert build.arch_flags([(9, 0)], "9.0") == []
+    assert build.arch_flags([(9, 0)], "8.0;9.0a") == [build.SM90A_DEFINE]
+    assert "nvfp4_gemm_wgmma.cu" in build.CU_SOURCES

@@ -178,6 +178,8 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
     ref = reference.linear_f64(x, packed, scale, gs, bias)
     if variant == "streamk" and torch.cuda.get_device_capability()[0] == 9:
         assert kernels.extension().streamk_grid(m, n) > 0, "stream-K must apply on Hopper for block_m 32 / 64"
+    if variant == "wgmma" and torch.cuda.get_device_capability() == (9, 0):
+        assert kernels.extension().gemm_choice(m, n, k, VARIANT_MODES[variant]) == "wgmma", "wgmma must run on sm_90"
     mode = VARIANT_MODES[variant]
     outs = []
     for _ in range(3):
@@ -191,6 +193,117 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
     assert err <= TOL, f"{variant}: rel err {err:.3e}"
     for o in outs[1:]:
         assert torch.equal(o, out), f"{variant}: not deterministic"
+
+
+def _needs_wgmma() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on sm_90 (Hopper) only")
+    assert kernels.extension().gemm_choice(64, 256, 128, 7) == "wgmma", "sm_90 device but no sm_90a wgmma build"
+
+
+WGMMA_SHAPES = [
+    # (N, K): Qwen2.5-7B qkv, an odd number of 16-row blocks with a half 256-row tile (N % 256 = 112), a single
+    # stage, other hidden sizes than Qwen2.5's (Llama-7B-like 4096 / 11008, Qwen2.5-0.5B's 896)
+    (4608, 3584),
+    (1136, 640),
+    (272, 128),
+    (11008, 4096),
+    (896, 896),
+]
+
+
+@pytest.mark.parametrize("n,k", WGMMA_SHAPES)
+def test_wgmma_kernel_every_m(n: int, k: int) -> None:
+    """The Hopper wgmma kernel (mode 7) at M from 1 to 4096 (both token tiles, 64 and 128; tails in M; whole and
+    partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    _needs_wgmma()
+    packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
+    rw = kernels.repack(packed, scale)
+    g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
+    bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
+    w = reference.dequantize_f64(packed, scale, gs)
+    for m in (1, 7, 63, 64, 65, 128, 129, 300, 1000, 4096):
+        if m * n > 4096 * 4608:
+            continue
+        x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+        b = bias if m % 2 else None
+        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+        outs = []
+        for _ in range(2):
+            poison((m, n), torch.bfloat16)
+            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, 7))
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
+        err = rel(outs[0], ref)
+        assert err <= TOL, f"M={m}: rel err {err:.3e}"
+        assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+
+
+def test_wgmma_graph_capture() -> None:
+    """The wgmma kernel with stream-K partials (workspace, shared semaphores) captures and replays in a CUDA graph."""
+    _needs_wgmma()
+    m, n, k = 96, 3584, 3584
+    packed, scale, gs = rand_nvfp4(n, k, seed=41)
+    rw = kernels.repack(packed, scale)
+    x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 7)
+
+    graph, y_static = capture_graph(f, x_static)
+    for i, x_new in replay_with_fresh_inputs(graph, x_static):
+        assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
+
+
+#: gemm_choice's answer -> the op mode that forces that kernel
+CHOICE_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "dqmm": 2}
+
+
+@pytest.fixture()
+def rule_dispatch():  # noqa: ANN201
+    """Auto mode without the calibration table (the rule-based dispatch other GPUs use); the table is put back
+    afterwards."""
+    from verl_qerl.kernels import dispatch
+
+    ext = kernels.extension()
+    ext.set_dispatch_table([])
+    yield ext
+    dispatch.install(ext, tuple(torch.cuda.get_device_capability()))
+
+
+def test_auto_follows_the_calibration_table() -> None:
+    """Auto mode on a device with a table runs the measured kernel of the nearest weight shape and M (log
+    distance), bit-equal to that kernel forced; without a table it falls back to the rules."""
+    from verl_qerl.kernels import dispatch
+
+    ext = kernels.extension()
+    names = list(ext.gemm_kernel_names())
+    assert names == ["v5", "streamk", "wgmma", "dqmm"]
+    n, k = 1136, 640
+    packed, scale, gs = rand_nvfp4(n, k, seed=5)
+    rw = kernels.repack(packed, scale)
+    wg = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "streamk"
+    table = [[n, k, 1, "v5"], [n, k, 64, wg], [n, k, 1024, "dqmm"], [99968, 99968, 64, "v5"]]
+    try:
+        ext.set_dispatch_table([[a, b, c, names.index(d)] for a, b, c, d in table])
+        for m, want in ((1, "v5"), (5, "v5"), (40, wg), (64, wg), (200, wg), (500, "dqmm"), (3000, "dqmm")):
+            assert ext.gemm_choice(m, n, k, 0) == want, m
+            # another shape near this one (log distance) follows it, not the far-away point
+            assert ext.gemm_choice(m, n + 16, k, 0) == want, m
+            x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+            auto = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 0)
+            forced = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, CHOICE_MODES[want])
+            assert torch.equal(auto, forced), m
+        with pytest.raises(RuntimeError, match="unknown kernel id"):
+            ext.set_dispatch_table([[n, k, 1, 9]])
+        ext.set_dispatch_table([])
+        assert ext.table_pick(64, n, k) == -1
+    finally:
+        dispatch.install(ext, tuple(torch.cuda.get_device_capability()))
+    if torch.cuda.get_device_capability() == (9, 0) and dispatch.DEFAULT_TABLE.is_file():
+        shipped = dispatch.load_table(dispatch.DEFAULT_TABLE, names)
+        for pn, pk, pm, kern in shipped["points"]:
+            assert ext.gemm_choice(pm, pn, pk, 0) == kern, (pn, pk, pm)
 
 
 def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,7 +321,8 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 5)
         monkeypatch.delenv("QERL_GEMM_KERNEL", raising=False)
         auto = kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
-        assert torch.equal(auto, sk if ext.gemm_choice(m, n, k, 0) == "streamk" else v5)
+        forced_mode = CHOICE_MODES[ext.gemm_choice(m, n, k, 0)]
+        assert torch.equal(auto, torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, forced_mode))
         monkeypatch.setenv("QERL_GEMM_KERNEL", "v5")
         assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), v5)
         monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
@@ -236,13 +350,13 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
         assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
 
 
-def test_auto_picks_streamk_by_shape() -> None:
+def test_auto_picks_streamk_by_shape(rule_dispatch) -> None:  # noqa: ANN001
     """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
     each CTA's range has >= 24 K stages: the 7B gate_up shape (148 tiles at M = 64) and the 32B down shape
     (20 tiles, 33 stages per CTA) take stream-K, 7B qkv (18 tiles, 4 stages per CTA) and 7B down (14 tiles, 16
     stages) v5, M <= 16 v5 and M above the threshold dequant + cuBLAS; moving the tunable flips the choice,
     and the result is bit-equal to the forced kernel the choice names."""
-    ext = kernels.extension()
+    ext = rule_dispatch
     gemm_max_m, penalty, min_tiles, min_stages = ext.get_tuning()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = ext.streamk_grid(64, 37888)

@@ -54,15 +54,17 @@ GEMM_K_MULTIPLE = K_STAGE
 #: Environment variable choosing the fused GEMM kernel: ``auto`` (default: the stream-K kernel v5.5,
 #: cuda/nvfp4_gemm_streamk.cu, where it applies -- M >= 17, i.e. block_m 32 / 64 -- and the shape has
 #: enough 256-row tiles for the SMs or long K ranges per CTA; v5 elsewhere), ``v5`` (v5 only) or
-#: ``streamk`` (stream-K wherever it
-#: applies). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
+#: ``streamk`` (stream-K wherever it applies) or ``wgmma`` (the Hopper wgmma kernel, cuda/nvfp4_gemm_wgmma.cu, at
+#: every M where it runs; as ``streamk`` elsewhere). On a device with a calibration table ``auto`` follows the
+#: table instead (verl_qerl/kernels/dispatch.py). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks
+#: ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
-#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies.
-GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4}
+#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies, 7 = wgmma.
+GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7}
 #: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
-#: it applies (block_m 32 / 64), v5 elsewhere.
-GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5}
+#: it applies (block_m 32 / 64), v5 elsewhere, 7 = wgmma where it runs (sm_90a), as 5 elsewhere.
+GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5, "wgmma": 7}
 
 
 #: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
@@ -117,6 +119,10 @@ def load_extension(verbose: bool = False) -> bool:
 
             ext = build.load(verbose=verbose)
             ext.init_workspace(torch.cuda.current_device())
+            from . import dispatch
+
+            log.info("verl_qerl.kernels: GEMM dispatch: %s",
+                     dispatch.install(ext, tuple(torch.cuda.get_device_capability())))
             _State.ext = ext
             _State.reason = ""
         except Exception as ex:  # noqa: BLE001 - any failure means "use the fallback"

@@ -21,13 +21,38 @@ from types import ModuleType
 from typing import Any
 
 #: Kernel sources, torch-free (compiled alone by .ci/compile_cuda.sh).
-CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_gemm_streamk.cu", "nvfp4_dequant.cu")
+CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_gemm_streamk.cu", "nvfp4_gemm_wgmma.cu", "nvfp4_dequant.cu")
 #: The thin torch binding.
 CPP_SOURCES = ("qerl_torch.cpp",)
 JIT_NAME = "qerl_nvfp4_jit"
 # No -std flag: torch's cpp_extension picks the C++ standard its own headers need.
 NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
 CXX_FLAGS = ("-O3",)
+
+
+#: Macro telling the host side of cuda/nvfp4_gemm_wgmma.cu that its kernel was compiled for sm_90a.
+SM90A_DEFINE = "-DQERL_HAVE_SM90A=1"
+
+
+def arch_flags(capabilities: list[tuple[int, int]], arch_list: str | None) -> list[str]:
+    """nvcc target flags for the JIT build, or [] to let torch choose (``TORCH_CUDA_ARCH_LIST`` set).
+
+    Why not torch's default: for an sm_90 GPU torch targets plain sm_90, which has no ``wgmma``; the Hopper
+    GEMM needs the architecture-specific sm_90a target (code that runs on sm_90 devices only). So each
+    visible device's capability becomes one ``-gencode`` (9.0 -> compute_90a / sm_90a) and, when sm_90a is
+    among them, :data:`SM90A_DEFINE` enables the wgmma launcher. An explicit ``TORCH_CUDA_ARCH_LIST`` wins
+    (with ``9.0a`` in it the define is added too).
+    """
+    if arch_list:
+        return [SM90A_DEFINE] if "9.0a" in arch_list.replace(" ", ";").split(";") else []
+    flags: list[str] = []
+    for major, minor in sorted(set(capabilities)):
+        num = f"{major}{minor}"
+        if (major, minor) == (9, 0):
+            flags += ["-gencode=arch=compute_90a,code=sm_90a", SM90A_DEFINE]
+        else:
+            flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    return flags
 
 
 def source_dir() -> Path:
@@ -68,10 +93,11 @@ def cuda_extension(name: str = "verl_qerl._C", root: str | os.PathLike[str] | No
             srcs.append(os.path.relpath(s))
         except ValueError:
             srcs.append(s)
+    nvcc = list(NVCC_FLAGS) + arch_flags([], os.environ.get("TORCH_CUDA_ARCH_LIST"))
     return CUDAExtension(
         name=name,
         sources=srcs,
-        extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": list(NVCC_FLAGS)},
+        extra_compile_args={"cxx": list(CXX_FLAGS), "nvcc": nvcc},
     )
 
 
@@ -102,9 +128,11 @@ def load(verbose: bool = False) -> ModuleType:
         return _C
     except ImportError:
         pass
+    import torch
     from torch.utils.cpp_extension import load as _load
 
-    extra_cuda = list(NVCC_FLAGS)
+    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    extra_cuda = list(NVCC_FLAGS) + arch_flags(caps, os.environ.get("TORCH_CUDA_ARCH_LIST"))
     return _load(
         name=JIT_NAME,
         sources=sources(),

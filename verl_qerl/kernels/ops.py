@@ -8,14 +8,17 @@ allocates only shape-determined outputs, so it can be captured.
 Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 
 * ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0) -> [M, n]``: ``x @ W.T + bias``
-  on the repacked layout. On CUDA the kernel itself dispatches by M: the fused FP4xBF16 GEMM up to
-  a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests): 0 auto (the fused kernel is
-  the stream-K variant, ``cuda/nvfp4_gemm_streamk.cu``, where it applies and the shape has enough
-  256-row tiles for the SMs or long K ranges per CTA, v5 elsewhere), 1 v5 fused kernel, 2 dequant +
-  cuBLAS, 3 dequant + cuBLAS N-sliced with the next slice's dequant overlapped on a side stream
+  on the repacked layout. On CUDA the kernel itself dispatches by M and shape: on a device with a
+  calibration table (``verl_qerl/kernels/dispatch.py``; an H200 one ships) the measured fastest of v5,
+  stream-K, the Hopper wgmma kernel and dequantize + cuBLAS for the nearest measured shape and M; elsewhere
+  the fused FP4xBF16 GEMM up to a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests): 0 auto
+  (without a table the fused kernel is the stream-K variant, ``cuda/nvfp4_gemm_streamk.cu``, where it applies
+  and the shape has enough 256-row tiles for the SMs or long K ranges per CTA, v5 elsewhere), 1 v5 fused kernel,
+  2 dequant + cuBLAS, 3 dequant + cuBLAS N-sliced with the next slice's dequant overlapped on a side stream
   (measured slower on the H100; experimental), 4 / 5 as 0 / 1 but stream-K wherever it applies
-  (M >= 17, i.e. block_m 32 / 64; v5 for smaller M), 6 as 0 with v5 only, 16 + s v5 fused kernel
-  with s K-splits.
+  (M >= 17, i.e. block_m 32 / 64; v5 for smaller M), 6 as 0 with v5 only (no table), 7 the Hopper wgmma
+  kernel (``cuda/nvfp4_gemm_wgmma.cu``) at every M where it is built and runs (sm_90a), as 5 elsewhere,
+  16 + s v5 fused kernel with s K-splits.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.

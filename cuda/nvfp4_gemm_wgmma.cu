@@ -1,0 +1,460 @@
+// FP4 x BF16 GEMM (W4A16, NVFP4 weights) on Hopper's warpgroup MMA: `wgmma.mma_async` with the dequantized
+// weights as the register A operand and the activations as the shared-memory B operand. sm_90a only: built into
+// the extension only when the build targets sm_90a (QERL_HAVE_SM90A, set by verl_qerl/kernels/build.py next to
+// -gencode arch=compute_90a); elsewhere the launcher reports cudaErrorNotSupported and the op runs other kernels.
+//
+// Why (benchmarks/NOTES.md, "v6 wgmma"): from M = 64 tokens on the GEMM is bound by the tensor pipe, and
+// mma.sync kernels (ours, vLLM's Marlin) stall on its fixed-latency chains with 2 warps per scheduler. wgmma runs
+// a 64 x T x 16 product per instruction asynchronously while the warps decode the next weights.
+//  * Roles: the weight rows (the GEMM's N, the wide side) are wgmma's M (m64), the tokens are wgmma's N (T = 64 or
+//    128). The repacked layout (verl_qerl/kernels/layout.py) is read unchanged: one warp's register-A fragment of
+//    wgmma m64nTk16 is the m16n8k16 A fragment (rows lane/4 (+8), K 2 (lane%4) (+1, +8)) of that warp's 16 rows,
+//    exactly what one 32-bit word of the layout decodes to with the v5 bit tricks (decode_raw, scale_two).
+//  * CTA tile: 256 weight rows (the repacked 128-row tiles 2t, 2t+1) x T tokens, 2 warpgroups. Warpgroup g owns
+//    tile 2t+g and issues two m64 wgmmas per k16 step (its rows 0-63: warp w decodes n16 block w; rows 64-127:
+//    block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes nothing.
+//  * Activations in shared memory in wgmma's 128-byte-swizzled K-major layout: per k64 half of a stage, token row
+//    r holds its 128 bytes at r * 128 with 16-byte chunk q at (q ^ (r % 8)) * 16; SBO (next 8 tokens) = 1024 B,
+//    and k16 step j of the half starts at +32 j. (The no-swizzle layout, core matrices of 8 tokens 2048 bytes
+//    apart, puts the 8 core matrices one wgmma reads together on the same banks: measured 1.3x slower,
+//    benchmarks/NOTES.md.)
+//  * Ring: STAGES slots of (weights 16 KB, scales 2 KB, activations T x 256 B), cp.async by all threads,
+//    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
+//    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
+//    wgmmas every warpgroup has waited for before the barrier of iteration i. The cp.async writes are made
+//    visible to the tensor core's async proxy by fence.proxy.async before that barrier.
+//  * Persistent stream-K as cuda/nvfp4_gemm_streamk.cu: the (m tile, n tile, k stage) units are cut into equal
+//    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
+//    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
+//    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+
+namespace qerl {
+namespace {
+
+constexpr int WG_BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile
+constexpr int WG_BK = QERL_GEMM_BK;      // K per pipeline stage
+constexpr int WG_THREADS = 256;          // 2 warpgroups
+constexpr int TILE_W_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 512;  // one 128-row tile, one stage: 8 KB
+constexpr int TILE_S_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 64;   // 1 KB
+constexpr int X_OFF = 2 * TILE_W_BYTES + 2 * TILE_S_BYTES;  // activations after both tiles' weights and scales
+
+template <int T>
+struct WgCfg {
+  static constexpr int STAGE_BYTES = X_OFF + T * WG_BK * 2;
+  static constexpr int STAGES = T == 64 ? 6 : 4;  // ~205 KB either way: one CTA per SM
+  // + 1 KB: the ring starts at the first 1024-byte boundary of the dynamic shared memory (the 128-byte swizzle
+  // pattern of the activations repeats every 1024 bytes and is anchored to absolute shared addresses)
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
+  static_assert(STAGE_BYTES % 1024 == 0 && X_OFF % 1024 == 0, "activation blocks must stay 1024-byte aligned");
+  static constexpr int ACC = T / 2;  // FP32 accumulators per thread per m64 block
+  static_assert(T == 64 || T == 128, "wgmma kernel: T = 64 or 128 tokens per tile");
+  static_assert(ACC % 4 == 0, "partials are stored as float4");
+  static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define QERL_WGMMA_DEVICE 1
+#endif
+
+#ifdef QERL_WGMMA_DEVICE
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Orders the compiler's uses of an accumulator after a wgmma wait (the asm above does not name the registers).
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D[64 x 64] += A[64 x 16] (registers, bf16) x B[16 x 64] (shared memory, bf16, K-major), FP32 accumulators.
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 128] += A[64 x 16] (registers, bf16) x B[16 x 128] (shared memory, bf16, K-major), FP32 accumulators.
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+template <int T>
+__device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (T == 64)
+    wgmma_m64n64k16_rs(d, a, desc);
+  else
+    wgmma_m64n128k16_rs(d, a, desc);
+}
+#endif  // QERL_WGMMA_DEVICE
+
+template <int T>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+    nvfp4_gemm_wgmma_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+                            const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                            float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                            int units_per_cta) {
+#ifdef QERL_WGMMA_DEVICE
+  using C = WgCfg<T>;
+  constexpr int STAGES = C::STAGES;
+  constexpr int PF = STAGES - 2;  // prefetch distance
+  constexpr int ACC = C::ACC;
+  constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int s_is_last;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wg = warp >> 2;  // warpgroup: 128-row tile 2t + wg
+  const int wl = warp & 3;   // warp in the warpgroup
+
+  const int S = K / WG_BK;
+  const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
+  const int n_tiles = (N + WG_BN - 1) / WG_BN;
+  const int m_tiles = (M + T - 1) / T;
+  const int total_units = n_tiles * m_tiles * S;
+  const int L = units_per_cta;
+  const int u_begin = blockIdx.x * L;
+  const int u_end = min(u_begin + L, total_units);
+  const int my_first_tile = u_begin / S;
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
+  // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
+  // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
+  const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
+
+  constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
+  constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
+  constexpr int XPER = T * (WG_BK / 8) / WG_THREADS;  // activation chunks per thread per stage
+  static_assert(TILE_W_VEC == 2 * WG_THREADS, "weights: thread t copies chunks t, t + 256 of each tile");
+  static_assert(2 * TILE_S_VEC <= WG_THREADS, "scales: one chunk per thread at most");
+
+  for (int u = u_begin; u < u_end;) {
+    const int tile = u / S;
+    const int kb = u - tile * S;
+    const int ke = min(S, u_end - tile * S);
+    const int count = ke - kb;
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * T;
+    const bool has_hi = 2 * ntile + 1 < tiles_128;
+    const bool active = wg == 0 || has_hi;  // warpgroup-uniform
+
+    float acc[2][ACC];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
+
+    // cp.async sources formed once per segment, advanced by a constant per stage
+    const size_t tile_stride = size_t(S) * TILE_W_VEC;
+    const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * TILE_W_VEC + tid;
+    const int s_h = tid / TILE_S_VEC;
+    const bool s_copies = tid < 2 * TILE_S_VEC && (s_h == 0 || has_hi);
+    const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
+    // activation chunk c = tid + 256 i: token row c / 16 = x_row0 + 16 i, k chunk c % 16 (a warp reads two
+    // rows of 256 contiguous bytes). In shared memory: k64 half kc / 8 at hh * T * 128, row r at r * 128, its
+    // 16-byte chunk kc % 8 at ((kc % 8) ^ (r % 8)) * 16 (wgmma's 128-byte swizzle, K-major)
+    const int x_row0 = tid >> 4;
+    const int x_kc = tid & 15;
+    const uint32_t x_dst0 =
+        X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 + ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
+    const int x_rows_left = M - m0 - x_row0;
+    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * WG_BK + x_kc * 8;
+    const size_t x_row_step = size_t(16) * K;
+
+    auto load_stage = [&](int buf, int s_rel) {
+      const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+      const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
+      cp_async16_u32(base + tid * 16, w, 16);
+      cp_async16_u32(base + (tid + WG_THREADS) * 16, w + WG_THREADS, 16);
+      if (has_hi) {
+        cp_async16_u32(base + TILE_W_BYTES + tid * 16, w + tile_stride, 16);
+        cp_async16_u32(base + TILE_W_BYTES + (tid + WG_THREADS) * 16, w + tile_stride + WG_THREADS, 16);
+      }
+      if (s_copies) cp_async16_u32(base + 2 * TILE_W_BYTES + tid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
+      const __nv_bfloat16* xs = x_thr + size_t(s_rel) * WG_BK;
+#pragma unroll
+      for (int i = 0; i < XPER; ++i) {
+        const bool valid = 16 * i < x_rows_left;
+        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
+        cp_async16_u32(base + x_dst0 + i * 16 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
+      }
+    };
+
+    auto compute_stage = [&](int buf) {
+      const uint8_t* base = smem + buf * C::STAGE_BYTES;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base + wg * TILE_W_BYTES);
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + 2 * TILE_W_BYTES + wg * TILE_S_BYTES);
+      const uint64_t desc0 = desc_hi | uint64_t(((smem_base + buf * C::STAGE_BYTES + X_OFF) >> 4) & 0x3FFF);
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {  // k64 half of the stage
+        uint32_t a[2][4][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int blk = (h * 4 + wl) * 2 + t;  // n16 block h*4 + wl, k64 tile t of this 128-row tile
+          const uint4 wv = wsm[blk * 32 + lane];
+          const uint2 sv = ssm[blk * 8 + (lane >> 2)];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
+            decode_raw(word_of(wv, j), a[h][j]);
+            a[h][j][0] = bf16x2_mul_lo(a[h][j][0], s2);
+            a[h][j][1] = bf16x2_mul_hi(a[h][j][1], s2);
+            a[h][j][2] = bf16x2_mul_lo(a[h][j][2], s2);
+            a[h][j][3] = bf16x2_mul_hi(a[h][j][3], s2);
+          }
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
+        wgmma_commit();
+      }
+      wgmma_wait<1>();
+    };
+
+    // ---- the segment's stages [kb, ke)
+#pragma unroll
+    for (int s = 0; s < PF; ++s) {
+      if (s < count) load_stage(s, s);
+      cp_async_commit();
+    }
+    for (int it = 0; it < count; ++it) {
+      cp_async_wait<PF - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      const int nxt = it + PF;
+      if (nxt < count) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+      if (active) compute_stage(it % STAGES);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before the next segment refills it
+
+    // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
+    const int tok_lane = 2 * (lane & 3);
+    const int c_first = (tile * S) / L;
+    const int c_last = (tile * S + S - 1) / L;
+    bool do_store = true;
+    if (c_first != c_last) {
+      const int slot = tile == my_first_tile ? 0 : 1;
+      float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (T * WG_BN));
+      if (active) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int q = 0; q < NQ; ++q)
+            if (m0 + 8 * q + tok_lane < M)
+              mine[(h * NQ + q) * WG_THREADS + tid] =
+                  make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
+      }
+      do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
+      if (do_store) {
+        __threadfence();
+        if (active) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int q = 0; q < NQ; ++q) acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
+#pragma unroll 1
+            for (int c = c_first; c <= c_last; ++c) {
+              const int cslot = tile == (c * L) / S ? 0 : 1;
+              const float4* part =
+                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (T * WG_BN)) + h * NQ * WG_THREADS + tid;
+#pragma unroll
+              for (int q = 0; q < NQ; ++q) {
+                const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WG_THREADS)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[h][4 * q] += v.x;
+                acc[h][4 * q + 1] += v.y;
+                acc[h][4 * q + 2] += v.z;
+                acc[h][4 * q + 3] += v.w;
+              }
+            }
+          }
+        }
+        if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
+      }
+    }
+
+    // ---- epilogue: acc[h][4 q + c] is weight row 128 wg + 64 h + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
+    if (do_store && active) {
+      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const int n = ntile * WG_BN + wg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
+          if (n >= N) continue;
+          const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+          for (int q = 0; q < NQ; ++q)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int m = m0 + 8 * q + tok_lane + e;
+              if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[h][4 * q + 2 * rh + e] * alpha + bv);
+            }
+        }
+      }
+    }
+    __syncthreads();  // s_is_last is reused by the next segment
+    u = tile * S + ke;
+  }
+#else
+  __trap();  // not built for sm_90a: the launcher never starts this kernel (qerl_nvfp4_gemm_wgmma_ctas_per_sm = 0)
+#endif
+}
+
+#ifdef QERL_HAVE_SM90A
+constexpr bool kBuilt = true;
+#else
+constexpr bool kBuilt = false;
+#endif
+
+template <int T>
+cudaError_t prepare_wg() {
+  if (!kBuilt) return cudaErrorNotSupported;
+  static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64 || !done[dev]) {
+    int major = 0, minor = 0, optin = 0;
+    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
+    if (major != 9 || minor != 0) return cudaErrorNotSupported;  // sm_90a code runs on sm_90 only
+    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
+    if (optin < WgCfg<T>::SMEM_BYTES) return cudaErrorNotSupported;
+    e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             WgCfg<T>::SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    if (dev >= 0 && dev < 64) done[dev] = true;
+  }
+  return cudaSuccess;
+}
+
+struct WgSchedule {
+  int units = 0;
+  int units_per_cta = 0;
+  int ctas = 0;
+};
+
+WgSchedule wg_schedule(int M, int N, int K, int grid, int block_t) {
+  WgSchedule s;
+  const long long units =
+      (long long)((N + WG_BN - 1) / WG_BN) * ((M + block_t - 1) / block_t) * (long long)(K / WG_BK);
+  if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
+  s.units = int(units);
+  s.units_per_cta = int((units + grid - 1) / grid);
+  s.ctas = int((units + s.units_per_cta - 1) / s.units_per_cta);
+  return s;
+}
+
+template <int T>
+cudaError_t launch_wg(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
+                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
+  cudaError_t e = prepare_wg<T>();
+  if (e != cudaSuccess) return e;
+  const WgSchedule s = wg_schedule(M, N, K, grid, T);
+  if (s.ctas <= 0) return cudaErrorInvalidValue;
+  nvfp4_gemm_wgmma_kernel<T><<<s.ctas, WG_THREADS, WgCfg<T>::SMEM_BYTES, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
+      gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
+      s.units_per_cta);
+  return cudaGetLastError();
+}
+
+template <int T>
+int ctas_per_sm_wg() {
+  if (prepare_wg<T>() != cudaSuccess) return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_wgmma_kernel<T>, WG_THREADS,
+                                                    WgCfg<T>::SMEM_BYTES) != cudaSuccess)
+    return 0;
+  return n;
+}
+
+}  // namespace
+}  // namespace qerl
+
+extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
+                                                    const float* global_scale, const void* bias, void* out,
+                                                    float* workspace, int* counters, int M, int N, int K, int grid,
+                                                    int block_t, cudaStream_t stream) {
+  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || grid < 1)
+    return cudaErrorInvalidValue;
+  if (counters == nullptr) return cudaErrorInvalidValue;
+  if (qerl_nvfp4_gemm_wgmma_workspace_floats(M, N, K, grid, block_t) > 0 && workspace == nullptr)
+    return cudaErrorInvalidValue;
+  switch (block_t) {
+    case 64:
+      return qerl::launch_wg<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                 stream);
+    case 128:
+      return qerl::launch_wg<128>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                  stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t) {
+  if (block_t != 64 && block_t != 128) return 0;
+  const qerl::WgSchedule s = qerl::wg_schedule(M, N, K, grid, block_t);
+  if (s.ctas <= 0) return 0;
+  if (s.units_per_cta % (K / QERL_GEMM_BK) == 0) return 0;  // whole tiles only: no partials
+  return size_t(2) * size_t(s.ctas) * size_t(block_t) * size_t(qerl::WG_BN);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
+  if (block_t != 64 && block_t != 128) return 0;
+  return ((N + qerl::WG_BN - 1) / qerl::WG_BN) * ((M + block_t - 1) / block_t);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
+  switch (block_t) {
+    case 64:
+      return qerl::ctas_per_sm_wg<64>();
+    case 128:
+      return qerl::ctas_per_sm_wg<128>();
+    default:
+      return 0;
+  }
+}

@@ -1,0 +1,70 @@
+"""Auto mode's calibration table (verl_qerl/kernels/dispatch.py): built from benchmark rows, validated, installed
+only for the capability it was measured on. CPU-only: the extension is replaced by a recorder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_qerl.kernels import dispatch
+
+NAMES = ["v5", "streamk", "wgmma", "dqmm"]
+
+
+class FakeExt:
+    def __init__(self) -> None:
+        self.table: list | None = None
+
+    def gemm_kernel_names(self) -> list[str]:
+        return NAMES
+
+    def set_dispatch_table(self, points: list) -> None:
+        self.table = points
+
+
+def test_table_from_rows_picks_fastest_graph_time() -> None:
+    rows = [
+        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 64, "kernel_graph_ms": 0.03,
+         "kernel_streamk_graph_ms": 0.02, "kernel_wgmma_graph_ms": 0.01, "dqmm_graph_ms": 0.05},
+        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 1024, "dqmm_graph_ms": 0.1,
+         "kernel_wgmma_graph_ms": 0.2},  # the fused kernels are not timed at every M
+        {"model": "m", "layer": "sum", "M": 64, "kernel_graph_ms": 1.0},
+    ]
+    t = dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")
+    assert t["points"] == [[4608, 3584, 64, "wgmma"], [4608, 3584, 1024, "dqmm"]]
+    assert t["capability"] == [9, 0]
+
+
+def test_install_only_for_the_measured_capability(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"device": "H200", "capability": [9, 0], "points": [[4608, 3584, 64, "wgmma"]]}))
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(f))
+    ext = FakeExt()
+    dispatch.install(ext, (9, 0))
+    assert ext.table == [[4608, 3584, 64, 2]]
+    dispatch.install(ext, (8, 9))  # another GPU: the rules, not another GPU's measurements
+    assert ext.table == []
+    monkeypatch.setenv(dispatch.TABLE_ENV, "off")
+    ext.table = None
+    dispatch.install(ext, (9, 0))
+    assert ext.table == []
+
+
+@pytest.mark.parametrize("content", ['{"capability": [9, 0], "points": []}', "not json",
+                                     '{"capability": [9, 0], "points": [[1, 2, 3, "marlin"]]}',
+                                     '{"capability": [9, 0], "points": [[0, 2, 3, "v5"]]}'])
+def test_bad_table_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str) -> None:
+    f = tmp_path / "bad.json"
+    f.write_text(content)
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(f))
+    with pytest.raises(dispatch.DispatchTableError, match="bad.json"):
+        dispatch.install(FakeExt(), (9, 0))
+
+
+def test_shipped_table_is_valid() -> None:
+    if not dispatch.DEFAULT_TABLE.is_file():
+        pytest.skip("no shipped table yet")
+    t = dispatch.load_table(dispatch.DEFAULT_TABLE, NAMES)
+    assert tuple(t["capability"]) == (9, 0)

@@ -1,0 +1,84 @@
+"""Auto mode's calibration table: which GEMM kernel is fastest for a weight shape and token count.
+
+Why a table: the four GEMMs the op can run (the split-K decode kernel ``v5``, the mma.sync ``streamk`` kernel, the
+Hopper ``wgmma`` kernel, dequantize + cuBLAS ``dqmm``) cross over at M and shape points that depend on the GPU;
+hand-set thresholds drift every time a kernel changes. ``benchmarks/kernel.py`` times all of them per GEMM shape and
+M (CUDA-graph timing) and writes the winners as a table (:func:`table_from_rows`); the package ships the table
+measured on an H200 (``gemm_dispatch_h200.json``) and :func:`install` hands it to the extension for devices of
+the capability it was measured on. The C++ side (``table_pick`` in cuda/qerl_torch.cpp) takes the nearest measured
+weight shape (log N, log K) and then its nearest measured M (log M). Without a table (other GPUs), the op keeps its
+rule-based dispatch.
+
+File format (JSON): ``{"device": str, "capability": [major, minor], "command": str, "points": [[n, k, m, kernel],
+...]}`` with ``kernel`` one of the extension's ``gemm_kernel_names()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: Environment variable naming a table file to use instead of the shipped one ("off": no table).
+TABLE_ENV = "QERL_GEMM_DISPATCH_TABLE"
+#: The table measured on one H200 (benchmarks/NOTES.md, "v6 wgmma").
+DEFAULT_TABLE = Path(__file__).with_name("gemm_dispatch_h200.json")
+#: benchmark row key (CUDA-graph ms) -> kernel name, for the kernels each row forces.
+ROW_KEYS = {"kernel_graph_ms": "v5", "kernel_streamk_graph_ms": "streamk", "kernel_wgmma_graph_ms": "wgmma",
+            "dqmm_graph_ms": "dqmm"}
+
+
+class DispatchTableError(ValueError):
+    """A calibration table that cannot be used; the message names the file and the problem."""
+
+
+def table_from_rows(rows: list[dict[str, Any]], device: str, capability: tuple[int, int], command: str) -> dict:
+    """Per (N, K, M) GEMM row of ``benchmarks/kernel.py``, the kernel with the smallest CUDA-graph time among those
+    the row measured (rows of the per-layer sums are skipped)."""
+    points = []
+    for r in rows:
+        if r.get("layer") == "sum" or "N" not in r:
+            continue
+        timed = {name: r[key] for key, name in ROW_KEYS.items() if r.get(key)}
+        if timed:
+            points.append([int(r["N"]), int(r["K"]), int(r["M"]), min(timed, key=timed.get)])
+    return {"device": device, "capability": list(capability), "command": command, "points": points}
+
+
+def load_table(path: Path, names: list[str]) -> dict:
+    """Read and validate a table file; raises :class:`DispatchTableError` naming the file."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as ex:
+        raise DispatchTableError(f"GEMM dispatch table {path}: cannot read it ({ex})") from ex
+    pts = table.get("points") if isinstance(table, dict) else None
+    cap = table.get("capability") if isinstance(table, dict) else None
+    if not isinstance(pts, list) or not pts or not (isinstance(cap, list) and len(cap) == 2):
+        raise DispatchTableError(f"GEMM dispatch table {path}: needs a non-empty 'points' list and 'capability'")
+    for p in pts:
+        ok = isinstance(p, list) and len(p) == 4 and all(isinstance(v, int) and v > 0 for v in p[:3])
+        if not ok or p[3] not in names:
+            raise DispatchTableError(f"GEMM dispatch table {path}: bad point {p!r} (want [n, k, m, one of {names}])")
+    return table
+
+
+def install(ext: Any, capability: tuple[int, int]) -> str:
+    """Give the extension the table for this device (``$QERL_GEMM_DISPATCH_TABLE``, else the shipped one) when the
+    table was measured on this capability; returns what was done (for logs). A bad file named by the environment
+    variable raises; the shipped file is tested in CI."""
+    raw = os.environ.get(TABLE_ENV, "").strip()
+    if raw.lower() == "off":
+        ext.set_dispatch_table([])
+        return f"{TABLE_ENV}=off: rule-based dispatch"
+    path = Path(raw) if raw else DEFAULT_TABLE
+    if not raw and not path.is_file():
+        ext.set_dispatch_table([])
+        return f"no shipped table ({path.name}): rule-based dispatch"
+    names = list(ext.gemm_kernel_names())
+    table = load_table(path, names)
+    if tuple(table["capability"]) != tuple(capability):
+        ext.set_dispatch_table([])
+        return f"table {path.name} is for capability {tuple(table['capability'])}, device is {capability}: rules"
+    ext.set_dispatch_table([[n, k, m, names.index(kern)] for n, k, m, kern in table["points"]])
+    return f"table {path.name}: {len(table['points'])} points"
