@@ -22,6 +22,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_qerl.testing.scripts import load_script
+from verl_qerl.testing.tiny import TINY_SHAPE
+
 STEPS = 3
 
 
@@ -212,9 +215,85 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _run(tiny_nvfp4, tmp_path_factory, world: int) -> list[dict]:
-    out = tmp_path_factory.mktemp(f"fsdp_sharded_{world}")
-    proc = subprocess.run([sys.executable, __file__, str(world), str(tiny_nvfp4), str(_free_port()), str(out)],
+def _verl_engine(path: str, world: int, shard_base: bool):
+    """verl's FSDPEngine build steps (``_build_module``, ``_build_lora_module``, ``_build_fsdp_module``,
+    hooked by the plugin) on a stand-in engine with an FSDP2 config: model.path = the NVFP4 checkpoint,
+    rank 0 builds it for real and the other ranks on meta (filled by verl's broadcast)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    from verl_qerl.verl.config import QeRLConfig
+
+    model_config = SimpleNamespace(
+        lora={"qerl": QeRLConfig(mode="nvfp4", shard_base=shard_base).to_dict()}, local_path=path, path=path,
+        hf_config=AutoConfig.from_pretrained(path), model_type="language_model", trust_remote_code=False,
+        use_liger=False, fused_kernel_options=None, use_fused_kernels=False, enable_gradient_checkpointing=False,
+        enable_activation_offload=False, lora_rank=8, lora_alpha=16, target_parameters=None, exclude_modules=None,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        lora_adapter_path=None, use_shm=False)
+    engine_config = OmegaConf.create(dict(  # verl's defaults: bf16 params, fp32 reduce, reshard after forward
+        model_dtype=None, forward_only=False, mixed_precision=None, wrap_policy={}, reshard_after_forward=True,
+        strategy="fsdp2", offload_policy=False, forward_prefetch=False, use_orig_params=False))
+    engine = SimpleNamespace(model_config=model_config, engine_config=engine_config, use_remove_padding=False,
+                             device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",)),
+                             ulysses_sequence_parallel_size=1, _is_offload_param=False, _is_offload_optimizer=False)
+    torch.manual_seed(0)  # the same LoRA initialization in both builds
+    module = FSDPEngine._build_module(engine)
+    module = FSDPEngine._build_lora_module(engine, module)
+    return FSDPEngine._build_fsdp_module(engine, module)
+
+
+def _verl_worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
+    os.environ["VERL_PLATFORM"] = "cpu"  # verl_qerl's CPU platform (gloo, torch.cpu)
+    os.environ["VERL_QERL_QUIET"] = "1"
+    import torch.distributed as dist
+
+    from verl_qerl.modeling.fsdp import base_bytes, nvfp4_layers
+    from verl_qerl.nvfp4.checkpoint import CheckpointReader
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    result: dict = {}
+    try:
+        reader = CheckpointReader(path)
+        runs = {}
+        for shard_base in (True, False):
+            model = _verl_engine(path, world, shard_base)
+            layers = nvfp4_layers(model)
+            result[f"bytes_{shard_base}"] = base_bytes(m for _, m in layers)
+            result[f"dtensor_{shard_base}"] = all(type(m.weight_packed).__name__ == "DTensor" for _, m in layers)
+            if shard_base:  # every rank's rows, gathered, are the checkpoint's bytes (rank 0 real, others meta)
+                result["base_matches_checkpoint"] = len(layers) == 14 and all(
+                    torch.equal(m.weight_packed.full_tensor(), reader.get(f"{_plain_name(n)}.weight_packed"))
+                    and torch.equal(m.weight_scale.full_tensor().view(torch.float8_e4m3fn),
+                                    reader.get(f"{_plain_name(n)}.weight_scale"))
+                    for n, m in layers)
+            out = model(input_ids=_ids(), labels=_ids())
+            out.loss.backward()
+            runs[shard_base] = (out.logits.detach(), {n: _full(p.grad) for n, p in model.named_parameters()
+                                                      if p.grad is not None})
+        result["logits_equal"] = torch.equal(runs[True][0], runs[False][0])
+        result["grads_equal"] = runs[True][1].keys() == runs[False][1].keys() and all(
+            torch.equal(g, runs[False][1][n]) for n, g in runs[True][1].items())
+        result["n_grads"] = len(runs[True][1])
+    finally:
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _plain_name(name: str) -> str:
+    """The checkpoint name of a module of the peft model (``base_model.model.`` and ``.base_layer`` off)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+def _run(tiny_nvfp4, tmp_path_factory, world: int, mode: str = "fsdp2") -> list[dict]:
+    out = tmp_path_factory.mktemp(f"fsdp_sharded_{mode}_{world}")
+    proc = subprocess.run([sys.executable, __file__, mode, str(world), str(tiny_nvfp4), str(_free_port()), str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -251,11 +330,14 @@ def test_sharded_losses_match_over_three_steps(sharded):
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
 def test_each_rank_holds_one_nth_of_the_base(sharded):
     world, results = sharded
+    memory_table = load_script("benchmarks/memory_table.py", "memory_table")
     for r in results:
         local, total = r["bytes"]["local"], r["bytes"]["total"]
         scales = 4 * r["n_layers"]  # the fp32 global scales stay replicated
         assert local == (total - scales) // world + scales, (local, total, world)
         assert local <= 0.51 * total if world == 2 else local <= 0.26 * total
+        # the formula of benchmarks/memory_table.py (the README's per-rank table) is what a rank holds
+        assert local == memory_table.base_bytes_per_rank({**TINY_SHAPE, "vocab_size": 512}, world)["qerl"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
@@ -280,7 +362,20 @@ def test_full_state_dict_and_resume_are_exact(sharded):
         assert r["resume_losses"] == r["continued_losses"], (r["resume_losses"], r["continued_losses"])
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
+def test_verl_fsdp2_engine_shards_the_base(tiny_nvfp4, tmp_path_factory):
+    pytest.importorskip("verl")
+    results = _run(tiny_nvfp4, tmp_path_factory, 2, mode="verl")
+    for r in results:
+        assert r["dtensor_True"] and not r["dtensor_False"]  # qerl.shard_base=false keeps today's buffers
+        assert r["bytes_True"]["total"] == r["bytes_False"]["total"] == r["bytes_False"]["local"]
+        assert r["bytes_True"]["local"] <= 0.51 * r["bytes_True"]["total"]
+        assert r["base_matches_checkpoint"], "verl's broadcast did not fill the sharded base with the checkpoint"
+        assert r["logits_equal"] and r["grads_equal"] and r["n_grads"] > 0
+
+
 if __name__ == "__main__":
-    world = int(sys.argv[1])
-    mp.start_processes(_worker, args=(world, sys.argv[2], int(sys.argv[3]), sys.argv[4]), nprocs=world,
+    worker = {"fsdp2": _worker, "verl": _verl_worker}[sys.argv[1]]
+    world = int(sys.argv[2])
+    mp.start_processes(worker, args=(world, sys.argv[3], int(sys.argv[4]), sys.argv[5]), nprocs=world,
                        start_method="spawn", join=True)
