@@ -55,17 +55,18 @@ def _decoder_layers(model):
     return model.base_model.model.model.layers
 
 
-def _shard(model, *, base: bool, mp_dtype: torch.dtype | None = None) -> list:
+def _shard(model, *, base: bool, mp_dtype: torch.dtype | None = None, offload: bool = False) -> list:
     """verl's FSDP2 layout: (the base layers,) each decoder layer, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from verl_qerl.modeling.fsdp import shard_nvfp4_base
 
-    layers = shard_nvfp4_base(model) if base else []
+    off = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+    layers = shard_nvfp4_base(model, offload_policy=off) if base else []
     policy = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32 if mp_dtype else None)
     for layer in _decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, offload_policy=off)
+    fully_shard(model, mp_policy=policy, offload_policy=off)
     return layers
 
 
@@ -178,6 +179,18 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         losses, opt = _train(model, STEPS)
         result["losses"] = losses + [_eval_loss(model)]
         result["ref_losses"] = ref_losses
+
+        # the same with gradient checkpointing (verl's default: the layer's forward runs again in backward)
+        # and with FSDP2's CPU offload policy (shards on the host, copied in per layer)
+        for variant in ("checkpointing", "offload"):
+            model = _build(path)
+            if variant == "checkpointing":
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            layers = _shard(model, base=True, offload=variant == "offload")
+            fb = _forward_backward(model, layers)
+            result[variant] = {"logits_equal": torch.equal(fb["logits"], ref_fb["logits"]),
+                               "emb_grad_equal": torch.equal(fb["emb_grad"], ref_fb["emb_grad"]),
+                               "gathered": fb["gathered"], "after": fb["after"]}
 
         # verl's layout with mixed precision (bf16 compute, fp32 reduce): sharded base == replicated base
         runs = {}
@@ -313,6 +326,13 @@ def test_sharded_forward_backward_is_bit_identical(sharded):
         assert r["emb_grad_equal"], "the input gradient (backward through the base) differs"
         # the reduce-scatter sums N equal gradients and divides: rounding at most
         assert r["lora_grad_max_rel"] <= 1e-6, r["lora_grad_max_rel"]
+        for variant in ("checkpointing", "offload"):
+            v = r[variant]
+            assert v["logits_equal"] and v["emb_grad_equal"], (variant, v)
+            assert v["after"] == 0, (variant, v)
+        # recomputing a decoder layer in backward gathers its 7 projections (FSDP keeps what is gathered
+        # during backward until each one's own backward is done): one decoder layer of 2 at the peak
+        assert r["checkpointing"]["gathered"]["backward"] <= 7 + 1, r["checkpointing"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
