@@ -129,6 +129,23 @@ def _eval_loss(model) -> float:
         return model(input_ids=_ids(1), labels=_ids(1)).loss.item()
 
 
+def _misuse_errors(model, layer) -> dict[str, str]:
+    """The messages of the misuses of a sharded base that must fail loudly (not compute on 1/N of the rows)."""
+    from verl_qerl.modeling.fsdp import shard_nvfp4_base
+
+    calls = {"nvfp4_weight": layer.nvfp4_weight, "dequantize_weight": layer.dequantize_weight,
+             "direct_forward": lambda: layer.forward(torch.zeros(1, layer.in_features)),  # hooks bypassed
+             "shard_twice": lambda: shard_nvfp4_base(model)}
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except (RuntimeError, ValueError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
 def _checkpoint_manager(model, opt):
     from omegaconf import OmegaConf
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
@@ -163,6 +180,7 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         result["bytes"] = base_bytes(layers)
         result["dtensor_base"] = all(type(layer.weight_packed).__name__ == "DTensor" for layer in layers)
         result["n_layers"] = len(layers)
+        result["errors"] = _misuse_errors(model, layers[0])
         fb = _forward_backward(model, layers)
         result["logits_equal"] = torch.equal(fb["logits"], ref_fb["logits"])
         result["emb_grad_equal"] = torch.equal(fb["emb_grad"], ref_fb["emb_grad"])
@@ -217,8 +235,8 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         fresh_layers = _shard(fresh, base=True)
         with torch.no_grad():
             for layer in fresh_layers:
-                layer.weight_packed.to_local().zero_()
-                layer.weight_scale.to_local().zero_()
+                for t in (layer.weight_packed, layer.weight_scale):
+                    (t.to_local() if hasattr(t, "to_local") else t).zero_()
         fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
         _checkpoint_manager(fresh, fresh_opt).load_checkpoint(str(out / "ckpt"))
         result["resume_losses"] = _train(fresh, 1, fresh_opt)[0] + [_eval_loss(fresh)]
@@ -333,6 +351,41 @@ def test_sharded_forward_backward_is_bit_identical(sharded):
         # recomputing a decoder layer in backward gathers its 7 projections (FSDP keeps what is gathered
         # during backward until each one's own backward is done): one decoder layer of 2 at the peak
         assert r["checkpointing"]["gathered"]["backward"] <= 7 + 1, r["checkpointing"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
+def test_misuse_of_a_sharded_layer_fails_loudly(sharded):
+    errors = sharded[1][0]["errors"]
+    for name in ("nvfp4_weight", "dequantize_weight"):
+        assert errors[name].startswith("NVFP4FormatError") and "sharded by FSDP2" in errors[name], errors[name]
+    assert errors["direct_forward"].startswith("RuntimeError") and "all-gathered first" in errors["direct_forward"]
+    assert errors["shard_twice"].startswith("ValueError") and "already an FSDP2 module" in errors["shard_twice"]
+
+
+def test_store_as_parameters_keeps_the_state_dict(tiny_nvfp4):
+    from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
+    from verl_qerl.modeling.fsdp import nvfp4_layers, shard_nvfp4_base
+
+    model = load_nvfp4_model(str(tiny_nvfp4), dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    layer = model.model.layers[0].self_attn.q_proj
+    y = layer(x)
+    for _, m in nvfp4_layers(model):
+        m.store_as_parameters()
+        m.store_as_parameters()  # idempotent
+    assert layer.stores_parameters and not layer.is_sharded
+    assert not layer.weight_packed.requires_grad and layer.weight_packed.dtype == torch.uint8
+    model.to(torch.bfloat16).to(torch.float32)  # module casts leave integer parameters alone
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert torch.equal(layer(x), y)
+    layer.set_nvfp4(layer.nvfp4_weight())  # still settable, still a Parameter
+    assert isinstance(layer._parameters["weight_packed"], torch.nn.Parameter) and torch.equal(layer(x), y)
+    with pytest.raises(ValueError, match="no NVFP4Linear"):
+        shard_nvfp4_base(torch.nn.Linear(4, 4))
+    assert isinstance(layer, NVFP4Linear)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
