@@ -156,8 +156,27 @@ def _checkpoint_manager(model, opt):
                                  checkpoint_config=cfg)
 
 
+def _like_torch_2_11() -> None:
+    """Make FSDP2 build its sharded parameters the way torch 2.11 does (the GPU stack): ``nn.Parameter(dtensor)``
+    with the constructor's default ``requires_grad=True``, then ``requires_grad_``. For a uint8 tensor that
+    constructor raises unless ``shard_nvfp4_base`` made the default ``False`` (pytorch/pytorch#177844)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    original = FSDPParam._init_sharded_param
+
+    def init_sharded_param(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.sharded_param = torch.nn.Parameter(self.sharded_param.detach())  # torch 2.11's call
+        self.sharded_param.requires_grad_(args[0].requires_grad if args else kwargs["param"].requires_grad)
+        self._setattr_on_modules(self.sharded_param)
+
+    FSDPParam._init_sharded_param = init_sharded_param
+
+
 def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
     import torch.distributed as dist
+
+    _like_torch_2_11()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from verl_qerl.modeling.fsdp import base_bytes
@@ -282,6 +301,8 @@ def _verl_worker(rank: int, world: int, path: str, port: int, out_dir: str) -> N
     os.environ["VERL_PLATFORM"] = "cpu"  # verl_qerl's CPU platform (gloo, torch.cpu)
     os.environ["VERL_QERL_QUIET"] = "1"
     import torch.distributed as dist
+
+    _like_torch_2_11()
 
     from verl_qerl.modeling.fsdp import base_bytes, nvfp4_layers
     from verl_qerl.nvfp4.checkpoint import CheckpointReader

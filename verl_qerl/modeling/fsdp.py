@@ -19,13 +19,21 @@ policy, and FSDP2 casts every parameter of a unit to ``param_dtype`` before the 
 casts nothing; its bias (a frozen float parameter of the same module) is then gathered in its stored
 dtype and cast to the input's dtype inside the op, the same rounding FSDP's cast would have done.
 
+torch 2.11 (the GPU stack) also builds FSDP2's sharded parameter as ``nn.Parameter(dtensor)`` and only then
+sets ``requires_grad``; the constructor's default ``requires_grad=True`` raises "only Tensors of floating point
+dtype can require gradients" for a uint8 tensor (pytorch/pytorch#177844, fixed in later releases, which pass
+``requires_grad`` to the constructor). :func:`shard_nvfp4_base` therefore makes that default ``False`` for
+non-float tensors while it calls ``fully_shard`` (:func:`_integer_parameters_frozen_by_default`), and never
+asks for a post-forward mesh (an int ``reshard_after_forward``), whose parameter has the same construction.
+
 FSDP1 (``FullyShardedDataParallel``) is not handled here: it flattens parameters and cannot flatten
 integer tensors, so under FSDP1 the base stays in (replicated) buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -66,11 +74,36 @@ def shard_nvfp4_base(
         if isinstance(layer, FSDPModule):
             raise ValueError(f"shard_nvfp4_base: layer {name!r} is already an FSDP2 module (sharded twice?)")
     no_cast = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None, output_dtype=None, cast_forward_inputs=False)
-    for _, layer in layers:
-        layer.store_as_parameters()
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=no_cast,
-                    offload_policy=offload_policy if offload_policy is not None else OffloadPolicy())
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = True  # an int asks for a smaller post-forward mesh: reshard fully instead
+    with _integer_parameters_frozen_by_default():
+        for _, layer in layers:
+            layer.store_as_parameters()
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=no_cast,
+                        offload_policy=offload_policy if offload_policy is not None else OffloadPolicy())
     return [layer for _, layer in layers]
+
+
+@contextlib.contextmanager
+def _integer_parameters_frozen_by_default() -> Iterator[None]:
+    """Within: ``nn.Parameter(t)`` of a non-float ``t`` defaults to ``requires_grad=False`` (not ``True``).
+
+    An explicit ``requires_grad`` is passed through unchanged, so torch versions that already pass it
+    (or a float tensor) see no difference. Not thread-safe (module construction is single-threaded).
+    """
+    original = nn.Parameter.__dict__["__new__"]
+    new = original.__func__
+
+    def frozen_default(cls, data=None, requires_grad=True):
+        if requires_grad and data is not None and not (data.is_floating_point() or data.is_complex()):
+            requires_grad = False
+        return new(cls, data, requires_grad)
+
+    nn.Parameter.__new__ = staticmethod(frozen_default)
+    try:
+        yield
+    finally:
+        nn.Parameter.__new__ = original
 
 
 def _local_nbytes(tensor: torch.Tensor) -> int:
