@@ -19,17 +19,22 @@ Under FSDP2 the two large tensors (codes and block scales) can instead be frozen
 *Parameters* (:meth:`NVFP4Linear.store_as_parameters`, called by
 :func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`): FSDP2 row-shards them like any parameter and
 all-gathers them as raw bytes, which is exact. An integer Parameter is fine there as long as it is
-frozen and sits in an FSDP2 unit of its own whose mixed-precision policy casts nothing: FSDP2 casts
-a unit's parameters to ``param_dtype`` before the all-gather, and torch 2.11 (the GPU stack) does so
-even for integer dtypes. The global scale (4 bytes) stays a replicated buffer.
+frozen, sits in an FSDP2 unit of its own whose mixed-precision policy casts nothing (FSDP2 casts a
+unit's parameters to ``param_dtype`` before the all-gather, and torch 2.11, the GPU stack, does so
+even for integer dtypes), and is handed to ``fully_shard`` by ``shard_nvfp4_base``, which works
+around torch 2.11's construction of the sharded parameter. The global scale (4 bytes) stays a
+replicated buffer.
 
 The bias (Qwen2 q/k/v have one) stays an ordinary frozen float ``nn.Parameter``, like
 ``nn.Linear``'s: it then follows ``model.to(dtype)`` and FSDP mixed precision like the other frozen
 parameters of the unit (norm weights), which keeps FSDP1's one-dtype-per-flat-parameter rule.
+(Under ``shard_nvfp4_base`` it is gathered with the codes in its stored dtype and cast to the
+input's dtype inside the op: the same rounding as a mixed-precision cast.)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -316,12 +321,18 @@ class NVFP4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def quantize_rows(
