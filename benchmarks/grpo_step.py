@@ -25,8 +25,12 @@ runs is split over calls and the last one writes the JSON with every row and the
     python benchmarks/grpo_step.py --variants qerl,lora \
         --baseline benchmarks/results/grpo_step-7b-variants-<gpu>.json     # call 2: runs qerl only
 
-Models: ``7b`` / ``32b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
-or the path of a local HF checkpoint. ``--tiny`` is the CPU smoke test (tiny model, verl-qerl's CPU
+Models: ``7b`` / ``32b`` / ``72b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
+or the path of a local HF checkpoint. ``72b`` is for NVFP4 variants only (written directly in NVFP4, 44.5 GB;
+its BF16 checkpoint would be 145 GB) and one GPU with every memory setting on: micro-batch 1, gradient
+checkpointing (the default), vLLM sleep mode (verl's default ``free_cache_engine``) and the actor offloaded
+between phases (``actor_rollout_ref.actor.fsdp_config.param_offload=True optimizer_offload=True`` as extra
+overrides; ``benchmarks/GPU.md`` has the command). ``--tiny`` is the CPU smoke test (tiny model, verl-qerl's CPU
 platform).
 """
 
@@ -50,7 +54,8 @@ HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
-from rollout import SHAPES, device_name, versions, write_random_checkpoint  # noqa: E402
+from memory_table import MODELS as SHAPES  # noqa: E402 - rollout.py's 7b/32b + the Qwen2.5-72B shape
+from rollout import device_name, versions, write_random_checkpoint  # noqa: E402
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402 - rollout put REPO on sys.path
 from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
@@ -79,7 +84,7 @@ class StepBenchError(RuntimeError):
 
 
 def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path]:
-    """(model folder, train parquet, val parquet); random weights for 7b/32b, the tiny model for --tiny."""
+    """(model folder, train parquet, val parquet); random weights for 7b/32b/72b, the tiny model for --tiny."""
     from verl_qerl.testing.data import write_arith_parquet
 
     work.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,9 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
         # NVFP4-only comparisons get the NVFP4 checkpoint written directly (the actor and vLLM both read it, no
         # BF16 copy anywhere: 32B BF16 is 65 GB, over the GPU machine's disk); any BF16/NF4 variant needs BF16
         fmt = "nvfp4" if all(VARIANTS[v].startswith("nvfp4") for v in args.variants.split(",")) else "bf16"
+        if fmt == "bf16" and args.model == "72b":
+            raise StepBenchError(f"--model 72b --variants {args.variants}: NVFP4 variants only (qerl, nvfp4); a "
+                                 "BF16 72B checkpoint is 145 GB, more than the GPU machine's disk")
         # the layout of benchmarks/rollout.py (<dir>/<model>/<fmt>): one random checkpoint serves both scripts
         model = write_random_checkpoint(Path(args.ckpt_dir) / args.model / fmt, SHAPES[args.model], fmt,
                                         seed=args.seed)
@@ -406,7 +414,7 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="7b", help="7b | 32b (random weights) | a local HF checkpoint folder")
+    p.add_argument("--model", default="7b", help="7b | 32b | 72b (random weights) | a local HF checkpoint folder")
     p.add_argument("--variants", default="qerl,lora", help=f"comma list of {','.join(VARIANTS)} (first = numerator)")
     p.add_argument("--compare", choices=("variants", "gpus"), default="variants")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of the multi-GPU run (--compare gpus)")
@@ -438,7 +446,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, verl-qerl's CPU platform")
     p.add_argument("--work-dir", default="/tmp/qerl-grpo-step")
     p.add_argument("--ckpt-dir", default="/tmp/qerl-rollout",
-                   help="random 7b/32b checkpoints, <dir>/<model>/<fmt> (shared with benchmarks/rollout.py)")
+                   help="random 7b/32b/72b checkpoints, <dir>/<model>/<fmt> (shared with benchmarks/rollout.py)")
     p.add_argument("--out", default=None, help="results folder (default $OUT or benchmarks/results)")
     p.add_argument("--tag", default=None, help="results file name suffix (default: model and compare mode)")
     p.add_argument("--baseline", action="append", default=[], metavar="FILE",

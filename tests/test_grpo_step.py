@@ -229,3 +229,17 @@ def test_the_polling_interval_reaches_main_ppo(tmp_path):
     assert "qerl.replay_poll_s=0.25" in ov
     with pytest.raises(SystemExit):
         gs.parse_args(["--replay-poll-s", "0"])
+
+
+def test_72b_preset_writes_an_nvfp4_checkpoint_of_the_qwen25_72b_shape(monkeypatch, tmp_path):
+    written = []
+    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed: written.append(
+        (folder, shape, fmt)) or folder)
+    args = gs.parse_args(["--model", "72b", "--variants", "qerl", "--micro-batch", "1", "--ckpt-dir", str(tmp_path)])
+    model, _, _ = gs.build_inputs(args, tmp_path / "work")
+    (folder, shape, fmt), = written
+    assert fmt == "nvfp4" and folder == tmp_path / "72b" / "nvfp4" and model == folder.resolve()
+    assert (shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]) == (8192, 29568, 80)
+    assert (shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]) == (64, 8, 152064)
+    with pytest.raises(gs.StepBenchError, match="72b.*NVFP4 variants only"):
+        gs.build_inputs(gs.parse_args(["--model", "72b", "--variants", "qerl,lora"]), tmp_path / "work")

@@ -39,6 +39,7 @@ _LAZY = {
     "register_nvfp4_lora": ".lora",
     "resolve_target_modules": ".lora",
     "NF4UnavailableError": ".nf4",
+    "shard_nvfp4_base": ".fsdp",
 }
 
 

@@ -15,13 +15,26 @@ free. There is deliberately no float ``weight``: the whole point is never to hol
 dense weight exists only inside one op (forward, or the input-gradient in backward) and is freed
 when that op returns.
 
+Under FSDP2 the two large tensors (codes and block scales) can instead be frozen uint8
+*Parameters* (:meth:`NVFP4Linear.store_as_parameters`, called by
+:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`): FSDP2 row-shards them like any parameter and
+all-gathers them as raw bytes, which is exact. An integer Parameter is fine there as long as it is
+frozen, sits in an FSDP2 unit of its own whose mixed-precision policy casts nothing (FSDP2 casts a
+unit's parameters to ``param_dtype`` before the all-gather, and torch 2.11, the GPU stack, does so
+even for integer dtypes), and is handed to ``fully_shard`` by ``shard_nvfp4_base``, which works
+around torch 2.11's construction of the sharded parameter. The global scale (4 bytes) stays a
+replicated buffer.
+
 The bias (Qwen2 q/k/v have one) stays an ordinary frozen float ``nn.Parameter``, like
 ``nn.Linear``'s: it then follows ``model.to(dtype)`` and FSDP mixed precision like the other frozen
 parameters of the unit (norm weights), which keeps FSDP1's one-dtype-per-flat-parameter rule.
+(Under ``shard_nvfp4_base`` it is gathered with the codes in its stored dtype and cast to the
+input's dtype inside the op: the same rounding as a mixed-precision cast.)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -53,6 +66,11 @@ class _NVFP4LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         b = bias.to(x.dtype) if bias is not None and bias.dtype != x.dtype else bias
         y = _ops.linear(x, packed, scale, global_scale, b)
+        if y._base is not None:
+            # A 3-D input comes back as a view of the 2-D GEMM output. Nothing else holds that
+            # output, so drop the view relation (no copy): FSDP2 hooks the layer's output for its
+            # pre-backward all-gather, and hooks on a view can be lost to a later in-place op.
+            y = torch.ops.aten._unsafe_view(y, y.shape)
         ctx.save_for_backward(packed, scale, global_scale)
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -180,9 +198,49 @@ class NVFP4Linear(nn.Module):
         device = device if device is not None else weight.packed.device
         scale = weight.scale.view(torch.uint8) if weight.scale.dtype == SCALE_DTYPE else weight.scale
         gs = weight.global_scale.detach().to(torch.float32).reshape(1).contiguous()
-        self.weight_packed = weight.packed.detach().to(device=device, dtype=torch.uint8).contiguous()
-        self.weight_scale = scale.detach().to(device=device).contiguous()
+        self._set_stored("weight_packed", weight.packed.detach().to(device=device, dtype=torch.uint8).contiguous())
+        self._set_stored("weight_scale", scale.detach().to(device=device).contiguous())
         self.weight_global_scale = gs.view(torch.uint8).to(device).clone()
+
+    def _set_stored(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._parameters:  # stored as a frozen Parameter (see store_as_parameters)
+            if _is_dtensor(self._parameters[name]):
+                raise NVFP4FormatError(f"NVFP4Linear.{name}: the layer is sharded by FSDP2; load a state dict "
+                                       "through FSDP (set_model_state_dict) instead of set_nvfp4")
+            self._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            setattr(self, name, tensor)
+
+    # ----------------------------------------------------------------------------------------
+    # FSDP2 sharding
+
+    #: The stored tensors that :meth:`store_as_parameters` turns into Parameters (row-shardable).
+    SHARDABLE = ("weight_packed", "weight_scale")
+
+    def store_as_parameters(self) -> None:
+        """Hold ``weight_packed`` and ``weight_scale`` as frozen uint8 Parameters instead of buffers.
+
+        Same names, shapes, dtypes and bytes, so the state dict is unchanged (keys, order, values);
+        only FSDP2 sees a difference: it shards parameters, never buffers. Idempotent. Used by
+        :func:`verl_qerl.modeling.fsdp.shard_nvfp4_base` right before ``fully_shard``; the module
+        must then be its own FSDP2 unit with a policy that casts nothing (see the module docstring).
+        """
+        for name in self.SHARDABLE:
+            if name in self._parameters:
+                continue
+            tensor = self._buffers.pop(name)
+            self._non_persistent_buffers_set.discard(name)
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+    @property
+    def stores_parameters(self) -> bool:
+        """Whether the codes and block scales are Parameters (FSDP2-shardable) rather than buffers."""
+        return all(name in self._parameters for name in self.SHARDABLE)
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether FSDP2 holds only this rank's rows right now (outside this layer's forward/backward)."""
+        return _is_dtensor(self.weight_packed)
 
     # ----------------------------------------------------------------------------------------
     # views of the stored state
@@ -211,12 +269,21 @@ class NVFP4Linear(nn.Module):
     def device(self) -> torch.device:
         return self.weight_packed.device
 
+    def _require_full(self, what: str) -> None:
+        if self.is_sharded:
+            raise NVFP4FormatError(
+                f"NVFP4Linear.{what}: the layer is sharded by FSDP2 (this rank holds only its rows of weight_packed "
+                "and weight_scale); gather a full state dict (torch.distributed.checkpoint.state_dict."
+                "get_model_state_dict with full_state_dict=True) and load it into an unsharded model first")
+
     def nvfp4_weight(self) -> NVFP4Weight:
         """The layer's weight in the on-disk compressed-tensors form (fp8 scale, fp32 divisor)."""
+        self._require_full("nvfp4_weight")
         return NVFP4Weight(self.weight_packed, self.scale_fp8, self.global_scale)
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense [N, K] weight (a new tensor; for export and tests, never kept by the layer)."""
+        self._require_full("dequantize_weight")
         return _ops.dequantize(self.weight_packed, self.weight_scale, self.global_scale, dtype or self.compute_dtype)
 
     # ----------------------------------------------------------------------------------------
@@ -225,6 +292,9 @@ class NVFP4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        if self.is_sharded:  # FSDP2's pre-forward hook gathers the rows; a direct call bypassed it
+            raise RuntimeError("NVFP4Linear: called while sharded by FSDP2 (weight_packed is a DTensor); call it "
+                               "through its FSDP2 module so that the rows are all-gathered first")
         return _NVFP4LinearFunction.apply(x, self.weight_packed, self.weight_scale, self.global_scale, self.bias)
 
     def _apply(self, fn: Any, recurse: bool = True) -> NVFP4Linear:
@@ -251,6 +321,20 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+@functools.cache
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def quantize_rows(

@@ -81,8 +81,14 @@ class QeRLConfig:
     #: 2.0 s, so every step's rollout phase is rounded up to a multiple of 2 s (seen on H200: 25M-model steps log
     #: gen = 4.05 / 6.05 / 10.05 s, 7B ones 6.2 / 8.2 s); the qerl_sync trainer sets this interval instead.
     replay_poll_s: float = 0.1
+    #: nvfp4 under FSDP2: store 1/N of the quantized base per rank and all-gather it per layer
+    #: (:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`); false keeps the whole base on every rank.
+    #: FSDP1 (``strategy=fsdp``) always keeps it whole.
+    shard_base: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shard_base, bool):
+            raise QeRLConfigError(f"qerl.shard_base={self.shard_base!r}: must be true or false")
         poll = self.replay_poll_s
         if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < float(poll) <= 10:
             raise QeRLConfigError(f"qerl.replay_poll_s={self.replay_poll_s!r}: must be seconds in (0, 10]")
@@ -117,7 +123,8 @@ class QeRLConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "quantized_checkpoint": self.quantized_checkpoint, "ignore": list(self.ignore),
-                "scale_rule": self.scale_rule, "aqn": self.aqn.to_dict(), "replay_poll_s": self.replay_poll_s}
+                "scale_rule": self.scale_rule, "aqn": self.aqn.to_dict(), "replay_poll_s": self.replay_poll_s,
+                "shard_base": self.shard_base}
 
 
 def _plain(node: Any) -> Any:

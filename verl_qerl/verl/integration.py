@@ -13,6 +13,12 @@
    (``NVFP4Linear`` buffers copied, everything else in verl's dtype), instead of verl's
    ``from_pretrained``: no dense copy of the Linear weights ever exists. Hook 3 then finds the
    layers already converted and only wraps them in LoRA.
+5. ``FSDPEngine._build_fsdp_module`` (training workers, ``strategy=fsdp2``, nvfp4 with
+   ``qerl.shard_base``): right before verl's ``apply_fsdp2`` wraps the decoder layers, every
+   ``NVFP4Linear`` becomes an FSDP2 unit of its own holding 1/N of the quantized rows
+   (:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`), with verl's mesh, offload policy and
+   ``reshard_after_forward``. verl then shards and loads the rest as usual (its
+   ``set_model_state_dict`` broadcast fills the sharded base too).
 """
 
 from __future__ import annotations
@@ -191,10 +197,55 @@ def _patch_fsdp_engine(module: ModuleType) -> None:
     _build_module._qerl_wrapped = True  # type: ignore[attr-defined]
     engine_cls._build_module = _build_module
 
+    original_fsdp = engine_cls._build_fsdp_module
+    if getattr(original_fsdp, "_qerl_wrapped", False):
+        return
+
+    @functools.wraps(original_fsdp)
+    def _build_fsdp_module(self, hf_module):
+        qerl = _qerl_of(self.model_config)
+        if (qerl is None or qerl.mode != "nvfp4" or not qerl.shard_base
+                or getattr(self.engine_config, "strategy", None) != "fsdp2"):
+            return original_fsdp(self, hf_module)
+        verl_apply = module.apply_fsdp2  # _build_fsdp_module reads it from its module's globals at call time
+
+        def apply_fsdp2(model, fsdp_kwargs, config):
+            shard_base_for_verl(model, fsdp_kwargs)
+            return verl_apply(model, fsdp_kwargs, config)
+
+        module.apply_fsdp2 = apply_fsdp2
+        try:
+            return original_fsdp(self, hf_module)
+        finally:
+            module.apply_fsdp2 = verl_apply
+
+    _build_fsdp_module._qerl_wrapped = True  # type: ignore[attr-defined]
+    engine_cls._build_fsdp_module = _build_fsdp_module
+
+
+def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
+    """:func:`~verl_qerl.modeling.fsdp.shard_nvfp4_base` with the FSDP2 settings verl gives its layers.
+
+    ``fsdp_kwargs`` is what verl's ``_build_fsdp_module`` passes to ``apply_fsdp2`` (``mesh``,
+    ``offload_policy``, ``reshard_after_forward``; its ``mp_policy`` is not used: the base's units
+    cast nothing). Returns the number of layers sharded (0: the model has no ``NVFP4Linear``).
+    """
+    from ..modeling.fsdp import nvfp4_layers, shard_nvfp4_base
+
+    if not nvfp4_layers(model):
+        return 0
+    layers = shard_nvfp4_base(model, mesh=fsdp_kwargs.get("mesh"), offload_policy=fsdp_kwargs.get("offload_policy"),
+                              reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
+    mesh = fsdp_kwargs.get("mesh")
+    logger.warning("[verl-qerl] actor: NVFP4 base of %d layers sharded over %s FSDP2 ranks (gathered per layer)",
+                   len(layers), mesh.size() if mesh is not None else "all")
+    return len(layers)
+
 
 def install_hooks() -> list[str]:
     """Install the post-import hooks; returns a short description of each."""
     when_imported("verl.utils.config", _patch_validate_config)
     when_imported("verl.trainer.ppo.v1.trainer_sync", _register_trainer)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
-    return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook", "FSDP NVFP4 model build"]
+    return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook", "FSDP NVFP4 model build",
+            "FSDP2 NVFP4 base sharding"]
