@@ -240,6 +240,9 @@ if os.environ.get("QERL_TEST_DRIVER") == "verl":  # only in the driver's process
 
         def load_lora_file(self, path: str) -> int:
             weights, peft_config = _read_adapter(path)
+            # verl's update_weights_from_ipc removes the old adapter before the buckets arrive, then hands
+            # them to _update_weights (add_lora under the same id)
+            self.remove_lora(VERL_LORA_ID)
             self._update_weights(weights, peft_config=peft_config, base_sync_done=True)
             return len(weights)
 
@@ -571,10 +574,10 @@ def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_p
         assert not layers["lm_head"].get("lora_fast_path", False)
 
 
-@pytest.mark.parametrize("key", LORA_RUNS)
+@pytest.mark.parametrize("key", [k for k in LORA_RUNS if k != "mixed"])
 def test_lora_fast_path_equals_vllm_lora_path(engines_fast_path, key):
-    """Same tokens, logprobs equal to float32 GEMM-order noise: both loading routes, a batch mixing
-    requests with and without the adapter, new weights under the same id, AQN on, slot reuse."""
+    """Same tokens, logprobs equal to float32 GEMM-order noise: both loading routes, new weights under the
+    same id, AQN on, slot reuse."""
     fast, ref = engines_fast_path["fast"][key], engines_fast_path["vllm"][key]
     assert [r["tokens"] for r in fast] == [r["tokens"] for r in ref], key
     diff = _max_diff(fast, [r["logprobs"] for r in ref])
@@ -599,10 +602,20 @@ def test_lora_fast_path_matches_hf_peft_and_follows_adapter_updates(engines_fast
     for a, b in (("base", "lora_dir"), ("lora_tensors", "lora_tensors_next"), ("lora_tensors_next", "lora_noisy")):
         assert _max_diff(fast[a], [r["logprobs"] for r in fast[b]]) > 1e-2, (a, b)
     assert fast["lora_load"] == fast["lora_load_next"] == [lora_adapter["n_tensors"]]
-    # the mixed batch: the request with the adapter as in lora_dir, the one without as in base
-    for got, want in ((fast["mixed"][0], fast["lora_dir"][0]), (fast["mixed"][1], fast["base"][1])):
+
+
+def test_lora_fast_path_mixed_batch_equals_each_request_alone(engines_fast_path):
+    """A batch of one request with the adapter and one without: each must compute as it does alone on vLLM's
+    path. (vLLM's own mixed batch is not the reference on the CPU build: its torch punica ops index the adapter
+    slots with the token's slot id, and -1 "no adapter" picks the last slot, so with ``max_loras=1`` the
+    request without an adapter gets the adapter; the CUDA kernels skip -1.)"""
+    fast, ref = engines_fast_path["fast"], engines_fast_path["vllm"]
+    for got, want in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1])):
         assert got["tokens"] == want["tokens"]
         assert max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])) <= 1e-5
+    TIMINGS["fast_path_mixed_vs_alone_max_diff"] = max(
+        abs(x - y) for g, w in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1]))
+        for x, y in zip(g["logprobs"], w["logprobs"]))
 
 
 # ------------------------------------------------------------------------------------------------
