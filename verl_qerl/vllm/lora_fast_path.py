@@ -19,8 +19,9 @@ How it plugs in (no vLLM file is edited):
 * :func:`install` wraps ``LoRAModelManager._create_lora_modules``. After vLLM has built its LoRA
   layers, every ``BaseLinearLayerWithLoRA`` whose base layer we serve gets its ``lora_a_stacked`` /
   ``lora_b_stacked`` re-laid as *views* of one concatenated A and one block-diagonal B (same
-  shapes, zero-initialised like vLLM's), and its class swapped for a subclass whose
-  ``_apply_lora_to_output`` runs the two GEMMs. vLLM keeps writing adapters through those views
+  shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``; the class method
+  ``BaseLinearLayerWithLoRA._apply_lora_to_output``, wrapped once, runs the two GEMMs for flagged
+  layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
   (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for the same id (verl's
   ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
 * The per-token mask is one static buffer per punica wrapper, refreshed in ``update_metadata``
@@ -86,15 +87,26 @@ def install() -> bool:
     if missing:
         logger.warning("qerl LoRA fast path unavailable: this vLLM lacks %s; vLLM's LoRA path is used", missing)
         return False
-    original = LoRAModelManager._create_lora_modules
+    original_create = LoRAModelManager._create_lora_modules
+    original_apply = BaseLinearLayerWithLoRA._apply_lora_to_output
 
-    @functools.wraps(original)
+    @functools.wraps(original_create)
     def create_lora_modules(self, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
+        result = original_create(self, *args, **kwargs)
         convert_manager(self)
         return result
 
+    # On the class vLLM's layers inherit it from, with a per-layer switch: torch.compile (Dynamo) traced
+    # vLLM's own method for layers whose class had been swapped for a subclass (vLLM 0.24, CUDA), so the
+    # dispatch lives in the one function every LoRA linear layer calls.
+    @functools.wraps(original_apply)
+    def apply_lora_to_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "qerl_lora_fast_path", False):
+            return _apply_lora_single(self, x, output)
+        return original_apply(self, x, output)
+
     LoRAModelManager._create_lora_modules = create_lora_modules
+    BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
     _installed = True
     return True
 
@@ -197,19 +209,11 @@ def convert_layer(layer: Any) -> str | None:
     layer.qerl_lora_a = a_cat[0, 0]  # [n*r, K]
     layer.qerl_lora_b_t = b_diag[0, 0].t()  # [n*r, N]: the expand's right operand, no copy
     layer.qerl_token_mask = attach_token_mask(wrapper, dtype)
-    layer.qerl_lora_fast_path = True
+    layer.qerl_lora_fast_path = True  # read by the patched _apply_lora_to_output
     base = getattr(layer, "base_layer", None)
     if base is not None:
         base.qerl_lora_fast_path = True
-    layer.__class__ = _fast_class(type(layer))
     return None
-
-
-@functools.cache
-def _fast_class(cls: type) -> type:
-    """``cls`` with the single-adapter ``_apply_lora_to_output`` (a subclass: isinstance checks hold)."""
-    return type(f"QeRLFast{cls.__name__}", (cls,), {"_apply_lora_to_output": _apply_lora_single,
-                                                   "__module__": __name__})
 
 
 def _apply_lora_single(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
