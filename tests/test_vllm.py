@@ -565,6 +565,38 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     return res
 
 
+def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
+    """Both dispatch points vLLM's linear LoRA layers go through (``_apply_lora_to_output``; ``_mcp_apply``, which
+    vLLM 0.24's fused qkv / gate_up layers call instead) compute ``base + mask * (x A^T) B^T`` for a flagged
+    layer, and are vLLM's own functions underneath."""
+    import types
+
+    from vllm.lora.layers import column_parallel_linear
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    from verl_qerl.vllm import lora_fast_path
+
+    assert lora_fast_path.install()
+    gen = torch.Generator().manual_seed(0)
+    x, base = torch.randn(5, 16, generator=gen), torch.randn(5, 12, generator=gen)
+    a = torch.randn(8, 16, generator=gen)  # two slices of rank 4
+    b = torch.zeros(12, 8)
+    b[:7, :4], b[7:, 4:] = torch.randn(7, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    mask = torch.tensor([[1.0], [1.0], [0.0], [1.0], [1.0], [0.0], [0.0]])  # a static buffer longer than the batch
+
+    class Method:
+        def apply(self, layer, x_, bias):
+            return base.clone()
+
+    layer = types.SimpleNamespace(qerl_lora_fast_path=True, qerl_lora_a=a, qerl_lora_b_t=b.t(), qerl_token_mask=mask,
+                                  base_layer=None, _get_quant_method=Method)
+    want = base + mask[:5] * (x @ a.T) @ b.T
+    torch.testing.assert_close(BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, base), want)
+    torch.testing.assert_close(column_parallel_linear._mcp_apply(x, None, layer), want)
+    assert "qerl_lora_fast_path" not in vars(column_parallel_linear._mcp_apply.__wrapped__)  # vLLM's, underneath
+    assert BaseLinearLayerWithLoRA._apply_lora_to_output.__wrapped__.__module__.startswith("vllm.")
+
+
 def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):
     for name, expected in (("fast", True), ("vllm", False)):
         layers = engines_fast_path[name]["summary"][0]["layers"]

@@ -20,8 +20,9 @@ How it plugs in (no vLLM file is edited):
   layers, every ``BaseLinearLayerWithLoRA`` whose base layer we serve gets its ``lora_a_stacked`` /
   ``lora_b_stacked`` re-laid as *views* of one concatenated A and one block-diagonal B (same
   shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``; the class method
-  ``BaseLinearLayerWithLoRA._apply_lora_to_output``, wrapped once, runs the two GEMMs for flagged
-  layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
+  ``BaseLinearLayerWithLoRA._apply_lora_to_output`` (and, for vLLM 0.24's fused column-parallel
+  layers, the function ``_mcp_apply`` their ``apply`` calls instead), wrapped once, runs the two GEMMs
+  for flagged layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
   (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for the same id (verl's
   ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
 * The per-token mask is one static buffer per punica wrapper, refreshed in ``update_metadata``
@@ -107,8 +108,32 @@ def install() -> bool:
 
     LoRAModelManager._create_lora_modules = create_lora_modules
     BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
+    _wrap_merged_column_apply()
     _installed = True
     return True
+
+
+def _wrap_merged_column_apply() -> None:
+    """vLLM 0.24's fused column-parallel LoRA layers (qkv, gate_up) do not call ``_apply_lora_to_output``:
+    their ``apply`` runs the module function ``_mcp_apply`` (base GEMM + punica shrink/expand; in 0.32 only
+    the fully sharded classes use it). Wrap that function too, with the same per-layer switch; ``apply``
+    looks it up in its module's globals at call time."""
+    try:
+        from vllm.lora.layers import column_parallel_linear
+    except ImportError:
+        return
+    original = getattr(column_parallel_linear, "_mcp_apply", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
+        if getattr(layer, "qerl_lora_fast_path", False):
+            output = layer._get_quant_method().apply(layer.base_layer, x, bias)
+            return _apply_lora_single(layer, x, output)
+        return original(x, bias, layer)
+
+    column_parallel_linear._mcp_apply = mcp_apply
 
 
 # -- conversion ---------------------------------------------------------------------------------
