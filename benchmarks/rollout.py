@@ -2,7 +2,10 @@
 
 Issue 8's rollout benchmark. Random-weight Qwen2.5-7B- and 32B-shaped models are made here (no downloads);
 every backend gets the same random prompt token ids and the same sampling, with a random rank-32 peft adapter
-on q/k/v/o/gate/up/down active in every request (``--no-lora`` to drop it)::
+on q/k/v/o/gate/up/down active in every request (``--no-lora`` to drop it; ``--lora-split`` runs every backend
+twice, with the adapter and without it, and adds issue 19's with / without targets for qerl_nvfp4: output
+tok/s ratio >= 0.90, prefill time ratio <= 1.3; ``QERL_LORA_FAST_PATH=off|all`` in the environment reaches
+the engines and is recorded in ``env``)::
 
     source /tmp/site/qerl_env.sh                       # on the GPU machine (benchmarks/GPU.md)
     PYTHONPATH=. python3 benchmarks/rollout.py > $OUT/log 2>&1; rc=$?; tail -c 8000 $OUT/log; exit $rc
