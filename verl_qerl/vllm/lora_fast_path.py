@@ -97,9 +97,8 @@ def install() -> bool:
         convert_manager(self)
         return result
 
-    # On the class vLLM's layers inherit it from, with a per-layer switch: torch.compile (Dynamo) traced
-    # vLLM's own method for layers whose class had been swapped for a subclass (vLLM 0.24, CUDA), so the
-    # dispatch lives in the one function every LoRA linear layer calls.
+    # On the class every linear LoRA layer inherits it from, switched per layer by a plain attribute (a
+    # constant for torch.compile, which traces this function once per layer).
     @functools.wraps(original_apply)
     def apply_lora_to_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         if getattr(self, "qerl_lora_fast_path", False):
