@@ -555,10 +555,15 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     ext = "test_vllm.VerlLoRAExtension" if via == "verl" else "test_vllm.VerlReproExtension"
     tasks = _fast_path_tasks(_prompt_ids(tiny_bf16), lora_adapter, lora_adapter_next)
     llm = _llm_kwargs(tiny_bf16, enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1, worker_extension_cls=ext)
+    # the opt-in for unquantized (BF16 baseline) layers, against vLLM's path on the same unquantized engine
+    plain = {**llm, "quantization": None}
+    plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "mixed")]
     job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks},
-                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}}]}
+                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}},
+                       {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
+                       {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
     res = run_driver(job, multiproc=False, extra_pythonpath=extra, verl=via == "verl")
-    for name in ("fast", "vllm"):
+    for name in ("fast", "vllm", "plain_all", "plain_auto"):
         assert "error" not in res[name], (name, res[name].get("error"))
     TIMINGS["engines_fast_path_driver_s"] = res["_wall_s"]
     res["via"] = via
@@ -634,6 +639,25 @@ def test_lora_fast_path_matches_hf_peft_and_follows_adapter_updates(engines_fast
     for a, b in (("base", "lora_dir"), ("lora_tensors", "lora_tensors_next"), ("lora_tensors_next", "lora_noisy")):
         assert _max_diff(fast[a], [r["logprobs"] for r in fast[b]]) > 1e-2, (a, b)
     assert fast["lora_load"] == fast["lora_load_next"] == [lora_adapter["n_tensors"]]
+
+
+def test_lora_fast_path_opt_in_for_unquantized_layers(engines_fast_path):
+    """``QERL_LORA_FAST_PATH=all`` puts unquantized linear layers on the fast path (the default leaves them on
+    vLLM's), with the same numbers as vLLM's path."""
+    fast, ref = engines_fast_path["plain_all"], engines_fast_path["plain_auto"]
+    for eng, expected in ((fast, True), (ref, False)):
+        layers = {n: v for n, v in eng["summary"][0]["layers"].items() if n.endswith("_proj")}
+        assert len(layers) == 8 and all(v["method"].startswith("Unquantized") for v in layers.values())
+        assert all(v["lora_fast_path"] is expected for v in layers.values()), layers
+    for key in ("lora_dir", "base"):
+        assert [r["tokens"] for r in fast[key]] == [r["tokens"] for r in ref[key]], key
+        diff = _max_diff(fast[key], [r["logprobs"] for r in ref[key]])
+        TIMINGS[f"logprob_max_diff_fast_path_bf16_opt_in_{key}"] = diff
+        assert diff <= 1e-5, (key, diff)
+    assert _max_diff(fast["lora_dir"], [r["logprobs"] for r in fast["base"]]) > 1e-2
+    for got, want in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1])):
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])) <= 1e-5
 
 
 def test_lora_fast_path_mixed_batch_equals_each_request_alone(engines_fast_path):
@@ -785,6 +809,11 @@ def test_tensor_parallel_nvfp4_checkpoint_with_lora_matches_tp1(engine_tp2_nvfp4
     for name, w in ref_ckpt.items():
         assert torch.equal(w, ref_load[name]), name
     eng = engine_tp2_nvfp4
+    # one adapter slot: the TP=2 engine runs the single-adapter LoRA fast path; engine A (two slots) vLLM's
+    for rank in range(2):
+        assert all(v["lora_fast_path"] for v in eng["summary"][rank]["layers"].values()
+                   if v["method"] == "QeRLNvFp4LinearMethod"), rank
+    assert not any(v["lora_fast_path"] for v in engine_a["summary"][0]["layers"].values())
     for key in ("base", "lora_dir"):
         assert [r["tokens"] for r in eng[key]] == [r["tokens"] for r in engine_a[key]], key
         diff = _max_diff(eng[key], [r["logprobs"] for r in engine_a[key]])
