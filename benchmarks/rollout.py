@@ -2,7 +2,10 @@
 
 Issue 8's rollout benchmark. Random-weight Qwen2.5-7B- and 32B-shaped models are made here (no downloads);
 every backend gets the same random prompt token ids and the same sampling, with a random rank-32 peft adapter
-on q/k/v/o/gate/up/down active in every request (``--no-lora`` to drop it)::
+on q/k/v/o/gate/up/down active in every request (``--no-lora`` to drop it; ``--lora-split`` runs every backend
+twice, with the adapter and without it, and adds issue 19's with / without targets for qerl_nvfp4: output
+tok/s ratio >= 0.90, prefill time ratio <= 1.3; ``QERL_LORA_FAST_PATH=off|all`` in the environment reaches
+the engines and is recorded in ``env``)::
 
     source /tmp/site/qerl_env.sh                       # on the GPU machine (benchmarks/GPU.md)
     PYTHONPATH=. python3 benchmarks/rollout.py > $OUT/log 2>&1; rc=$?; tail -c 8000 $OUT/log; exit $rc
@@ -94,6 +97,9 @@ SHAPES = {
 BF16_TARGET = {"7b": 1.6, "32b": 2.0, "tiny": 1.6}
 NF4_TARGET = 2.5
 MARLIN_TARGET = 1.25
+#: qerl_nvfp4 with LoRA / without LoRA, output tok/s, every batch; prefill time with / without (issue 19).
+LORA_KEEP_TARGET = 0.90
+LORA_PREFILL_TARGET = 1.3
 #: workload keys a --merge file must share with this run for its rows to be comparable
 MERGE_KEYS = ("prompt_tokens", "new_tokens", "lora_rank", "seed")
 
@@ -533,32 +539,58 @@ def versions() -> dict:
     return out
 
 
-def _ratio(rows: dict, model: str, b: int, num: str, den: str, key: str = "tok_s"):
-    a, c = rows.get((model, num, b)), rows.get((model, den, b))
+def _row_lora(row: dict) -> bool:
+    return bool(row.get("lora", True))  # rows written before the split always had the adapter
+
+
+def _index(rows: list[dict]) -> dict[tuple[str, str, int, bool], dict]:
+    return {(r["model"], r["backend"], r["batch"], _row_lora(r)): r for r in rows}
+
+
+def _ratio(rows: dict, model: str, b: int, num: str, den: str, key: str = "tok_s", lora: bool = True,
+           den_lora: bool | None = None):
+    """``num``'s ``key`` over ``den``'s, at one (model, batch); ``lora`` / ``den_lora`` pick the with- or
+    without-adapter row of each (``den_lora`` defaults to ``lora``)."""
+    a = rows.get((model, num, b, lora))
+    c = rows.get((model, den, b, lora if den_lora is None else den_lora))
     if a is None or c is None:
         return None
     return a[key] / c[key]
 
 
 def make_targets(rows: list[dict], models: list[str], batches: list[int], skipped: dict) -> list[dict]:
-    idx = {(r["model"], r["backend"], r["batch"]): r for r in rows}
+    """Issue 8's cross-backend targets, on the LoRA rows where there are any (else on the no-LoRA rows, and
+    labelled so), and issue 19's with / without LoRA targets where both kinds of qerl_nvfp4 rows exist."""
+    idx = _index(rows)
+    lora = any(_row_lora(r) for r in rows) or not rows
+    label = "LoRA" if lora else "no LoRA"
     targets = []
 
-    def add(name, model, b, den, target):
-        measured = _ratio(idx, model, b, "qerl_nvfp4", den)
-        entry = {"name": name, "measured": None if measured is None else round(measured, 4), "op": ">=",
+    def add(name, model, b, num, den, target, key="tok_s", op=">=", num_lora=lora, den_lora=lora):
+        measured = _ratio(idx, model, b, num, den, key, num_lora, den_lora)
+        entry = {"name": name, "measured": None if measured is None else round(measured, 4), "op": op,
                  "target": target}
         if measured is None:
-            why = [skipped.get((model, k)) for k in ("qerl_nvfp4", den) if skipped.get((model, k))]
-            entry["note"] = "; ".join(why) or f"no {den} or qerl_nvfp4 row (failed or not run)"
+            why = [skipped.get((model, k)) for k in dict.fromkeys((num, den)) if skipped.get((model, k))]
+            entry["note"] = "; ".join(why) or f"no {den} or {num} row (failed or not run)"
         targets.append(entry)
 
     for m in models:
         for b in batches:
             if b <= 8:
-                add(f"{m} B={b}: qerl_nvfp4 / bf16 output tok/s (LoRA)", m, b, "bf16", BF16_TARGET[m])
-            add(f"{m} B={b}: qerl_nvfp4 / nf4 output tok/s (LoRA)", m, b, "nf4", NF4_TARGET)
-            add(f"{m} B={b}: qerl_nvfp4 / ct_marlin output tok/s (LoRA)", m, b, "ct_marlin", MARLIN_TARGET)
+                add(f"{m} B={b}: qerl_nvfp4 / bf16 output tok/s ({label})", m, b, "qerl_nvfp4", "bf16", BF16_TARGET[m])
+            add(f"{m} B={b}: qerl_nvfp4 / nf4 output tok/s ({label})", m, b, "qerl_nvfp4", "nf4", NF4_TARGET)
+            add(f"{m} B={b}: qerl_nvfp4 / ct_marlin output tok/s ({label})", m, b, "qerl_nvfp4", "ct_marlin",
+                MARLIN_TARGET)
+    split = {(r["model"], _row_lora(r)) for r in rows if r["backend"] == "qerl_nvfp4"}
+    for m in models:
+        if not {(m, True), (m, False)} <= split:
+            continue
+        for b in batches:
+            add(f"{m} B={b}: qerl_nvfp4 with LoRA / without LoRA output tok/s", m, b, "qerl_nvfp4", "qerl_nvfp4",
+                LORA_KEEP_TARGET, num_lora=True, den_lora=False)
+            add(f"{m} B={b}: qerl_nvfp4 prefill time with LoRA / without LoRA", m, b, "qerl_nvfp4", "qerl_nvfp4",
+                LORA_PREFILL_TARGET, key="prefill_s", op="<=", num_lora=True, den_lora=False)
     return targets
 
 
@@ -587,7 +619,10 @@ def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[
     rows), and the
     targets over the union of models and batches (also set in ``workload``: models in SHAPES order, batches
     sorted). Why: one GPU call (10 minutes) holds only part of the comparison."""
-    def pair(x: dict) -> tuple[str, str]:
+    def pair(x: dict) -> tuple:
+        return x["model"], x["backend"], _row_lora(x)
+
+    def skip_pair(x: dict) -> tuple[str, str]:
         return x["model"], x["backend"]
 
     now = {pair(r) for r in result["rows"]}
@@ -600,16 +635,16 @@ def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[
         for r in prev["rows"]:
             groups.setdefault(pair(r), []).append({**r, "merged_from": r.get("merged_from", path)})
         old.update(groups)
-        skipped.update({pair(s): s["reason"] for s in prev.get("skipped", [])})
+        skipped.update({skip_pair(s): s["reason"] for s in prev.get("skipped", [])})
         info.update(prev.get("models", {}))
         all_batches.update(prev["workload"].get("batches") or [])
     rows = [r for p, rs in old.items() if p not in now for r in rs] + result["rows"]
-    have = {pair(r) for r in rows}
-    skipped.update({pair(s): s["reason"] for s in result["skipped"]})
+    have = {skip_pair(r) for r in rows}
+    skipped.update({skip_pair(s): s["reason"] for s in result["skipped"]})
     skipped = {p: why for p, why in skipped.items() if p not in have}
     all_models = sorted({*models, *(m for m, _ in have), *(m for m, _ in skipped), *info}, key=_model_key)
     batch_list = sorted(all_batches | {r["batch"] for r in rows})
-    rows.sort(key=lambda r: (_model_key(r["model"]), BACKENDS.index(r["backend"]), r["batch"]))
+    rows.sort(key=lambda r: (_model_key(r["model"]), BACKENDS.index(r["backend"]), not _row_lora(r), r["batch"]))
     return {**result, "workload": {**result["workload"], "models": all_models, "batches": batch_list},
             "models": {**info, **result["models"]}, "rows": rows,
             "skipped": [{"model": m, "backend": b, "reason": why} for (m, b), why in skipped.items()],
@@ -618,7 +653,10 @@ def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[
 
 
 def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
-    idx = {(r["model"], r["backend"], r["batch"]): r for r in rows}
+    """Markdown tables: per metric, each backend with and/or without LoRA and ours over the others; where a
+    backend ran both ways, its with / without LoRA ratios."""
+    idx = _index(rows)
+    lora_kinds = [k for k in (True, False) if any(_row_lora(r) == k for r in rows)] or [True]
     lines = []
 
     def fmt(x, ratio=False):
@@ -627,13 +665,29 @@ def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
     for key, label in (("tok_s", "output tok/s (prefill + decode)"), ("decode_tok_s", "decode tok/s"),
                        ("prefill_tok_s", "prefill input tok/s")):
         lines.append(f"\n{label}")
-        lines.append(f"| model | B | {' | '.join(BACKENDS)} | ours/bf16 | ours/nf4 | ours/ct_marlin |")
-        lines.append("| --- | ---: |" + " ---: |" * (len(BACKENDS) + 3))
+        lines.append(f"| model | B | LoRA | {' | '.join(BACKENDS)} | ours/bf16 | ours/nf4 | ours/ct_marlin |")
+        lines.append("| --- | ---: | --- |" + " ---: |" * (len(BACKENDS) + 3))
+        for m in models:
+            for lora in lora_kinds:
+                for b in batches:
+                    vals = [fmt(idx[(m, be, b, lora)][key]) if (m, be, b, lora) in idx else "-" for be in BACKENDS]
+                    rats = [fmt(_ratio(idx, m, b, "qerl_nvfp4", d, key, lora), True)
+                            for d in ("bf16", "nf4", "ct_marlin")]
+                    lines.append(f"| {m} | {b} | {'r' + str(LORA_RANK) if lora else 'off'} | {' | '.join(vals)} | "
+                                 f"{' | '.join(rats)} |")
+    both = [be for be in BACKENDS if any((m, be, b, True) in idx and (m, be, b, False) in idx
+                                         for m in models for b in batches)]
+    if both:
+        lines.append("\nwith LoRA / without LoRA (output tok/s; prefill time)")
+        lines.append("| model | B | " + " | ".join(f"{be} tok/s | {be} prefill" for be in both) + " |")
+        lines.append("| --- | ---: |" + " ---: |" * (2 * len(both)))
         for m in models:
             for b in batches:
-                vals = [fmt(idx[(m, be, b)][key]) if (m, be, b) in idx else "-" for be in BACKENDS]
-                rats = [fmt(_ratio(idx, m, b, "qerl_nvfp4", d, key), True) for d in ("bf16", "nf4", "ct_marlin")]
-                lines.append(f"| {m} | {b} | {' | '.join(vals)} | {' | '.join(rats)} |")
+                cells = []
+                for be in both:
+                    cells.append(fmt(_ratio(idx, m, b, be, be, "tok_s", True, False), True))
+                    cells.append(fmt(_ratio(idx, m, b, be, be, "prefill_s", True, False), True))
+                lines.append(f"| {m} | {b} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
@@ -647,6 +701,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 256; tiny 16)")
     p.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 1024; tiny 8)")
     p.add_argument("--no-lora", action="store_true", help="run without the rank-32 adapter (enable_lora off)")
+    p.add_argument("--lora-split", action="store_true",
+                   help="run every backend twice, with the adapter and without it (enable_lora off), in this run")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on by default on GPU)")
     p.add_argument("--bf16-checkpoint", choices=("auto", "always", "never"), default="auto",
@@ -667,6 +723,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = [int(x) for x in (args.batches or ("1,2" if t else "1,8,64,256")).split(",")]
     args.prompt_tokens = args.prompt_tokens or (16 if t else 256)
     args.new_tokens = args.new_tokens or (8 if t else 1024)
+    if args.no_lora and args.lora_split:
+        p.error("--no-lora and --lora-split exclude each other")
     bad = [b for b in args.backends if b not in BACKENDS]
     if bad:
         p.error(f"unknown backend(s) {bad}; choose from {list(BACKENDS)}")
@@ -706,10 +764,12 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "batches": args.batches,
                      "temperature": 1.0, "ignore_eos": True, "lora_rank": None if args.no_lora else LORA_RANK,
                      "lora_targets": None if args.no_lora else list(LORA_TARGETS), "seed": args.seed,
+                     "lora_split": args.lora_split,
                      "timing": "wall time of llm.generate; prefill = a max_tokens=1 generate of the same prompts; "
                                "decode = total - prefill (vLLM per-request metrics not used)"},
-        "env": {k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "VLLM_USE_FLASHINFER_SAMPLER",
-                                                "VLLM_ATTENTION_BACKEND", "VLLM_CPU_KVCACHE_SPACE")},
+        "env": {k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "QERL_LORA_FAST_PATH",
+                                                "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND",
+                                                "VLLM_CPU_KVCACHE_SPACE")},
         "models": {}, "rows": [], "skipped": [], "errors": [], "targets": [],
     }
     previous = read_previous(args.merge, result["workload"], dev)  # before save() may overwrite one of them
@@ -723,6 +783,40 @@ def main(argv: list[str] | None = None) -> int:
         out_file.write_text(json.dumps(final, indent=1))
         return final
 
+    lora_variants = [False] if args.no_lora else [True, False] if args.lora_split else [True]
+
+    def bench_one(model: str, backend: str, build: dict, with_lora: bool) -> None:
+        ckpt = build["bf16"] if backend in ("bf16", "nf4") else build["nvfp4"]
+        llm = dict(model=ckpt, dtype="bfloat16", seed=args.seed, skip_tokenizer_init=True,
+                   max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(max_b, 8),
+                   enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu)
+        if on_gpu:
+            llm["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if with_lora:
+            llm.update(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
+        if backend == "qerl_nvfp4":
+            llm["quantization"] = "qerl_nvfp4"
+        elif backend == "nf4":
+            llm["quantization"] = "bitsandbytes"
+        elif backend == "bf16" and build.get("bf16_dummy"):
+            llm["load_format"] = "dummy"
+        job = {"kind": "bench", "model": model, "backend": backend, "llm": llm, "batches": args.batches,
+               "prompts": prompts, "warm_prompts": warm, "new_tokens": args.new_tokens,
+               "lora": build.get("lora") if with_lora else None}
+        tag = "" if len(lora_variants) == 1 else ("-lora" if with_lora else "-nolora")
+        print(f"[rollout] {model} {backend}{tag}: starting engine ({ckpt})", flush=True)
+        res = run_child(job, work / "logs", args.timeout, f"{model}-{backend}{tag}")
+        for row in res.get("rows", []):
+            row["llm_kwargs"] = llm
+            if "error" in res:  # batches measured before the engine died or timed out: kept, marked
+                row["run_error"] = res["error"]
+        result["rows"].extend(res.get("rows", []))
+        if "error" in res:
+            result["errors"].append({"model": model, "backend": backend, "lora": with_lora, "llm": llm,
+                                     **{k: v for k, v in res.items() if k != "rows"},
+                                     "batches_measured": [r["batch"] for r in res.get("rows", [])]})
+        save()
+
     for model in args.models:
         backends = list(args.backends)
         for b in list(backends):
@@ -735,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[rollout] {model}: making checkpoints in {work / model}", flush=True)
         build = run_child({"kind": "build", "model": model, "work_dir": str(work), "backends": backends,
-                           "lora": not args.no_lora, "bf16_checkpoint": args.bf16_checkpoint,
+                           "lora": True in lora_variants, "bf16_checkpoint": args.bf16_checkpoint,
                            "nvfp4_direct": args.nvfp4_direct, "seed": args.seed},
                           work / "logs", args.timeout, f"build-{model}")
         if "error" in build:
@@ -749,35 +843,8 @@ def main(argv: list[str] | None = None) -> int:
         for backend in backends:
             if (model, backend) in skipped:
                 continue
-            ckpt = build["bf16"] if backend in ("bf16", "nf4") else build["nvfp4"]
-            llm = dict(model=ckpt, dtype="bfloat16", seed=args.seed, skip_tokenizer_init=True,
-                       max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(max_b, 8),
-                       enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu)
-            if on_gpu:
-                llm["gpu_memory_utilization"] = args.gpu_memory_utilization
-            if not args.no_lora:
-                llm.update(enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1)
-            if backend == "qerl_nvfp4":
-                llm["quantization"] = "qerl_nvfp4"
-            elif backend == "nf4":
-                llm["quantization"] = "bitsandbytes"
-            elif backend == "bf16" and build.get("bf16_dummy"):
-                llm["load_format"] = "dummy"
-            job = {"kind": "bench", "model": model, "backend": backend, "llm": llm, "batches": args.batches,
-                   "prompts": prompts, "warm_prompts": warm, "new_tokens": args.new_tokens,
-                   "lora": None if args.no_lora else build.get("lora")}
-            print(f"[rollout] {model} {backend}: starting engine ({ckpt})", flush=True)
-            res = run_child(job, work / "logs", args.timeout, f"{model}-{backend}")
-            for row in res.get("rows", []):
-                row["llm_kwargs"] = llm
-                if "error" in res:  # batches measured before the engine died or timed out: kept, marked
-                    row["run_error"] = res["error"]
-            result["rows"].extend(res.get("rows", []))
-            if "error" in res:
-                result["errors"].append({"model": model, "backend": backend, "llm": llm,
-                                         **{k: v for k, v in res.items() if k != "rows"},
-                                         "batches_measured": [r["batch"] for r in res.get("rows", [])]})
-            save()
+            for with_lora in lora_variants:
+                bench_one(model, backend, build, with_lora)
     final = save()
     print(f"\n[rollout] wrote {out_file}")
     for err in result["errors"]:
@@ -789,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         m = "-" if t["measured"] is None else f"{t['measured']:.2f}"
         print(f"  {t['name']}: {m} {t['op']} {t['target']} {target_status(t)}")
     print(f"\nrollout, {dev}, prompt {args.prompt_tokens}, new {args.new_tokens}, "
-          f"LoRA {'off' if args.no_lora else f'r{LORA_RANK}'}")
+          f"LoRA {'off' if args.no_lora else f'r{LORA_RANK} and off' if args.lora_split else f'r{LORA_RANK}'}")
     print(ratio_table(final["rows"], final["workload"]["models"], final["workload"]["batches"]), flush=True)
     return 1 if result["errors"] else 0
 

@@ -413,3 +413,18 @@ def test_patched_verl_behaviour(patched_tree, tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "PATCHED-VERL-OK" in result.stdout, output[-6000:]
+
+
+def test_vllm_patch_has_a_header_and_touches_only_vllm():
+    """``patches/vllm/``: upstream vLLM diffs (against the vLLM 0.24.0 wheel, not installed here, so not applied)."""
+    patches = sorted((PATCH_DIR / "vllm").glob("*.patch"))
+    assert patches
+    readme = (PATCH_DIR / "README.md").read_text()
+    for patch in patches:
+        text = patch.read_text()
+        header, _, _ = text.partition("\ndiff --git ")
+        assert "vLLM 0.24.0" in header and "Replaces" in header and "Apply:" in header, patch.name
+        assert not re.search(r"^(---|\+\+\+|diff) ", header, flags=re.M), f"{patch.name}: header looks like a diff"
+        paths = re.findall(r"^(?:---|\+\+\+) (\S+)", text, flags=re.M)
+        assert paths and all(re.match(r"[ab]/vllm/", p) for p in paths), patch.name
+        assert f"vllm/{patch.name}" in readme

@@ -205,3 +205,45 @@ def test_child_that_dies_keeps_the_batches_it_measured(tmp_path, monkeypatch):
     assert timed_out["error"].startswith("rc=timeout") and timed_out["rows"] == [row]
     fake.write_text("import sys; sys.exit(4)\n")
     assert rb.run_child({"kind": "bench"}, tmp_path / "c", 60, "none")["rows"] == []
+
+
+def _lora_rows(model: str, backend: str, batches, tok_s: float, prefill_s: float, lora: bool) -> list[dict]:
+    return [{**r, "lora": lora, "prefill_s": prefill_s} for r in _rows(model, backend, batches, tok_s)]
+
+
+def test_lora_split_targets_and_table():
+    """--lora-split: each backend with and without the adapter in one result; the cross-backend targets use the
+    LoRA rows, issue 19's with / without targets compare ours to itself, and the table shows both."""
+    rb = _load_script()
+    rows = (_lora_rows("7b", "bf16", (1, 8), 100.0, 0.04, True) + _lora_rows("7b", "bf16", (1, 8), 130.0, 0.03, False)
+            + _lora_rows("7b", "qerl_nvfp4", (1, 8), 180.0, 0.02, True)
+            + _lora_rows("7b", "qerl_nvfp4", (1, 8), 190.0, 0.015, False))
+    t = {x["name"]: x for x in rb.make_targets(rows, ["7b"], [1, 8], {})}
+    assert t["7b B=1: qerl_nvfp4 / bf16 output tok/s (LoRA)"]["measured"] == pytest.approx(1.8)
+    keep = t["7b B=8: qerl_nvfp4 with LoRA / without LoRA output tok/s"]
+    assert keep["measured"] == pytest.approx(180 / 190, abs=1e-4) and keep["op"] == ">=" and keep["target"] == 0.9
+    prefill = t["7b B=1: qerl_nvfp4 prefill time with LoRA / without LoRA"]
+    assert prefill["measured"] == pytest.approx(0.02 / 0.015, abs=1e-4)
+    assert prefill["op"] == "<=" and prefill["target"] == 1.3
+    assert rb.target_status(prefill) == "MISSED" and rb.target_status(keep) == "met"
+    table = rb.ratio_table(rows, ["7b"], [1, 8])
+    assert "| 7b | 1 | r32 | 100 | 180 |" in table and "| 7b | 1 | off | 130 | 190 |" in table
+    assert "with LoRA / without LoRA" in table and "| 7b | 8 | 0.77x | 1.33x | 0.95x | 1.33x |" in table
+    # merging keeps the with- and without-LoRA rows of a pair apart: re-running one does not drop the other
+    now = {"rows": _lora_rows("7b", "qerl_nvfp4", (1, 8), 200.0, 0.02, True), "skipped": [], "models": {},
+           "workload": dict(WORKLOAD)}
+    final = rb.merge_previous(now, [("old.json", {"rows": rows, "workload": dict(WORKLOAD)})], ["7b"], [1, 8])
+    got = {(r["backend"], r["batch"], r["lora"]): r["tok_s"] for r in final["rows"]}
+    assert got[("qerl_nvfp4", 8, True)] == 1600.0 and got[("qerl_nvfp4", 8, False)] == 1520.0 and len(got) == 8
+
+
+def test_no_lora_targets_are_labelled_no_lora():
+    rb = _load_script()
+    rows = _lora_rows("7b", "bf16", (1,), 100.0, 0.04, False) + _lora_rows("7b", "qerl_nvfp4", (1,), 150.0, 0.02,
+                                                                           False)
+    names = [x["name"] for x in rb.make_targets(rows, ["7b"], [1], {})]
+    assert "7b B=1: qerl_nvfp4 / bf16 output tok/s (no LoRA)" in names
+    assert not [n for n in names if "(LoRA)" in n or "with LoRA" in n]
+    assert rb.parse_args(["--lora-split"]).lora_split
+    with pytest.raises(SystemExit):
+        rb.parse_args(["--lora-split", "--no-lora"])

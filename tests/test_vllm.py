@@ -52,12 +52,15 @@ TIMINGS: dict[str, float] = {}
 # ================================================================================================
 
 
-def _greedy(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, lora: dict | None = None) -> list[dict]:
+def _greedy(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, lora: dict | None = None,
+            loras: list[dict | None] | None = None) -> list[dict]:
+    """Greedy generation with logprobs; ``lora`` for every prompt, or ``loras`` one per prompt (None: none)."""
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-    request = LoRARequest(lora["name"], lora["id"], lora["path"]) if lora else None
+    as_request = lambda d: LoRARequest(d["name"], d["id"], d["path"]) if d else None  # noqa: E731
+    request = [as_request(d) for d in loras] if loras is not None else as_request(lora)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=request, use_tqdm=False)
     results = []
     for prompt, out in zip(prompts, outs):
@@ -237,6 +240,9 @@ if os.environ.get("QERL_TEST_DRIVER") == "verl":  # only in the driver's process
 
         def load_lora_file(self, path: str) -> int:
             weights, peft_config = _read_adapter(path)
+            # verl's update_weights_from_ipc removes the old adapter before the buckets arrive, then hands
+            # them to _update_weights (add_lora under the same id)
+            self.remove_lora(VERL_LORA_ID)
             self._update_weights(weights, peft_config=peft_config, base_sync_done=True)
             return len(weights)
 
@@ -328,17 +334,15 @@ def _engine_weight(engine_w: dict[str, torch.Tensor], name: str) -> torch.Tensor
     return engine_w[name]
 
 
-@pytest.fixture(scope="module")
-def lora_adapter(tiny_bf16, tmp_path_factory) -> dict:
+def _make_lora_adapter(tiny_bf16: Path, folder: Path, seed: int) -> dict:
     """A peft LoRA adapter (rank 8, all seven projections, non-zero B) as a folder and as verl's tensors."""
     from peft import LoraConfig, get_peft_model
     from peft.utils.save_and_load import get_peft_model_state_dict
 
-    folder = tmp_path_factory.mktemp("lora")
     base = _hf_model(tiny_bf16, None)
     cfg = LoraConfig(r=LORA_RANK, lora_alpha=16, target_modules=list(PROJ), lora_dropout=0.0, task_type="CAUSAL_LM")
     model = get_peft_model(base, cfg)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
@@ -348,6 +352,18 @@ def lora_adapter(tiny_bf16, tmp_path_factory) -> dict:
     peft_config = model.peft_config["default"].to_dict()
     torch.save({"tensors": tensors, "peft_config": peft_config}, folder / "tensors.pt")
     return {"dir": folder / "adapter", "tensors_file": folder / "tensors.pt", "n_tensors": len(tensors)}
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tiny_bf16, tmp_path_factory) -> dict:
+    """A peft LoRA adapter (rank 8, all seven projections, non-zero B) as a folder and as verl's tensors."""
+    return _make_lora_adapter(tiny_bf16, tmp_path_factory.mktemp("lora"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def lora_adapter_next(tiny_bf16, tmp_path_factory) -> dict:
+    """The same adapter shape with other weights: what the next RL step syncs into the same engine."""
+    return _make_lora_adapter(tiny_bf16, tmp_path_factory.mktemp("lora_next"), seed=6)
 
 
 def _verl_path() -> list[str]:
@@ -495,6 +511,170 @@ def test_aqn_noise_lands_exactly_and_restores_bit_exactly(engine_a):
 
 
 # ------------------------------------------------------------------------------------------------
+# The single-adapter LoRA fast path (verl_qerl.vllm.lora_fast_path) against vLLM's own LoRA path
+# ------------------------------------------------------------------------------------------------
+
+FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
+LORA_RUNS = ("lora_dir", "mixed", "lora_tensors", "lora_tensors_next", "lora_noisy", "lora_dir_again")
+
+
+def _fast_path_tasks(prompts: list[list[int]], adapter: dict, adapter_next: dict) -> list[dict]:
+    folder = {"name": "folder", "id": 1, "path": str(adapter["dir"])}
+    tensors = {"name": VERL_LORA_NAME, "id": VERL_LORA_ID, "path": VERL_LORA_PATH}
+    return [
+        {"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
+        {"id": "base", "kind": "greedy", "args": {"prompts": prompts}},
+        {"id": "lora_dir", "kind": "greedy", "args": {"prompts": prompts, "lora": folder}},
+        # one batch: the first request with the adapter, the second without
+        {"id": "mixed", "kind": "greedy", "args": {"prompts": prompts, "loras": [folder, None]}},
+        # verl's in-memory route (TensorLoRARequest, id 123), then the next step's weights, same engine and id
+        {"id": "lora_load", "kind": "rpc",
+         "args": {"method": "load_lora_file", "args": [str(adapter["tensors_file"])]}},
+        {"id": "lora_tensors", "kind": "greedy", "args": {"prompts": prompts, "lora": tensors}},
+        {"id": "lora_load_next", "kind": "rpc",
+         "args": {"method": "load_lora_file", "args": [str(adapter_next["tensors_file"])]}},
+        {"id": "lora_tensors_next", "kind": "greedy", "args": {"prompts": prompts, "lora": tensors}},
+        # AQN on the norms while the adapter is active
+        {"id": "aqn_apply", "kind": "rpc",
+         "args": {"method": "qerl_aqn_apply", "kwargs": {"step": AQN_STEP, "sigma": AQN_SIGMA, "seed": AQN_SEED}}},
+        {"id": "reset", "kind": "reset_prefix_cache"},
+        {"id": "lora_noisy", "kind": "greedy", "args": {"prompts": prompts, "lora": tensors}},
+        {"id": "aqn_restore", "kind": "rpc", "args": {"method": "qerl_aqn_restore"}},
+        {"id": "reset2", "kind": "reset_prefix_cache"},
+        # the folder adapter again: back into the one slot the tensor adapter held
+        {"id": "lora_dir_again", "kind": "greedy", "args": {"prompts": prompts, "lora": folder}},
+    ]
+
+
+@pytest.fixture(scope="module")
+def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
+    """Two engines with one adapter slot (verl's ``max_loras=1``) running the same tasks: the fast path
+    (default) and vLLM's own LoRA path (``QERL_LORA_FAST_PATH=off``)."""
+    extra = _verl_path()
+    via = "verl" if _verl_importable(extra) else "repro"
+    ext = "test_vllm.VerlLoRAExtension" if via == "verl" else "test_vllm.VerlReproExtension"
+    tasks = _fast_path_tasks(_prompt_ids(tiny_bf16), lora_adapter, lora_adapter_next)
+    llm = _llm_kwargs(tiny_bf16, enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1, worker_extension_cls=ext)
+    # the opt-in for unquantized (BF16 baseline) layers, against vLLM's path on the same unquantized engine
+    plain = {**llm, "quantization": None}
+    plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "mixed")]
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks},
+                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}},
+                       {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
+                       {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
+    res = run_driver(job, multiproc=False, extra_pythonpath=extra, verl=via == "verl")
+    for name in ("fast", "vllm", "plain_all", "plain_auto"):
+        assert "error" not in res[name], (name, res[name].get("error"))
+    TIMINGS["engines_fast_path_driver_s"] = res["_wall_s"]
+    res["via"] = via
+    return res
+
+
+def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
+    """Both dispatch points vLLM's linear LoRA layers go through (``_apply_lora_to_output``; ``_mcp_apply``, which
+    vLLM 0.24's fused qkv / gate_up layers call instead) compute ``base + mask * (x A^T) B^T`` for a flagged
+    layer, and are vLLM's own functions underneath."""
+    import types
+
+    from vllm.lora.layers import column_parallel_linear
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    from verl_qerl.vllm import lora_fast_path
+
+    assert lora_fast_path.install()
+    gen = torch.Generator().manual_seed(0)
+    x, base = torch.randn(5, 16, generator=gen), torch.randn(5, 12, generator=gen)
+    a = torch.randn(8, 16, generator=gen)  # two slices of rank 4
+    b = torch.zeros(12, 8)
+    b[:7, :4], b[7:, 4:] = torch.randn(7, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    mask = torch.tensor([[1.0], [1.0], [0.0], [1.0], [1.0], [0.0], [0.0]])  # a static buffer longer than the batch
+
+    class Method:
+        def apply(self, layer, x_, bias):
+            return base.clone()
+
+    layer = types.SimpleNamespace(qerl_lora_fast_path=True, qerl_lora_a=a, qerl_lora_b_t=b.t(), qerl_token_mask=mask,
+                                  base_layer=None, _get_quant_method=Method)
+    want = base + mask[:5] * (x @ a.T) @ b.T
+    torch.testing.assert_close(BaseLinearLayerWithLoRA._apply_lora_to_output(layer, x, base), want)
+    torch.testing.assert_close(column_parallel_linear._mcp_apply(x, None, layer), want)
+    assert "qerl_lora_fast_path" not in vars(column_parallel_linear._mcp_apply.__wrapped__)  # vLLM's, underneath
+    assert BaseLinearLayerWithLoRA._apply_lora_to_output.__wrapped__.__module__.startswith("vllm.")
+
+
+def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):
+    for name, expected in (("fast", True), ("vllm", False)):
+        layers = engines_fast_path[name]["summary"][0]["layers"]
+        qerl = {n: v for n, v in layers.items() if v["method"] == "QeRLNvFp4LinearMethod"}
+        assert len(qerl) == 8
+        assert all(v["lora_fast_path"] is expected for v in qerl.values()), (name, qerl)
+        assert not layers["lm_head"].get("lora_fast_path", False)
+
+
+@pytest.mark.parametrize("key", [k for k in LORA_RUNS if k != "mixed"])
+def test_lora_fast_path_equals_vllm_lora_path(engines_fast_path, key):
+    """Same tokens, logprobs equal to float32 GEMM-order noise: both loading routes, new weights under the
+    same id, AQN on, slot reuse."""
+    fast, ref = engines_fast_path["fast"][key], engines_fast_path["vllm"][key]
+    assert [r["tokens"] for r in fast] == [r["tokens"] for r in ref], key
+    diff = _max_diff(fast, [r["logprobs"] for r in ref])
+    TIMINGS[f"logprob_max_diff_fast_path_vs_vllm_{key}"] = diff
+    assert diff <= 1e-5, (key, diff)
+
+
+def test_lora_fast_path_matches_hf_peft_and_follows_adapter_updates(engines_fast_path, tiny_bf16, lora_adapter,
+                                                                   lora_adapter_next):
+    from peft import PeftModel
+
+    fast = engines_fast_path["fast"]
+    weights = _ref_weights_from_bf16(tiny_bf16)
+    for adapter, keys in ((lora_adapter, ("lora_dir", "lora_tensors", "lora_dir_again")),
+                          (lora_adapter_next, ("lora_tensors_next",))):
+        hf = PeftModel.from_pretrained(_hf_model(tiny_bf16, weights), adapter["dir"]).eval()
+        for key in keys:
+            diff = _max_diff(fast[key], _hf_logprobs(hf, fast[key]))
+            TIMINGS[f"logprob_max_diff_fast_path_vs_hf_{key}"] = diff
+            assert diff <= 1e-3, (key, diff)
+    # the adapter acts, the update changed what the engine computes, and the noise landed under LoRA
+    for a, b in (("base", "lora_dir"), ("lora_tensors", "lora_tensors_next"), ("lora_tensors_next", "lora_noisy")):
+        assert _max_diff(fast[a], [r["logprobs"] for r in fast[b]]) > 1e-2, (a, b)
+    assert fast["lora_load"] == fast["lora_load_next"] == [lora_adapter["n_tensors"]]
+
+
+def test_lora_fast_path_opt_in_for_unquantized_layers(engines_fast_path):
+    """``QERL_LORA_FAST_PATH=all`` puts unquantized linear layers on the fast path (the default leaves them on
+    vLLM's), with the same numbers as vLLM's path."""
+    fast, ref = engines_fast_path["plain_all"], engines_fast_path["plain_auto"]
+    for eng, expected in ((fast, True), (ref, False)):
+        layers = {n: v for n, v in eng["summary"][0]["layers"].items() if n.endswith("_proj")}
+        assert len(layers) == 8 and all(v["method"].startswith("Unquantized") for v in layers.values())
+        assert all(v["lora_fast_path"] is expected for v in layers.values()), layers
+    for key in ("lora_dir", "base"):
+        assert [r["tokens"] for r in fast[key]] == [r["tokens"] for r in ref[key]], key
+        diff = _max_diff(fast[key], [r["logprobs"] for r in ref[key]])
+        TIMINGS[f"logprob_max_diff_fast_path_bf16_opt_in_{key}"] = diff
+        assert diff <= 1e-5, (key, diff)
+    assert _max_diff(fast["lora_dir"], [r["logprobs"] for r in fast["base"]]) > 1e-2
+    for got, want in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1])):
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])) <= 1e-5
+
+
+def test_lora_fast_path_mixed_batch_equals_each_request_alone(engines_fast_path):
+    """A batch of one request with the adapter and one without: each must compute as it does alone on vLLM's
+    path. (vLLM's own mixed batch is not the reference on the CPU build: its torch punica ops index the adapter
+    slots with the token's slot id, and -1 "no adapter" picks the last slot, so with ``max_loras=1`` the
+    request without an adapter gets the adapter; the CUDA kernels skip -1.)"""
+    fast, ref = engines_fast_path["fast"], engines_fast_path["vllm"]
+    for got, want in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1])):
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(x - y) for x, y in zip(got["logprobs"], want["logprobs"])) <= 1e-5
+    TIMINGS["fast_path_mixed_vs_alone_max_diff"] = max(
+        abs(x - y) for g, w in ((fast["mixed"][0], ref["lora_dir"][0]), (fast["mixed"][1], ref["base"][1]))
+        for x, y in zip(g["logprobs"], w["logprobs"]))
+
+
+# ------------------------------------------------------------------------------------------------
 # Tensor parallelism: two CPU workers, shards along N (column/qkv/gate_up) and K (o_proj/down_proj)
 # ------------------------------------------------------------------------------------------------
 
@@ -629,6 +809,11 @@ def test_tensor_parallel_nvfp4_checkpoint_with_lora_matches_tp1(engine_tp2_nvfp4
     for name, w in ref_ckpt.items():
         assert torch.equal(w, ref_load[name]), name
     eng = engine_tp2_nvfp4
+    # one adapter slot: the TP=2 engine runs the single-adapter LoRA fast path; engine A (two slots) vLLM's
+    for rank in range(2):
+        assert all(v["lora_fast_path"] for v in eng["summary"][rank]["layers"].values()
+                   if v["method"] == "QeRLNvFp4LinearMethod"), rank
+    assert not any(v["lora_fast_path"] for v in engine_a["summary"][0]["layers"].values())
     for key in ("base", "lora_dir"):
         assert [r["tokens"] for r in eng[key]] == [r["tokens"] for r in engine_a[key]], key
         diff = _max_diff(eng[key], [r["logprobs"] for r in engine_a[key]])

@@ -3,7 +3,9 @@
 vLLM calls :func:`register` in every process it starts (front end, engine core, workers) before
 it resolves quantization names. Importing :mod:`verl_qerl.vllm.config` registers ``qerl_nvfp4``
 through ``register_quantization_config``; the linear method registers itself for vLLM's v2 weight
-loader when imported. Nothing here touches CUDA, so the plugin is safe in CPU-only processes.
+loader when imported; :func:`verl_qerl.vllm.lora_fast_path.install` hooks vLLM's LoRA manager so
+single-adapter engines run LoRA on ``qerl_nvfp4`` layers as two dense GEMMs. Nothing here touches
+CUDA, so the plugin is safe in CPU-only processes.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from . import compat, config, linear_method  # noqa: F401  (imports register the method)
+    from . import compat, config, linear_method, lora_fast_path  # noqa: F401  (imports register the method)
 
     compat.warn_if_untested()
+    lora_fast_path.install()
     _registered = True
     logger.debug("qerl_nvfp4 registered (vLLM %s)", ".".join(map(str, compat.vllm_version())))
 

@@ -133,7 +133,8 @@ class QeRLWorkerExtension:
             method = getattr(module, "quant_method", None)
             if method is None or not isinstance(module, (LinearBase, VocabParallelEmbedding)):
                 continue  # LoRA wrappers forward quant_method too; report the base layer once
-            info: dict[str, Any] = {"method": type(method).__name__}
+            info: dict[str, Any] = {"method": type(method).__name__,
+                                    "lora_fast_path": bool(getattr(module, "qerl_lora_fast_path", False))}
             if hasattr(module, "qerl_backend"):
                 from .linear_method import QeRLNvFp4LinearMethod
 

@@ -1,0 +1,274 @@
+"""Single-adapter LoRA for vLLM linear layers: one shrink GEMM and one expand GEMM per layer.
+
+vLLM's LoRA layers serve many adapters at once: every linear layer runs the punica shrink and
+expand kernels over per-token adapter indices, slice by slice. In RL every request of a rollout
+engine carries the same adapter (verl starts vLLM with ``max_loras=1``), so for a layer with one
+adapter slot the LoRA term is simply::
+
+    out += mask * (x @ A_cat^T) @ B_blockdiag^T
+
+with ``A_cat`` the concatenated A matrices of all fused slices (q/k/v, gate/up), ``B_blockdiag`` the
+slices' B matrices on a block diagonal (slice i's B in slice i's output rows and its rank columns,
+zeros elsewhere) and ``mask`` 1 for tokens whose request has the adapter and 0 for those without.
+The scaling ``alpha / r`` is already folded into vLLM's stored B. Two dense GEMMs (cuBLAS on CUDA),
+one elementwise product, no per-token indexing, static shapes: it traces under torch.compile and
+captures into CUDA graphs.
+
+How it plugs in (no vLLM file is edited):
+
+* :func:`install` wraps ``LoRAModelManager._create_lora_modules``. After vLLM has built its LoRA
+  layers, every ``BaseLinearLayerWithLoRA`` whose base layer we serve gets its ``lora_a_stacked`` /
+  ``lora_b_stacked`` re-laid as *views* of one concatenated A and one block-diagonal B (same
+  shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``; the class method
+  ``BaseLinearLayerWithLoRA._apply_lora_to_output`` (and, for vLLM 0.24's fused column-parallel
+  layers, the function ``_mcp_apply`` their ``apply`` calls instead), wrapped once, runs the two GEMMs
+  for flagged layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
+  (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for the same id (verl's
+  ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
+* The per-token mask is one static buffer per punica wrapper, refreshed in ``update_metadata``
+  (host side, once per batch mapping, outside any graph) from the wrapper's own token-to-slot
+  indices: slot 0 -> 1, no adapter (-1) -> 0. Batches mixing requests with and without the
+  adapter stay exact.
+
+When it applies: the engine has one adapter slot (``max_loras=1``: one adapter per batch, so the
+"several adapters in one batch" case cannot arise), LoRA is not fully sharded, vLLM's dual-stream
+LoRA is off, and the layer's base quant method is ``qerl_nvfp4`` (``QERL_LORA_FAST_PATH=auto``,
+the default) or also unquantized BF16 (``=all``, for a like-for-like BF16 baseline). Everything
+else, including ``max_loras > 1`` engines, keeps vLLM's punica path untouched. ``=off`` disables
+the fast path (A/B comparisons, escape hatch). If vLLM's LoRA internals are not what this module
+was written against (read in vLLM 0.24 and 0.32), it logs why and leaves vLLM's path in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import QeRLNvFp4Error
+
+logger = logging.getLogger(__name__)
+
+#: ``auto`` (default): qerl_nvfp4 layers; ``all``: also unquantized (BF16) layers; ``off``: vLLM's path only.
+FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
+_MODES = ("auto", "all", "off")
+
+_installed = False
+
+
+def fast_path_mode() -> str:
+    """The ``QERL_LORA_FAST_PATH`` setting, validated (read when an engine builds its LoRA layers)."""
+    mode = os.environ.get(FAST_PATH_ENV, "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise QeRLNvFp4Error(f"{FAST_PATH_ENV}={mode!r}; expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def install() -> bool:
+    """Hook vLLM's LoRA model manager so single-slot engines get the fast path. Idempotent.
+
+    Returns whether the hook is in place; False (with one log line) where vLLM lacks the pieces.
+    """
+    global _installed
+    if _installed:
+        return True
+    try:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+        from vllm.lora.model_manager import LoRAModelManager
+    except ImportError as exc:
+        logger.warning("qerl LoRA fast path unavailable (%s); vLLM's LoRA path is used", exc)
+        return False
+    missing = [name for owner, name in ((LoRAModelManager, "_create_lora_modules"),
+                                        (BaseLinearLayerWithLoRA, "_apply_lora_to_output"))
+               if not callable(getattr(owner, name, None))]
+    if missing:
+        logger.warning("qerl LoRA fast path unavailable: this vLLM lacks %s; vLLM's LoRA path is used", missing)
+        return False
+    original_create = LoRAModelManager._create_lora_modules
+    original_apply = BaseLinearLayerWithLoRA._apply_lora_to_output
+
+    @functools.wraps(original_create)
+    def create_lora_modules(self, *args: Any, **kwargs: Any) -> Any:
+        result = original_create(self, *args, **kwargs)
+        convert_manager(self)
+        return result
+
+    # On the class every linear LoRA layer inherits it from, switched per layer by a plain attribute (a
+    # constant for torch.compile, which traces this function once per layer).
+    @functools.wraps(original_apply)
+    def apply_lora_to_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "qerl_lora_fast_path", False):
+            return _apply_lora_single(self, x, output)
+        return original_apply(self, x, output)
+
+    LoRAModelManager._create_lora_modules = create_lora_modules
+    BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
+    _wrap_merged_column_apply()
+    _installed = True
+    return True
+
+
+def _wrap_merged_column_apply() -> None:
+    """vLLM 0.24's fused column-parallel LoRA layers (qkv, gate_up) do not call ``_apply_lora_to_output``:
+    their ``apply`` runs the module function ``_mcp_apply`` (base GEMM + punica shrink/expand; in 0.32 only
+    the fully sharded classes use it). Wrap that function too, with the same per-layer switch; ``apply``
+    looks it up in its module's globals at call time."""
+    try:
+        from vllm.lora.layers import column_parallel_linear
+    except ImportError:
+        return
+    original = getattr(column_parallel_linear, "_mcp_apply", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
+        if getattr(layer, "qerl_lora_fast_path", False):
+            output = layer._get_quant_method().apply(layer.base_layer, x, bias)
+            return _apply_lora_single(layer, x, output)
+        return original(x, bias, layer)
+
+    column_parallel_linear._mcp_apply = mcp_apply
+
+
+# -- conversion ---------------------------------------------------------------------------------
+
+
+def _served(layer: Any, mode: str) -> bool:
+    """Whether ``mode`` puts this LoRA layer's base quant method on the fast path."""
+    from .linear_method import QeRLNvFp4LinearMethod
+
+    method = getattr(getattr(layer, "base_layer", None), "quant_method", None)
+    if isinstance(method, QeRLNvFp4LinearMethod):
+        return True
+    if mode == "all":
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        return isinstance(method, UnquantizedLinearMethod)
+    return False
+
+
+def convert_manager(manager: Any) -> int:
+    """Put the served linear LoRA layers of ``manager`` on the fast path; returns how many."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    mode = fast_path_mode()
+    if mode == "off":
+        logger.info("qerl LoRA fast path off (%s=off): vLLM's LoRA path everywhere", FAST_PATH_ENV)
+        return 0
+    slots = getattr(manager, "lora_slots", None)
+    if slots != 1:
+        logger.info("qerl LoRA fast path not used: the engine has %s adapter slots (max_loras); it needs exactly 1",
+                    slots)
+        return 0
+    if getattr(getattr(manager, "lora_config", None), "fully_sharded_loras", False):
+        logger.info("qerl LoRA fast path not used: fully_sharded_loras is on")
+        return 0
+    done, skipped = [], {}
+    for name, layer in getattr(manager, "modules", {}).items():
+        if not isinstance(layer, BaseLinearLayerWithLoRA) or not _served(layer, mode):
+            continue
+        why = convert_layer(layer)
+        if why is None:
+            done.append(name)
+        else:
+            skipped[name] = why
+    for name, why in skipped.items():
+        logger.warning("qerl LoRA fast path: %s keeps vLLM's path (%s)", name, why)
+    logger.info("qerl LoRA fast path on for %d linear layers (mode %s)", len(done), mode)
+    return len(done)
+
+
+def convert_layer(layer: Any) -> str | None:
+    """Re-lay one LoRA layer's adapter buffers as views of a concatenated A / block-diagonal B and
+    switch it to the fast forward. Returns None on success, else why the layer was left alone."""
+    if getattr(layer, "qerl_lora_fast_path", False):
+        return None
+    if getattr(layer, "_enable_aux_cuda_stream", False):
+        return "vLLM's dual-stream LoRA (VLLM_LORA_ENABLE_DUAL_STREAM) is on"
+    a_stacked, b_stacked = getattr(layer, "lora_a_stacked", None), getattr(layer, "lora_b_stacked", None)
+    slices = tuple(getattr(layer, "output_slices", ()) or ())
+    if not isinstance(a_stacked, tuple) or not isinstance(b_stacked, tuple) or not a_stacked:
+        return "lora_a_stacked / lora_b_stacked are not tuples of tensors"
+    n = len(a_stacked)
+    if len(b_stacked) != n or len(slices) != n:
+        return f"{n} A slices, {len(b_stacked)} B slices, {len(slices)} output slices"
+    if any(t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != 1 for t in (*a_stacked, *b_stacked)):
+        return "adapter buffers are not [1, 1, rows, cols]"
+    rank, k = a_stacked[0].shape[2], a_stacked[0].shape[3]
+    rank_b = b_stacked[0].shape[3]
+    if any(t.shape[2:] != (rank, k) for t in a_stacked) or any(t.shape[3] != rank_b for t in b_stacked):
+        return "slices differ in rank or input size"
+    if [t.shape[2] for t in b_stacked] != list(slices) or rank_b != rank:
+        return "B rows do not match the output slices"
+    dtype, device = a_stacked[0].dtype, a_stacked[0].device
+    if any(t.dtype != dtype or t.device != device for t in (*a_stacked, *b_stacked)):
+        return "adapter buffers differ in dtype or device"
+    wrapper = getattr(layer, "punica_wrapper", None)
+    if wrapper is None or not isinstance(getattr(wrapper, "_token_lora_indices", None), torch.Tensor):
+        return "no punica wrapper with token indices"
+    held = wrapper.__dict__.get("qerl_token_mask")
+    if held is not None and held.dtype != dtype:
+        return f"adapter dtype {dtype} differs from another layer's {held.dtype}"
+    if n == 1:
+        a_cat, b_diag = a_stacked[0], b_stacked[0]
+    else:
+        a_cat = torch.zeros(1, 1, n * rank, k, dtype=dtype, device=device)
+        b_diag = torch.zeros(1, 1, sum(slices), n * rank, dtype=dtype, device=device)
+        a_views, b_views, row = [], [], 0
+        for i, (a_i, b_i, width) in enumerate(zip(a_stacked, b_stacked, slices)):
+            a_view = a_cat[:, :, i * rank:(i + 1) * rank, :]
+            b_view = b_diag[:, :, row:row + width, i * rank:(i + 1) * rank]
+            a_view.copy_(a_i)  # whatever vLLM holds already (zeros right after creation)
+            b_view.copy_(b_i)
+            a_views.append(a_view)
+            b_views.append(b_view)
+            row += width
+        layer.lora_a_stacked = tuple(a_views)
+        layer.lora_b_stacked = tuple(b_views)
+    layer.qerl_lora_a = a_cat[0, 0]  # [n*r, K]
+    layer.qerl_lora_b_t = b_diag[0, 0].t()  # [n*r, N]: the expand's right operand, no copy
+    layer.qerl_token_mask = attach_token_mask(wrapper, dtype)
+    layer.qerl_lora_fast_path = True  # read by the patched _apply_lora_to_output
+    base = getattr(layer, "base_layer", None)
+    if base is not None:
+        base.qerl_lora_fast_path = True
+    return None
+
+
+def _apply_lora_single(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``output + mask * (x @ A_cat^T) @ B_blockdiag^T`` for vLLM's single adapter slot."""
+    out_shape = output.shape
+    x2 = x.reshape(-1, x.shape[-1])
+    out2 = output.reshape(-1, output.shape[-1])
+    shrunk = F.linear(x2, self.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
+    shrunk = shrunk * self.qerl_token_mask[: x2.shape[0]]  # 0 for tokens without the adapter
+    return torch.addmm(out2, shrunk, self.qerl_lora_b_t).view(out_shape)  # expand + residual in one GEMM
+
+
+# -- per-token adapter mask ---------------------------------------------------------------------
+
+
+def attach_token_mask(wrapper: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The punica wrapper's ``[max_tokens, 1]`` mask (1: the token's request has the adapter in slot 0),
+    created once per wrapper and refreshed by its ``update_metadata`` from its own token indices."""
+    mask = wrapper.__dict__.get("qerl_token_mask")
+    if mask is not None:
+        return mask
+    indices = wrapper._token_lora_indices
+    mask = torch.zeros(indices.shape[0], 1, dtype=dtype, device=indices.device)
+    update = wrapper.update_metadata
+
+    @functools.wraps(update)
+    def update_metadata(*args: Any, **kwargs: Any) -> Any:
+        result = update(*args, **kwargs)
+        mask.copy_(wrapper._token_lora_indices.ge(0).unsqueeze(1))
+        return result
+
+    wrapper.update_metadata = update_metadata
+    wrapper.qerl_token_mask = mask
+    return mask
