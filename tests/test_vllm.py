@@ -558,7 +558,7 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     # the opt-in for unquantized (BF16 baseline) layers, against vLLM's path on the same unquantized engine
     plain = {**llm, "quantization": None}
     plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "mixed")]
-    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks},
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "on"}},
                        {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}},
                        {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
                        {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
@@ -642,7 +642,7 @@ def test_lora_fast_path_matches_hf_peft_and_follows_adapter_updates(engines_fast
 
 
 def test_lora_fast_path_opt_in_for_unquantized_layers(engines_fast_path):
-    """``QERL_LORA_FAST_PATH=all`` puts unquantized linear layers on the fast path (the default leaves them on
+    """``QERL_LORA_FAST_PATH=all`` puts unquantized linear layers on the fast path (``on`` leaves them on
     vLLM's), with the same numbers as vLLM's path."""
     fast, ref = engines_fast_path["plain_all"], engines_fast_path["plain_auto"]
     for eng, expected in ((fast, True), (ref, False)):
@@ -708,7 +708,8 @@ def tp2_driver(tiny_bf16, tiny_nvfp4, lora_adapter) -> dict:
                             max_loras=1)
     # one core per worker (the CPU build otherwise reserves a core for the engine and finds too few)
     res = run_driver({"engines": [{"name": "TP2", "llm": llm, "tasks": tasks},
-                                  {"name": "TP2_nvfp4", "llm": llm_nvfp4, "tasks": nvfp4_tasks}]},
+                                  {"name": "TP2_nvfp4", "llm": llm_nvfp4, "tasks": nvfp4_tasks,
+                                   "env": {FAST_PATH_ENV: "on"}}]},
                      multiproc=True, env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout=600)
     for name in ("TP2", "TP2_nvfp4"):
         assert "error" not in res[name], (name, res[name].get("error"))

@@ -120,7 +120,7 @@ def gpu_fast_path_engines(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     llm = cpu._llm_kwargs(tiny_bf16, dtype="bfloat16", enforce_eager=False, gpu_memory_utilization=0.3,
                           enable_lora=True, max_lora_rank=cpu.LORA_RANK, max_loras=1,
                           worker_extension_cls="test_vllm.VerlReproExtension")
-    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks},
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {cpu.FAST_PATH_ENV: "on"}},
                        {"name": "vllm", "llm": llm, "tasks": tasks, "env": {cpu.FAST_PATH_ENV: "off"}}]}
     res = cpu.run_driver(job, multiproc=False, timeout=900)
     for name in ("fast", "vllm"):

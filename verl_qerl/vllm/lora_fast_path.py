@@ -32,11 +32,14 @@ How it plugs in (no vLLM file is edited):
 
 When it applies: the engine has one adapter slot (``max_loras=1``: one adapter per batch, so the
 "several adapters in one batch" case cannot arise), LoRA is not fully sharded, vLLM's dual-stream
-LoRA is off, and the layer's base quant method is ``qerl_nvfp4`` (``QERL_LORA_FAST_PATH=auto``,
-the default) or also unquantized BF16 (``=all``, for a like-for-like BF16 baseline). Everything
-else, including ``max_loras > 1`` engines, keeps vLLM's punica path untouched. ``=off`` disables
-the fast path (A/B comparisons, escape hatch). If vLLM's LoRA internals are not what this module
-was written against (read in vLLM 0.24 and 0.32), it logs why and leaves vLLM's path in place.
+LoRA is off, and the layer's base quant method is ``qerl_nvfp4`` (``QERL_LORA_FAST_PATH=on``)
+or also unquantized BF16 (``=all``, for a like-for-like BF16 baseline). Everything else, including
+``max_loras > 1`` engines, keeps vLLM's punica path untouched. ``=off`` (the default) keeps vLLM's
+path everywhere: the fast path is opt-in until it is measured to pay on a GPU (on an H200 with vLLM
+0.24 it left the with/without-LoRA throughput ratio where vLLM's path has it, and vLLM's compile
+cache does not key on this variable, so switching it needs a fresh ``VLLM_CACHE_ROOT``). If vLLM's
+LoRA internals are not what this module was written against (read in vLLM 0.24 and 0.32), it logs
+why and leaves vLLM's path in place.
 """
 
 from __future__ import annotations
@@ -53,16 +56,16 @@ from .config import QeRLNvFp4Error
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` (default): qerl_nvfp4 layers; ``all``: also unquantized (BF16) layers; ``off``: vLLM's path only.
+#: ``on``: qerl_nvfp4 layers; ``all``: also unquantized (BF16) layers; ``off`` (default): vLLM's path only.
 FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
-_MODES = ("auto", "all", "off")
+_MODES = ("on", "all", "off")
 
 _installed = False
 
 
 def fast_path_mode() -> str:
     """The ``QERL_LORA_FAST_PATH`` setting, validated (read when an engine builds its LoRA layers)."""
-    mode = os.environ.get(FAST_PATH_ENV, "auto").strip().lower() or "auto"
+    mode = os.environ.get(FAST_PATH_ENV, "off").strip().lower() or "off"
     if mode not in _MODES:
         raise QeRLNvFp4Error(f"{FAST_PATH_ENV}={mode!r}; expected one of {', '.join(_MODES)}")
     return mode
