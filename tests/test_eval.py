@@ -12,8 +12,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-pytest.importorskip("vllm")
-pytest.importorskip("verl")
+import verl  # noqa: E402, F401  (required in CI: missing verl / vLLM must fail, not skip)
+import vllm  # noqa: E402, F401
 
 
 @pytest.mark.slow

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 os.environ.setdefault("VERL_QERL_QUIET", "1")
-verl = pytest.importorskip("verl")
-
+import verl  # noqa: E402, F401  (required in CI: a missing verl must fail, not skip)
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from verl_qerl.verl.config import (  # noqa: E402
