@@ -184,6 +184,51 @@ def test_quantize_model_is_within_quantization_error_and_exact_against_fake_quan
     assert 0 < rel < 0.3, rel  # 4-bit weights: visibly lossy, but the model is the same model
 
 
+@pytest.mark.parametrize("rows, cols, chunk", [(37, 64, 5 * 64), (40, 128, 1), (97, 32, 2048 + 16)])
+@pytest.mark.parametrize("given_scale", [True, False])
+def test_quantize_rows_in_chunks_is_bit_exact(rows, cols, chunk, given_scale):
+    """Chunks of whole rows (a ragged last one; one row per chunk; chunks not a multiple of the row) give the
+    bytes of one unchunked quantize: the global scale is the whole weight's, so rows are independent."""
+    from verl_qerl.modeling import linear
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.05
+    w[3, :16] *= 40  # an outlier row sets the global scale; other chunks must use it too
+    gs = fused_global_scale([w]) if given_scale else None
+    whole = quantize(w, gs)
+    calls = []
+    original = linear.quantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    linear.quantize = counting
+    try:
+        got = linear.quantize_rows(w, gs, chunk_elements=chunk)
+    finally:
+        linear.quantize = original
+    assert len(calls) > 1 and sum(calls) == rows  # the chunked path ran, over every row once
+    assert torch.equal(got.packed, whole.packed)
+    assert torch.equal(got.scale.view(torch.uint8), whole.scale.view(torch.uint8))
+    assert torch.equal(got.global_scale, whole.global_scale)
+
+
+def test_quantize_model_in_chunks_gives_the_unchunked_buffers(tiny_bf16, nvfp4_fp32, monkeypatch):
+    """``quantize_model`` with the chunk lowered below every layer's size: the same buffers, byte for byte."""
+    from verl_qerl.modeling import linear, quantize_model
+
+    monkeypatch.setattr(linear, "QUANTIZE_CHUNK_ELEMENTS", 8 * 128)  # 8 rows of K=128, 4 of K=256
+    calls = []
+    original = linear.quantize
+    monkeypatch.setattr(linear, "quantize", lambda w, *a, **k: calls.append(w.shape[0]) or original(w, *a, **k))
+    chunked = quantize_model(_hf(tiny_bf16), "nvfp4").state_dict()
+    assert len(calls) > 14 and max(calls) <= 8  # every layer went through several chunks
+    expected = nvfp4_fp32.state_dict()
+    assert sorted(chunked) == sorted(expected)
+    for k, v in expected.items():
+        assert chunked[k].dtype == v.dtype and torch.equal(chunked[k], v), k
+
+
 def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16, tiny_nvfp4, nvfp4_fp32):
     from verl_qerl.modeling import load_nvfp4_model, quantize_model
 
