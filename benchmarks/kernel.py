@@ -62,7 +62,7 @@ from results_format import target_met, target_status  # benchmarks/: this script
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import dispatch, reference, streamk  # noqa: E402
+from verl_qerl.kernels import dispatch, reference  # noqa: E402
 
 DEV = "cuda"
 MODELS = {
@@ -106,14 +106,13 @@ def parse_variants(text: str | None) -> list[str]:
     return ["v5"] + [v for v in dict.fromkeys(names) if v != "v5"]
 
 
-def variant_applies(variant: str, m: int) -> bool:
-    """Whether timing ``variant`` at M measures anything but v5 again (stream-K: block_m 32 / 64 only; wgmma:
-    every M, on sm_90 only -- elsewhere its forced mode runs stream-K / v5)."""
+def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa: ANN001 - the extension module
+    """Whether timing ``variant`` at (M, N, K) measures anything but v5 again: the extension says which fused
+    kernel the variant's forced mode runs on this device (stream-K: block_m 32 / 64 where the device grants its
+    ring, v5 elsewhere); the fused kernels are not timed above M = 1024."""
     if variant == "v5":
         return True
-    if variant == "wgmma":
-        return m <= 1024 and torch.cuda.get_device_capability() == (9, 0)
-    return streamk.applies(m) and m <= 1024
+    return m <= 1024 and ext.gemm_choice(m, n, k, VARIANT_KERNEL_MODES[variant]) == variant
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
@@ -560,7 +559,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         if m >= 256:
             fns["dqmm_sliced"] = ours(3, x)
         for v in variants or []:
-            if v != "v5" and variant_applies(v, m):
+            if v != "v5" and variant_applies(ext, v, m, n, k):
                 fns[f"kernel_{v}"] = ours(VARIANT_KERNEL_MODES[v], x)
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
@@ -572,6 +571,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
                "ours_runs": ext.gemm_choice(m, n, k, 0), **minfo}
         if "streamk" in (variants or []):
             rec["streamk_grid"] = int(ext.streamk_grid(m, n))
+            rec["streamk_tiles"] = int(ext.streamk_tiles(m, n))
         for key, fn in fns.items():
             if key.startswith("kernel") and m > 1024:
                 continue  # the fused kernel is not meant for these sizes (and is slow there)
@@ -587,19 +587,19 @@ def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = floa
     K stages (cuda/qerl_torch.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
 
     Per GEMM row with both ``kernel_graph_ms`` (v5) and ``kernel_streamk_graph_ms``: its tiles per CTA
-    (256-row tiles x M tiles / ``streamk_grid``), stages per CTA (ceil(tiles x K stages / grid)) and which
-    kernel is faster. Returns the points, how many the rule gets right, the summed time under the rule vs
-    best-of-both, and the tiles threshold (among the observed values, and 0 / inf) that minimizes the summed
-    time on these rows with the stages part of the rule kept.
+    (``streamk_tiles`` / ``streamk_grid``, both recorded from the extension when the row was timed), stages per
+    CTA (ceil(tiles x K stages / grid)) and which kernel is faster. Returns the points, how many the rule gets
+    right, the summed time under the rule vs best-of-both, and the tiles threshold (among the observed values,
+    and 0 / inf) that minimizes the summed time on these rows with the stages part of the rule kept.
     """
     pts = []
     for r in rows:
         v5, sk, grid = r.get("kernel_graph_ms"), r.get("kernel_streamk_graph_ms"), r.get("streamk_grid")
-        if r.get("layer") == "sum" or not (v5 and sk and grid):
+        tiles = r.get("streamk_tiles")
+        if r.get("layer") == "sum" or not (v5 and sk and grid and tiles):
             continue
-        tiles = -(-r["N"] // streamk.BN) * -(-r["M"] // streamk.block_m_for(r["M"]))
         pts.append({"model": r["model"], "layer": r["layer"], "M": r["M"], "tiles_per_cta": round(tiles / grid, 4),
-                    "stages_per_cta": -(-tiles * (r["K"] // streamk.BK) // grid), "v5_ms": v5, "streamk_ms": sk})
+                    "stages_per_cta": -(-tiles * (r["K"] // kernels.K_STAGE) // grid), "v5_ms": v5, "streamk_ms": sk})
 
     def picks(p: dict, th: float) -> bool:
         return p["tiles_per_cta"] >= th or p["stages_per_cta"] >= rule_stages

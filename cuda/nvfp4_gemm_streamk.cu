@@ -22,7 +22,7 @@
 //    (CTA, 0 = the first tile of its range / 1 = its last tile) and the last segment of the tile to arrive
 //    (atomic counter, re-zeroed by it) sums every partial of the tile in CTA order (deterministic whichever
 //    CTA arrives last) and runs the epilogue. A CTA writes at most 2 partials (its middle tiles are whole),
-//    so the workspace is 2 x CTAs x BM x 256 floats; verl_qerl/kernels/streamk.py mirrors this schedule.
+//    so the workspace is 2 x CTAs x BM x 256 floats (qerl_nvfp4_gemm_streamk_workspace_floats, from schedule()).
 //  * Epilogue math identical to v5: acc * (128 / global_scale) + bias -> bf16, only rows < M and < N.
 // Known cost kept in this version: the ring drains at each segment boundary (about 2 segments per CTA at
 // the 7B gate_up shape), one pipeline refill each.
@@ -308,7 +308,8 @@ cudaError_t prepare_sk() {
   return cudaSuccess;
 }
 
-// The schedule, shared by the launcher and the workspace size (mirrored in verl_qerl/kernels/streamk.py).
+// The schedule, shared by the launcher and the workspace size (the one definition: the host asks it, see
+// qerl_nvfp4_gemm_streamk_workspace_floats / _tiles).
 struct Schedule {
   int units = 0;          // m_tiles * n_tiles * stages
   int units_per_cta = 0;  // ceil(units / requested CTAs)

@@ -297,6 +297,10 @@ int64_t streamk_grid(int64_t m, int64_t n) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
+// Output tiles (256 weight rows x block_m tokens) of the stream-K kernel for (M, N): its schedule's work items and
+// the counters it uses (0 for block_m 8 / 16, where it never runs). Benchmarks record it next to streamk_grid.
+int64_t streamk_tiles(int64_t m, int64_t n) { return qerl_nvfp4_gemm_streamk_tiles(int(m), int(n), pick_block_m(m)); }
+
 // Which fused kernel a mode may run: v5 only, stream-K where it applies and pays (tile count, auto), or stream-K
 // wherever it applies (block_m 32 / 64 on a device that grants its ring).
 enum class StreamK { kNever, kWherePays, kWhereItApplies };
@@ -579,5 +583,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_dispatch_table", &set_dispatch_table,
         "auto mode's calibration: [[n, k, m, kernel id], ...] measured points (empty list: the rule-based dispatch)");
   m.def("table_pick", &table_pick, "the calibration table's kernel id for (M, N, K), -1 without a table");
+  m.def("streamk_tiles", &streamk_tiles,
+        "stream-K output tiles (256 rows x block_m tokens) for (M, N); 0 where block_m is 8 / 16 (v5 runs)");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
 }

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-pytest.importorskip("vllm")
-pytest.importorskip("verl")
+import verl  # noqa: E402, F401  (required in CI: missing verl / vLLM must fail, not skip)
+import vllm  # noqa: E402, F401
 
 
 @pytest.mark.slow
@@ -42,7 +42,33 @@ def test_evaluate_nvfp4_base_with_adapter(tiny_bf16, tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     result = json.loads(out.read_text())
     assert result["prompts"] == 4 and result["samples"] == 2 and result["quantization"] == "qerl_nvfp4"
-    assert 0.0 <= result["pass@1"] <= 1.0 and result["generated_tokens"] > 0
+    assert result["generated_tokens"] > 0
+    # 2 samples per prompt: each prompt scores 0, 0.5 or 1, and pass@1 is their mean
+    assert len(result["per_prompt"]) == 4 and all(p in (0.0, 0.5, 1.0) for p in result["per_prompt"])
+    assert result["pass@1"] == sum(result["per_prompt"]) / 4
+
+
+def test_pass_at_1_on_constructed_completions():
+    """Exact values where the right answers are known: verl's GSM8K (``#### n``) and DAPO (``Answer: n``) scorers,
+    a wrong or missing answer is 0 (GSM8K's format score does not count), averaged per prompt, then over prompts."""
+    from verl_qerl.testing.scripts import load_script
+
+    ev = load_script("examples/eval/evaluate.py", "evaluate_script")
+    sources = ["openai/gsm8k", "math_dapo", "openai/gsm8k"]
+    truths = ["42", "7", "5"]
+    completions = [
+        ["6 * 7 = 42\n#### 42", "#### 41", "so #### 42", "no answer here"],  # 2 of 4
+        ["Answer: 7", "Answer: 8", "it is 7\nAnswer: 7", "Answer: 7"],  # 3 of 4
+        ["#### 6", "#### 4", "#### 50", "5"],  # none
+    ]
+    per_prompt, acc = ev.pass_at_1(sources, truths, completions)
+    assert per_prompt == [0.5, 0.75, 0.0]
+    assert acc == pytest.approx(1.25 / 3, abs=1e-15)
+    assert ev.pass_at_1(sources[:1], truths[:1], [["#### 42"]]) == ([1.0], 1.0)
+    with pytest.raises(ValueError, match="no completions"):
+        ev.pass_at_1(sources[:1], truths[:1], [[]])
+    with pytest.raises(ValueError):  # prompts and completions must pair up
+        ev.pass_at_1(sources, truths, completions[:2])
 
 
 def test_evaluate_refuses_missing_inputs(tmp_path):

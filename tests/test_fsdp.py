@@ -8,6 +8,7 @@ losses of a two-step run must match a single-process run of the same model.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -60,12 +61,14 @@ def _two_steps(model) -> list[float]:
     return losses
 
 
-def _buffers(model) -> dict[str, tuple[str, list[int], list[int]]]:
+def _buffers(model) -> dict[str, tuple[str, list[int], str]]:
+    """Each NVFP4 buffer's dtype, shape and a digest of all its bytes (compared before and after wrapping)."""
     out = {}
     for name, b in model.named_buffers():
         name = name.replace("_fsdp_wrapped_module.", "").removeprefix("base_model.model.")
         if "weight_" in name:
-            out[name] = (str(b.dtype), list(b.shape), b.flatten()[:8].tolist())
+            raw = b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            out[name] = (str(b.dtype), list(b.shape), hashlib.sha256(raw).hexdigest())
     return out
 
 

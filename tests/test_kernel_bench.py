@@ -270,9 +270,23 @@ def test_parse_variants_and_models(kb):
         kb.select_models("qwen9")
 
 
+class FakeExt:
+    """The extension's ``gemm_choice`` as this test states it: forced stream-K (mode 5) runs for M >= 17."""
+
+    def __init__(self):
+        self.asked = []
+
+    def gemm_choice(self, m, n, k, mode):
+        self.asked.append((m, n, k, mode))
+        return "streamk" if mode == 5 and m >= 17 else "v5"
+
+
 def test_variant_applies_and_profile_modes(kb):
-    assert kb.variant_applies("v5", 1) and kb.variant_applies("v5", 4096)
-    assert [m for m in (1, 4, 16, 17, 64, 256, 1024, 4096) if kb.variant_applies("streamk", m)] == [17, 64, 256, 1024]
+    ext = FakeExt()
+    assert kb.variant_applies(ext, "v5", 1, 512, 256) and kb.variant_applies(ext, "v5", 4096, 512, 256)
+    ms = (1, 4, 16, 17, 64, 256, 1024, 4096)
+    assert [m for m in ms if kb.variant_applies(ext, "streamk", m, 512, 256)] == [17, 64, 256, 1024]
+    assert {a[3] for a in ext.asked} == {5} and (64, 512, 256, 5) in ext.asked  # asks the forced mode's choice
     # --profile follows $QERL_GEMM_KERNEL unless --variants is given
     assert kb.profile_modes(None, "v5") == [("v5", 1)]
     assert kb.profile_modes(None, "streamk") == [("streamk", 5)]
@@ -289,9 +303,9 @@ def test_build_targets_only_for_the_issue_models(kb):
 
 def test_streamk_calibration(kb):
     """Tiles per CTA from the row's shape and grid; the rule's hits, summed times and the best threshold."""
-    def row(layer, n, m, v5, sk):
+    def row(layer, n, m, v5, sk):  # tiles as the extension reports them: ceil(N / 256) x ceil(M / 64) here
         return {"model": "x", "layer": layer, "N": n, "K": 3584, "M": m, "streamk_grid": 132,
-                "kernel_graph_ms": v5, "kernel_streamk_graph_ms": sk}
+                "streamk_tiles": -(-n // 256) * -(-m // 64), "kernel_graph_ms": v5, "kernel_streamk_graph_ms": sk}
 
     rows = [row("qkv", 4608, 64, 0.020, 0.030),  # 18 tiles: 0.1364 per CTA, v5 faster
             row("gate_up", 17920, 64, 0.050, 0.045),  # 70 tiles: 0.5303, stream-K faster
@@ -320,7 +334,7 @@ def test_variant_ratios_sums_and_lines(kb):
     for lname in ("qkv", "o", "gate_up", "down"):
         for m in (1, 64):
             rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 128, "M": m, "kernel_graph_ms": 0.02}
-            if kb.variant_applies("streamk", m):
+            if kb.variant_applies(FakeExt(), "streamk", m, 64, 128):
                 rec["kernel_streamk_graph_ms"] = 0.016
             recs.append(kb.add_variant_ratios(rec, ["v5", "streamk"]))
     assert recs[1]["streamk/v5"] == 1.25 and "streamk/v5" not in recs[0]

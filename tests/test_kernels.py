@@ -1,7 +1,9 @@
 """CPU tests of verl_qerl.kernels: layout round trips, fallbacks vs a float64 oracle, fake impls.
 
-The float64 oracle is written here from the format's definition (not imported from the package),
-so a shared mistake in the package's references cannot hide.
+The oracles are written here from the format's definition and the kernel's register layout (not imported
+from the package): E2M1 from its table, E4M3 decoded from its bits, the repacked tiles decoded the way the
+CUDA kernel reads them (lane, word, register, half, scale byte). A shared mistake in the package's
+references (which the CPU ops and fallbacks all call) cannot hide behind a comparison with itself.
 """
 
 from __future__ import annotations
@@ -9,21 +11,94 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_qerl import kernels
+from verl_qerl import kernels, nvfp4
 from verl_qerl.kernels import layout, reference
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
-def oracle_weight(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """W[n, k] = e2m1(code) * float(scale[n, k // 16]) / g, in float64, element by element rules."""
-    lo = (packed & 0xF).long()
-    hi = (packed >> 4).long()
-    codes = torch.stack([lo, hi], -1).reshape(packed.shape[0], -1)
+def e4m3_to_f64(raw: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bytes -> float64, from the bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent
+    0 is subnormal (m / 8 * 2^-6); S.1111.111 is NaN (no infinities)."""
+    b = raw.view(torch.uint8).to(torch.int64) if raw.dtype != torch.uint8 else raw.to(torch.int64)
+    e, m = (b >> 3) & 0xF, (b & 7).to(torch.float64)
+    mag = torch.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * torch.pow(2.0, (e - 7).to(torch.float64)))
+    val = torch.where((b >> 7) == 1, -mag, mag)
+    return torch.where((b & 0x7F) == 0x7F, torch.full_like(val, float("nan")), val)
+
+
+def e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] bytes -> [N, K] 4-bit codes (even element in the low nibble)."""
+    return torch.stack([(packed & 0xF).long(), (packed >> 4).long()], -1).reshape(packed.shape[0], -1)
+
+
+def e2m1_to_f64(codes: torch.Tensor) -> torch.Tensor:
     mag = torch.tensor(E2M1, dtype=torch.float64)[codes & 7]
-    val = torch.where((codes & 8) != 0, -mag, mag)
-    s = scale.view(torch.float8_e4m3fn).to(torch.float64) if scale.dtype == torch.uint8 else scale.to(torch.float64)
-    return val * s.repeat_interleave(16, 1) / float(gs.reshape(()).double())
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def oracle_weight(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """W[n, k] = e2m1(code) * e4m3(scale[n, k // 16]) / g, exact in float64 (every factor is exact there)."""
+    s = e4m3_to_f64(scale)
+    return e2m1_to_f64(e2m1_codes(packed)) * s.repeat_interleave(16, 1) / float(gs.reshape(()).double())
+
+
+def oracle_dequantize(packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The format's dequantize, bit for bit: ``e2m1 * fl32(scale / g)`` rounded to float32, then to ``dtype``.
+
+    Emulated in float64: scale and g are float32 values, so float64's quotient rounded to float32 is float32's
+    correctly rounded quotient (53 >= 2 * 24 + 2 bits), and e2m1 (2 significant bits) times a float32 is exact
+    in float64 before its one rounding to float32."""
+    eff = (e4m3_to_f64(scale) / float(gs.reshape(()).double())).to(torch.float32).to(torch.float64)
+    prod = e2m1_to_f64(e2m1_codes(packed)) * eff.repeat_interleave(16, 1)
+    return prod.to(torch.float32).to(dtype)
+
+
+# The repacked layout as the CUDA kernel reads it (cuda/nvfp4_common.cuh decode_raw / scale_two, the GEMM's
+# fragment loads), written from the mma.sync m16n8k16 A-fragment rules: lane = 4 g + t holds rows g and g + 8,
+# columns 2t, 2t + 1 (+ 8); register a0 (row g, cols 2t..), a1 (row g + 8), a2 (row g, cols + 8), a3 (both).
+_MASK, _MASK_A3_LO, _MASK_A3_HI = 0x81C081C0, 0x80C080C0, 0x01000100
+
+
+def _rotl32(w: torch.Tensor, s: int) -> torch.Tensor:
+    return ((w << s) | (w >> (32 - s))) & 0xFFFFFFFF
+
+
+def _bf16_bits_to_f64(bits: torch.Tensor) -> torch.Tensor:
+    word = bits.to(torch.int64) << 16
+    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return word.view(torch.float32).to(torch.float64)
+
+
+def oracle_from_tiles(qweight: torch.Tensor, qscale: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """[N_pad, K] float64 weight read from the kernel layout element by element, as the GEMM computes it:
+    the fragment's bf16 ``e2m1 * 2^-126`` times the bf16 scale ``(byte << 4) | 0x7000`` (= scale * 2^119), then
+    the epilogue's ``128 / g``. Every step is exact, so this equals :func:`oracle_weight` bit for bit."""
+    tiles_n, stages = qweight.shape[:2]
+    row = torch.arange(tiles_n * 128).view(-1, 1)
+    col = torch.arange(stages * 128).view(1, -1)
+    i, b, r16 = row // 128, (row % 128) // 16, row % 16  # 128-row tile, n16 block in it, row in the block
+    s, t, c64 = col // 128, (col % 128) // 64, col % 64  # stage, k64 tile in the stage, column in the tile
+    step, c16 = c64 // 16, c64 % 16  # k16 MMA step (word of the lane), column in the step
+    g, upper = r16 % 8, r16 // 8
+    lane = 4 * g + (c16 % 8) // 2
+    reg = upper + 2 * (c16 // 8)
+    half = c16 % 2
+    tile = 2 * b + t  # 512 weight bytes and 64 scale bytes per (n16, k64) tile, tile-major inside a stage
+    stage_base = i * stages + s
+    wq = qweight.reshape(-1).to(torch.int64)
+    byte0 = stage_base * 8192 + tile * 512 + lane * 16 + step * 4
+    word = wq[byte0] | (wq[byte0 + 1] << 8) | (wq[byte0 + 2] << 16) | (wq[byte0 + 3] << 24)
+    regs = torch.stack([
+        word & _MASK,
+        _rotl32(word, 4) & _MASK,
+        _rotl32(word, 10) & _MASK,
+        (_rotl32(word, 6) & _MASK_A3_LO) | (_rotl32(word, 14) & _MASK_A3_HI),
+    ], -1)
+    frag = (regs.gather(-1, reg.expand_as(word).unsqueeze(-1)).squeeze(-1) >> (16 * half)) & 0xFFFF
+    sbyte = qscale.reshape(-1).to(torch.int64)[stage_base * 1024 + tile * 64 + g * 8 + step * 2 + upper]
+    w = _bf16_bits_to_f64(frag) * _bf16_bits_to_f64((sbyte << 4) | 0x7000)
+    return w * 128 / float(gs.reshape(()).double())
 
 
 def random_nvfp4(n: int, k: int, seed: int, zero_blocks: bool = False):
@@ -63,6 +138,15 @@ def test_repack_bit_placement_is_a_permutation() -> None:
     assert bits == list(range(32))
 
 
+def test_e4m3_decoder_agrees_with_torch_on_every_byte() -> None:
+    """The test's own E4M3 decoder and torch's float8_e4m3fn cast: two implementations, all 256 bytes."""
+    raw = torch.arange(256, dtype=torch.uint8)
+    ours, theirs = e4m3_to_f64(raw), raw.view(torch.float8_e4m3fn).to(torch.float64)
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and int(torch.isnan(ours).sum()) == 2
+    assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+    assert float(ours[0x08]) == 2.0**-6 and float(ours[0x01]) == 2.0**-9 and float(ours[0x7E]) == 448.0
+
+
 def test_scale_encoding_all_e4m3() -> None:
     """All finite non-negative E4M3 values (subnormals included) survive the byte re-encoding."""
     raw = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN in e4m3fn
@@ -77,7 +161,8 @@ def test_zero_scale_blocks_decode_to_zero() -> None:
     rw = kernels.repack(packed, scale)
     w = reference.dequantize_repacked_ref(rw.qweight, rw.qscale, gs, 128, torch.float32)
     assert float(w[0, :16].abs().sum()) == 0.0 and float(w[-1, -16:].abs().sum()) == 0.0
-    assert torch.equal(w, reference.dequantize_ref(packed, scale, gs, torch.float32))
+    assert torch.equal(w, oracle_dequantize(packed, scale, gs, torch.float32))
+    assert torch.equal(oracle_from_tiles(rw.qweight, rw.qscale, gs), oracle_weight(packed, scale, gs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -85,8 +170,10 @@ def test_dequantize_matches_oracle(dtype: torch.dtype) -> None:
     packed, scale, gs = random_nvfp4(64, 256, seed=7)
     w = kernels.dequantize(packed, scale, gs, dtype)
     assert w.dtype == dtype and w.shape == (64, 256)
+    # bit for bit the format's definition (fp32 math, then one rounding to dtype) ...
+    assert torch.equal(w, oracle_dequantize(packed, scale, gs, dtype))
+    # ... which is the exact value up to the fp32 steps and the final rounding (relative)
     ref = oracle_weight(packed, scale, gs)
-    # one rounding of the fp32 product: within half an ulp of the output dtype (relative)
     tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 1e-3}[dtype]
     nz = ref != 0
     floor = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # subnormal spacing
@@ -101,7 +188,18 @@ def test_dequantize_repacked_equals_dequantize() -> None:
     rw = kernels.repack(packed, scale)
     a = kernels.dequantize_repacked(rw, gs, 144, torch.bfloat16)
     b = kernels.dequantize(packed, scale, gs, torch.bfloat16)
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and torch.equal(a, oracle_dequantize(packed, scale, gs, torch.bfloat16))
+
+
+@pytest.mark.parametrize("n,k", [(16, 128), (272, 384), (128, 512)])
+def test_repacked_layout_reads_back_as_the_kernel_reads_it(n: int, k: int) -> None:
+    """The tiles decoded element by element from the kernel's fragment rules hold the weight, bit for bit;
+    padding rows hold zeros. Catches a permutation shared by repack and unrepack (their round trip can't)."""
+    packed, scale, gs = random_nvfp4(n, k, seed=n * k, zero_blocks=True)
+    rw = kernels.repack(packed, scale)
+    w = oracle_from_tiles(rw.qweight, rw.qscale, gs)
+    assert torch.equal(w[:n], oracle_weight(packed, scale, gs))
+    assert int(w[n:].count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("m", [1, 5, 33])
@@ -124,8 +222,13 @@ def test_linear_fallback_matches_f64(m: int, with_bias: bool) -> None:
     rw = kernels.repack(packed, scale)
     outk = kernels.linear(xb, packed, scale, gs, bias, kernel_weight=rw)
     assert rel_err(outk, refb) < 1e-2
+    # the repacked path alone (what vLLM's kernel layout runs): checked against the weight read from the tiles
+    w_tiles = oracle_from_tiles(rw.qweight, rw.qscale, gs)[:n]
+    tiles_ref = xb.double() @ w_tiles.T + (bias.to(torch.bfloat16).double() if with_bias else 0)
     outk2 = kernels.linear(xb.view(1, m, k), None, None, gs, bias, kernel_weight=rw, n=n)
-    assert outk2.shape == (1, m, n)
+    assert outk2.shape == (1, m, n) and outk2.dtype == torch.bfloat16 and rel_err(outk2[0], tiles_ref) < 1e-2
+    outk32 = kernels.linear(x, None, None, gs, bias, kernel_weight=rw, n=n)
+    assert rel_err(outk32, x.double() @ w_tiles.T + (bias.double() if with_bias else 0)) < 1e-5
 
 
 def test_ops_cpu_and_shapes() -> None:
@@ -135,10 +238,13 @@ def test_ops_cpu_and_shapes() -> None:
     assert qw.shape == (1, 1, 8192) and qs.shape == (1, 1, 1024)
     x = torch.randn(3, k).to(torch.bfloat16)
     out = torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, None, n, 0)
-    ref = reference.linear_f64(x, packed, scale, gs)
+    ref = x.double() @ oracle_weight(packed, scale, gs).T
     assert out.shape == (3, n) and out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
-    w = torch.ops.qerl.nvfp4_dequant(packed, scale.view(torch.uint8), gs, torch.float32)
-    assert torch.equal(w, reference.dequantize_ref(packed, scale, gs, torch.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.ops.qerl.nvfp4_dequant(packed, scale.view(torch.uint8), gs, dtype)
+        assert torch.equal(w, oracle_dequantize(packed, scale, gs, dtype))
+        wr = torch.ops.qerl.nvfp4_dequant_repacked(qw, qs, gs, n, dtype)
+        assert torch.equal(wr, oracle_dequantize(packed, scale, gs, dtype))
 
 
 def test_autograd_through_gemm_op() -> None:
@@ -185,11 +291,7 @@ def test_fake_impls_under_compile() -> None:
         return y + (x @ w.T) * 0.5
 
     x = torch.randn(5, k).to(torch.bfloat16)
-    try:
-        cf = torch.compile(f, fullgraph=True, backend="aot_eager")
-        out = cf(x)
-    except Exception as ex:  # pragma: no cover - only if this torch cannot compile at all here
-        pytest.skip(f"torch.compile unavailable here: {ex}")
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     assert out.shape == (5, n) and out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), f(x).float(), rtol=2e-2, atol=2e-2)
 
@@ -211,15 +313,15 @@ def test_fake_impls_under_compile() -> None:
 
 
 def test_reference_matches_format_module() -> None:
-    """The kernels' torch reference is bit-identical to verl_qerl.nvfp4 (quantize -> dequantize)."""
-    nvfp4 = pytest.importorskip("verl_qerl.nvfp4")
+    """The kernels' torch references and verl_qerl.nvfp4 give the oracle's bits on quantized real weights."""
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)) * 0.1
     q = nvfp4.quantize(w)
-    for dtype in (torch.float32, torch.bfloat16):
-        a = reference.dequantize_ref(q.packed, q.scale, q.global_scale, dtype)
-        b = nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype)
-        assert torch.equal(a, b)
     rw = kernels.repack(q.packed, q.scale)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = oracle_dequantize(q.packed, q.scale, q.global_scale, dtype)
+        assert torch.equal(reference.dequantize_ref(q.packed, q.scale, q.global_scale, dtype), want)
+        assert torch.equal(nvfp4.dequantize(q.packed, q.scale, q.global_scale, dtype), want)
+        assert torch.equal(reference.dequantize_repacked_ref(rw.qweight, rw.qscale, q.global_scale, 64, dtype), want)
     x = torch.randn(3, 256).to(torch.bfloat16)
     out = kernels.linear(x, q.packed, q.scale, q.global_scale, kernel_weight=rw)
     assert rel_err(out, reference.linear_f64(x, q.packed, q.scale, q.global_scale)) < 1e-2

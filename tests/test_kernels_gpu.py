@@ -363,6 +363,9 @@ def test_auto_picks_streamk_by_shape(rule_dispatch) -> None:  # noqa: ANN001
     if grid == 0:
         pytest.skip("stream-K does not apply on this device (shared memory per CTA)")
     assert min_tiles == pytest.approx(0.25) and grid == sms  # documented default; one CTA per SM
+    # tiles of 256 rows x block_m tokens, as the kernel's schedule counts them (block_m 8 / 16: never stream-K)
+    assert [ext.streamk_tiles(m, 37888) for m in (64, 128, 33, 32, 17, 16, 1)] == [148, 296, 148, 148, 148, 0, 0]
+    assert ext.streamk_tiles(64, 4608) == 18 and ext.streamk_tiles(40, 1040) == 5
     assert ext.gemm_choice(64, 37888, 3584, 0) == "streamk"
     assert ext.gemm_choice(64, 4608, 3584, 0) == "v5"
     assert min_stages == 24

@@ -1,103 +1,17 @@
-"""CPU tests of the stream-K GEMM variant's host logic: the schedule mirror that sizes its workspace,
-the partial-sum slot protocol, and the ``QERL_GEMM_KERNEL`` switch (GPU tests: test_kernels_gpu.py)."""
+"""CPU tests of the stream-K GEMM variant's host switches: ``QERL_GEMM_KERNEL``, the tuning variables the
+extension reads, and the torch fallbacks' indifference to both. The kernel's schedule (tiles, CTAs, partial-sum
+slots, workspace) has one definition, in cuda/nvfp4_gemm_streamk.cu; the host asks the extension for it
+(``gemm_choice``, ``streamk_grid``, ``streamk_tiles``), and tests/test_kernels_gpu.py checks those answers and the
+kernel's results on the GPU."""
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
 import torch
 
 from verl_qerl import kernels
-from verl_qerl.kernels import streamk
-
-SHAPES = [  # (M, N, K): tails in M and N (N % 256 in {0, 16, 144}), 1..28 stages, the 7B gate_up
-    (17, 272, 128),
-    (33, 400, 640),
-    (64, 512, 896),
-    (100, 1040, 768),
-    (200, 256, 3584),
-    (64, 37888, 3584),
-    (64, 3584, 18944),
-]
-GRIDS = [1, 7, 132, 264, 1000]
-
-
-def check_schedule(m: int, n: int, k: int, grid: int, bm: int) -> None:
-    s = streamk.schedule(m, n, k, grid, bm)
-    assert s.ctas <= grid and s.ctas * s.units_per_cta >= s.units > (s.ctas - 1) * s.units_per_cta
-    segs = streamk.segments(s)
-    # every (tile, stage) unit exactly once
-    seen = [0] * s.units
-    for g in segs:
-        assert 0 <= g.k_begin < g.k_end <= s.stages
-        for st in range(g.k_begin, g.k_end):
-            seen[g.tile * s.stages + st] += 1
-    assert seen == [1] * s.units
-    # CTAs cover contiguous equal ranges: each CTA's segments add up to its range length
-    for cta in range(s.ctas):
-        mine = [g for g in segs if g.cta == cta]
-        length = min(s.units_per_cta, s.units - cta * s.units_per_cta)
-        assert sum(g.k_end - g.k_begin for g in mine) == length
-        partial = [g.slot for g in mine if g.slot is not None]
-        assert len(partial) <= 2 and len(set(partial)) == len(partial)  # at most one write per slot
-        assert all(2 * cta <= p < 2 * cta + 2 for p in partial)
-    # per tile: whole iff one CTA; else the reducer reads exactly the slots written, in CTA order
-    by_tile: dict[int, list] = {}
-    for g in segs:
-        by_tile.setdefault(g.tile, []).append(g)
-    assert sorted(by_tile) == list(range(s.n_tiles * s.m_tiles))
-    for tile, gs in by_tile.items():
-        ctas = list(streamk.ctas_of_tile(s, tile))
-        assert [g.cta for g in gs] == ctas
-        if len(ctas) == 1:
-            assert gs[0].slot is None and (gs[0].k_begin, gs[0].k_end) == (0, s.stages)
-        else:
-            assert [g.slot for g in gs] == [streamk.reader_slot(s, c, tile) for c in ctas]
-    # the workspace holds every slot written (and is 0 when nothing is partial)
-    slots = [g.slot for g in segs if g.slot is not None]
-    wsf = streamk.workspace_floats(m, n, k, grid, bm)
-    if slots:
-        assert wsf >= (max(slots) + 1) * bm * streamk.BN
-    else:
-        assert wsf == 0
-
-
-@pytest.mark.parametrize("m,n,k", SHAPES)
-def test_schedule_covers_every_unit_once_and_slots_match(m: int, n: int, k: int) -> None:
-    for grid in GRIDS:
-        check_schedule(m, n, k, grid, streamk.block_m_for(m))
-
-
-def test_schedule_small_exhaustive() -> None:
-    for m, n16, st, grid in itertools.product((17, 40, 64, 129), (1, 8, 16, 17, 33), (1, 2, 3, 5), (1, 2, 3, 5, 13)):
-        check_schedule(m, n16 * 16, st * 128, grid, streamk.block_m_for(m))
-
-
-def test_schedule_7b_gate_up_m64() -> None:
-    """The shape of the NOTES prediction: 148 tiles x 28 stages over 132 SMs -> 130 CTAs of 32 stages."""
-    s = streamk.schedule(64, 37888, 3584, 132, 64)
-    assert (s.n_tiles, s.m_tiles, s.stages, s.units, s.units_per_cta, s.ctas) == (148, 1, 28, 4144, 32, 130)
-    assert streamk.workspace_floats(64, 37888, 3584, 132, 64) == 2 * 130 * 64 * 256
-    segs = streamk.segments(s)
-    # each CTA walks at most 2 segments here (one ring refill each): the cost the NOTES prediction assumes
-    assert max(sum(1 for g in segs if g.cta == c) for c in range(s.ctas)) == 2
-    # a range that is a whole number of tiles has no partials and needs no workspace
-    assert streamk.workspace_floats(64, 512, 256, 1, 64) == 0
-    assert streamk.workspace_floats(8, 512, 256, 3, 8) == 0  # block_m 8 / 16 never use stream-K
-
-
-def test_applies_only_to_block_m_32_and_64() -> None:
-    assert [m for m in range(1, 300) if streamk.applies(m)] == list(range(17, 300))
-    assert streamk.block_m_for(16) == 16 and streamk.block_m_for(17) == 32 and streamk.block_m_for(33) == 64
-
-
-def test_schedule_refuses_bad_shapes() -> None:
-    with pytest.raises(ValueError, match="K=100"):
-        streamk.schedule(64, 256, 100, 132, 64)
-    with pytest.raises(ValueError, match="grid=0"):
-        streamk.schedule(64, 256, 128, 0, 64)
 
 
 def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:

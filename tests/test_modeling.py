@@ -184,6 +184,51 @@ def test_quantize_model_is_within_quantization_error_and_exact_against_fake_quan
     assert 0 < rel < 0.3, rel  # 4-bit weights: visibly lossy, but the model is the same model
 
 
+@pytest.mark.parametrize("rows, cols, chunk", [(37, 64, 5 * 64), (40, 128, 1), (97, 32, 2048 + 16)])
+@pytest.mark.parametrize("given_scale", [True, False])
+def test_quantize_rows_in_chunks_is_bit_exact(rows, cols, chunk, given_scale):
+    """Chunks of whole rows (a ragged last one; one row per chunk; chunks not a multiple of the row) give the
+    bytes of one unchunked quantize: the global scale is the whole weight's, so rows are independent."""
+    from verl_qerl.modeling import linear
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.05
+    w[3, :16] *= 40  # an outlier row sets the global scale; other chunks must use it too
+    gs = fused_global_scale([w]) if given_scale else None
+    whole = quantize(w, gs)
+    calls = []
+    original = linear.quantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    linear.quantize = counting
+    try:
+        got = linear.quantize_rows(w, gs, chunk_elements=chunk)
+    finally:
+        linear.quantize = original
+    assert len(calls) > 1 and sum(calls) == rows  # the chunked path ran, over every row once
+    assert torch.equal(got.packed, whole.packed)
+    assert torch.equal(got.scale.view(torch.uint8), whole.scale.view(torch.uint8))
+    assert torch.equal(got.global_scale, whole.global_scale)
+
+
+def test_quantize_model_in_chunks_gives_the_unchunked_buffers(tiny_bf16, nvfp4_fp32, monkeypatch):
+    """``quantize_model`` with the chunk lowered below every layer's size: the same buffers, byte for byte."""
+    from verl_qerl.modeling import linear, quantize_model
+
+    monkeypatch.setattr(linear, "QUANTIZE_CHUNK_ELEMENTS", 8 * 128)  # 8 rows of K=128, 4 of K=256
+    calls = []
+    original = linear.quantize
+    monkeypatch.setattr(linear, "quantize", lambda w, *a, **k: calls.append(w.shape[0]) or original(w, *a, **k))
+    chunked = quantize_model(_hf(tiny_bf16), "nvfp4").state_dict()
+    assert len(calls) > 14 and max(calls) <= 8  # every layer went through several chunks
+    expected = nvfp4_fp32.state_dict()
+    assert sorted(chunked) == sorted(expected)
+    for k, v in expected.items():
+        assert chunked[k].dtype == v.dtype and torch.equal(chunked[k], v), k
+
+
 def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16, tiny_nvfp4, nvfp4_fp32):
     from verl_qerl.modeling import load_nvfp4_model, quantize_model
 
@@ -254,25 +299,82 @@ def test_meta_model_gets_meta_shells_filled_by_state_dict(tiny_bf16, nvfp4_fp32)
                        nvfp4_fp32.model.layers[0].mlp.up_proj.global_scale)
 
 
-def test_bf16_mode_is_a_no_op_and_nf4_without_bitsandbytes_says_so(tiny_bf16):
+def test_bf16_mode_is_a_no_op_and_nf4_without_bitsandbytes_says_so(tiny_bf16, monkeypatch):
+    import sys
+
     from verl_qerl.modeling import NF4UnavailableError, quantize_model
 
     model = _hf(tiny_bf16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert quantize_model(model, "bf16") is model
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        with pytest.raises(NF4UnavailableError, match="needs bitsandbytes"):
-            quantize_model(model, "nf4")
-    else:  # bitsandbytes present: CPU either works or is refused with a message naming the device
-        try:
-            quantize_model(model, "nf4")
-        except NF4UnavailableError as exc:
-            assert "cpu" in str(exc)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: import fails
+    with pytest.raises(NF4UnavailableError, match="needs bitsandbytes"):
+        quantize_model(model, "nf4")
     with pytest.raises(ValueError, match="mode='int8'"):
         quantize_model(_hf(tiny_bf16), "int8")
+
+
+#: NF4's 16 levels (QLoRA, Dettmers et al. 2023, appendix E): the normal-quantile code, -1 ... 1 with an exact 0.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+
+
+def test_nf4_mode_is_nf4_and_computes_with_its_dequantized_weight(tiny_bf16):
+    """The QLoRA baseline (bitsandbytes' CPU build): every projection becomes an NF4 Linear4bit (blocks of 64,
+    double-quantized absmax); each weight element is the NF4 level nearest to w / absmax(block), decoded here
+    from the packed nibbles; the model computes exactly what the dense model with those weights computes, and
+    a LoRA adapter on it what the same adapter on that dense model computes."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_f
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from verl_qerl.modeling import get_lora_model, quantize_model
+
+    original = _hf(tiny_bf16)
+    dense_w = {n: m.weight.detach().clone() for n, m in original.named_modules() if isinstance(m, nn.Linear)}
+    model = quantize_model(copy.deepcopy(original), "nf4")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert sorted(layers) == sorted(f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}"
+                                    for i in range(2) for p in PROJ)
+    assert type(model.lm_head) is nn.Linear and model.is_loaded_in_4bit
+    levels = torch.tensor(NF4_LEVELS)
+    reference = copy.deepcopy(original)
+    ref_mods = dict(reference.named_modules())
+    for name, layer in layers.items():
+        qs = layer.weight.quant_state
+        assert qs.quant_type == "nf4" and qs.blocksize == 64 and qs.nested
+        w = dense_w[name]
+        byte = layer.weight.data.reshape(-1).to(torch.int64)
+        codes = torch.stack([byte >> 4, byte & 0xF], -1).reshape(-1, 64)  # first element in the high nibble
+        absmax = (bnb_f.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float().reshape(-1, 1)
+        deq = bnb_f.dequantize_4bit(layer.weight.data, qs)
+        assert deq.shape == w.shape and torch.equal(deq, (levels[codes] * absmax).reshape(w.shape)), name
+        blocks = w.reshape(-1, 64)
+        true_absmax = blocks.abs().amax(1, keepdim=True)
+        nearest = (blocks.unsqueeze(-1) / true_absmax.unsqueeze(-1) - levels).abs().argmin(-1)
+        assert torch.equal(codes, nearest), name
+        assert float(((absmax - true_absmax).abs() / true_absmax).max()) < 1e-2  # 8-bit double quantization
+        with torch.no_grad():
+            ref_mods[name].weight.copy_(deq)
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(len(name)))
+        with torch.no_grad():
+            assert torch.equal(layer(x), F.linear(x, deq, layer.bias)), name
+    ids = _ids()
+    with torch.no_grad():
+        out, ref, dense = model(ids).logits, reference(ids).logits, original(ids).logits
+    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert 0 < float((out - dense).norm() / dense.norm()) < 0.3  # 4-bit: lossy, but the same model
+    # QLoRA: peft's bitsandbytes LoRA layer on the NF4 base = the same adapter on the dequantized dense model
+    lora, lora_ref = get_lora_model(model, r=8, lora_alpha=16), get_lora_model(reference, r=8, lora_alpha=16)
+    _randomize_lora(lora)
+    set_peft_model_state_dict(lora_ref, get_peft_model_state_dict(lora))
+    with torch.no_grad():
+        lora_out, lora_ref_out = lora(input_ids=ids).logits, lora_ref(input_ids=ids).logits
+    assert torch.allclose(lora_out, lora_ref_out, rtol=1e-5, atol=1e-5)
+    assert float((lora_out - out).abs().max()) > 1e-3  # the adapter is active
 
 
 def test_bad_models_and_modules_are_named(tiny_bf16):

@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 
 os.environ.setdefault("VERL_QERL_QUIET", "1")
-pytest.importorskip("verl")
-
+import verl  # noqa: E402, F401  (required in CI: a missing verl must fail, not skip)
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # noqa: E402
 
 from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model  # noqa: E402

@@ -61,7 +61,6 @@ def test_disk_check_names_needed_and_free(tmp_path):
 
 
 def test_tiny_rollout_writes_rows_and_targets(tmp_path):
-    pytest.importorskip("vllm")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     env.pop("OUT", None)

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 os.environ.setdefault("VERL_QERL_QUIET", "1")
-verl = pytest.importorskip("verl")
-
+import verl  # noqa: E402, F401  (required in CI: a missing verl must fail, not skip)
 from hydra import compose, initialize_config_module  # noqa: E402
 
 from verl_qerl.verl.config import (  # noqa: E402
@@ -148,71 +147,131 @@ def test_a_bad_config_json_at_model_path_is_named(tmp_path):
         apply_qerl(composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tmp_path}"))
 
 
+def _tiny_rollout_model():
+    """A small Qwen2 standing in for a vLLM worker's model: the RMSNorm parameter names AQN selects by."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms start at exactly 1; make them distinct so "changed" means something
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape))
+    return model
+
+
 def test_trainer_mode_is_registered_and_drives_aqn_per_step():
+    """The qerl_sync trainer against stand-in rollout servers whose ``collective_rpc`` runs the real worker
+    extension on a small model: the configured AQN targets / final norm / rounding / seed must be what the
+    rollout side's noiser uses, and the noise must land on exactly those norms."""
+    import torch
     from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    from verl_qerl.aqn import AQNConfig, NormNoiser
+    from verl_qerl.vllm.worker_extension import QeRLWorkerExtension
 
     cls = get_trainer_cls(TRAINER_MODE)
     assert issubclass(cls, PPOTrainerSync)
 
-    calls: list[tuple] = []
+    calls: list[tuple] = []  # every call of every step, in order (never cleared)
+
+    class FakeWorker(QeRLWorkerExtension):
+        def __init__(self):
+            model = _tiny_rollout_model()
+            self.model_runner = SimpleNamespace(get_model=lambda: model)
 
     class FakeRemote:
-        def __init__(self, name, server):
-            self.name, self.server = name, server
+        def __init__(self, name, server, fn):
+            self.name, self.server, self.fn = name, server, fn
 
         def remote(self, *args, **kwargs):
-            calls.append((self.server, self.name, args, kwargs))
-            return None
+            calls.append((self.server, self.name, args, kwargs, FakeServer.step))
+            return self.fn(*args, **kwargs)
 
     class FakeServer:
+        step = 0
+
         def __init__(self, i):
-            self.collective_rpc = FakeRemote("collective_rpc", i)
-            self.clear_kv_cache = FakeRemote("clear_kv_cache", i)
+            self.worker = FakeWorker()
+            rpc = lambda method, kwargs=None: getattr(self.worker, method)(**(kwargs or {}))  # noqa: E731
+            self.collective_rpc = FakeRemote("collective_rpc", i, rpc)
+            self.clear_kv_cache = FakeRemote("clear_kv_cache", i, lambda: None)
 
     import ray
 
-    cfg = composed("+qerl=nvfp4")
+    cfg = composed("+qerl=nvfp4", "qerl.aqn.seed=5", "+qerl.aqn.targets=[post_attention_layernorm]",
+                   "+qerl.aqn.include_final_norm=true", "+qerl.aqn.rounding=nearest")
     apply_qerl(cfg)
     trainer = cls.__new__(cls)
     trainer.trainer_mode = cfg.trainer.v1.trainer_mode  # what verl's __init__ does
     assert trainer.trainer_mode == "sync"  # verl's sync/async branches compare with the literal "sync"
     trainer.config = cfg
     trainer.total_training_steps = 20
+    servers = [FakeServer(0), FakeServer(1), FakeServer(2)]
     trainer.llm_server_manager = SimpleNamespace(
-        rollout_replicas=[SimpleNamespace(servers=[FakeServer(0), FakeServer(1)]), SimpleNamespace(servers=[
-            FakeServer(2)])]
-    )
+        rollout_replicas=[SimpleNamespace(servers=servers[:2]), SimpleNamespace(servers=servers[2:])])
+    clean = {n: p.detach().clone() for n, p in servers[0].worker.model_runner.get_model().named_parameters()
+             if n.endswith("norm.weight")}
+    want = {"model.layers.0.post_attention_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+            "model.norm.weight"}
     orig_get = ray.get
     ray.get = lambda refs, **k: refs
     try:
         sigmas = {}
         for step in (1, 2, 3, 10, 20):
-            calls.clear()
+            FakeServer.step = step
             trainer.global_steps = step
             trainer._pending_sync_metrics = {}
             trainer.on_step_begin()
             m = trainer._pending_sync_metrics
             sigmas[step] = m["qerl/aqn_sigma"]
+            now = [c for c in calls if c[4] == step]
             if step <= 2:  # stage 0 (steps 1-2 of 20 with 10 stages) is noise-free: no call needed
                 assert m["qerl/aqn_stage"] == 0 and m["qerl/aqn_sigma"] == 0.0
-                assert not [c for c in calls if c[1] == "collective_rpc"]
+                assert not [c for c in now if c[1] == "collective_rpc"]
             else:
-                rpcs = [c for c in calls if c[1] == "collective_rpc" and c[2][0] != "qerl_aqn_setup"]
+                rpcs = [c for c in now if c[1] == "collective_rpc" and c[2][0] != "qerl_aqn_setup"]
                 assert sorted(c[0] for c in rpcs) == [0, 1, 2]  # every server of every replica
                 assert all(c[2][0] == "qerl_aqn_apply" and c[3]["kwargs"]["sigma"] == m["qerl/aqn_sigma"]
                            and c[3]["kwargs"]["step"] == step for c in rpcs)
-                assert sorted(c[0] for c in calls if c[1] == "clear_kv_cache") == [0, 1, 2]
-        setups = [c for c in calls if c[2] and c[2][0] == "qerl_aqn_setup"]
-        assert setups == []  # the clean snapshot is taken once, at the first noisy step
+                assert sorted(c[0] for c in now if c[1] == "clear_kv_cache") == [0, 1, 2]
+        # the clean snapshot is taken once per server, at the first noisy step, before its first apply,
+        # with the configured AQN settings
+        setups = [c for c in calls if c[1] == "collective_rpc" and c[2][0] == "qerl_aqn_setup"]
+        assert sorted(c[0] for c in setups) == [0, 1, 2] and {c[4] for c in setups} == {3}
+        first_apply = min(i for i, c in enumerate(calls) if c[1] == "collective_rpc" and c[2][0] == "qerl_aqn_apply")
+        assert all(calls.index(c) < first_apply for c in setups)
+        assert all(c[3]["kwargs"] == {"seed": 5, "targets": ["post_attention_layernorm"], "include_final_norm": True,
+                                      "rounding": "nearest"} for c in setups)
+        # ... and they reach the rollout side: each worker's noiser targets those norms with that rounding and
+        # seed, and holds the noise of the last step (20) on exactly those norms, as the AQN library computes it
+        expected = {n: t.clone() for n, t in clean.items()}
+        NormNoiser.from_config(expected.items(), AQNConfig(seed=5, targets=("post_attention_layernorm",),
+                                                           include_final_norm=True, rounding="nearest")
+                               ).apply(20, sigmas[20])
+        for srv in servers:
+            assert set(srv.worker._qerl_noiser.names) == want
+            assert srv.worker._qerl_noiser_key == (5, ("post_attention_layernorm",), True, "nearest")
+            held = dict(srv.worker.model_runner.get_model().named_parameters())
+            for name, value in clean.items():
+                assert torch.equal(held[name], expected[name]), name
+                assert torch.equal(held[name], value) == (name not in want), name
         assert sigmas[3] == pytest.approx(1e-2) and sigmas[20] == pytest.approx(5e-4)
         # validation removes the noise, then puts it back
         calls.clear()
         trainer.on_validate_begin()
         assert {c[2][0] for c in calls if c[1] == "collective_rpc"} == {"qerl_aqn_restore"}
+        held = dict(servers[1].worker.model_runner.get_model().named_parameters())
+        assert all(torch.equal(held[n], v) for n, v in clean.items())
         calls.clear()
         trainer.on_validate_end()
         assert {c[2][0] for c in calls if c[1] == "collective_rpc"} == {"qerl_aqn_apply"}
+        held = dict(servers[1].worker.model_runner.get_model().named_parameters())
+        assert all(torch.equal(held[n], expected[n]) for n in clean)
     finally:
         ray.get = orig_get
 

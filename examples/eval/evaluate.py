@@ -30,6 +30,18 @@ def _score(data_source: str, response: str, truth: str) -> float:
     return float(result > 0.5)  # gsm8k / math: 1.0 correct, 0.0 (or a small format score) otherwise
 
 
+def pass_at_1(data_sources: list[str], truths: list[str], completions: list[list[str]]) -> tuple[list[float], float]:
+    """Per prompt, the fraction of its sampled completions graded correct; and their mean over prompts (pass@1)."""
+    per_prompt = []
+    for source, truth, texts in zip(data_sources, truths, completions, strict=True):
+        if not texts:
+            raise ValueError(f"pass_at_1: a prompt with no completions (data_source={source!r})")
+        per_prompt.append(sum(_score(source, text, truth) for text in texts) / len(texts))
+    if not per_prompt:
+        raise ValueError("pass_at_1: no prompts")
+    return per_prompt, sum(per_prompt) / len(per_prompt)
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     import pandas as pd
     from vllm import LLM, SamplingParams
@@ -55,16 +67,13 @@ def evaluate(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=lora)
     gen_s = time.perf_counter() - t0
-    per_prompt, n_tokens = [], 0
-    for (_, row), out in zip(frame.iterrows(), outputs, strict=True):
-        truth = row["reward_model"]["ground_truth"]
-        scores = [_score(row["data_source"], c.text, truth) for c in out.outputs]
-        n_tokens += sum(len(c.token_ids) for c in out.outputs)
-        per_prompt.append(sum(scores) / len(scores))
-    accuracy = sum(per_prompt) / len(per_prompt)
+    truths = [row["reward_model"]["ground_truth"] for _, row in frame.iterrows()]
+    per_prompt, accuracy = pass_at_1(list(frame["data_source"]), truths,
+                                     [[c.text for c in out.outputs] for out in outputs])
+    n_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
     return {"data": str(args.data), "model": str(args.model), "adapter": str(args.adapter) if args.adapter else None,
             "quantization": args.quantization, "prompts": len(per_prompt), "samples": args.samples,
-            "pass@1": accuracy, "generated_tokens": n_tokens, "generate_s": gen_s,
+            "pass@1": accuracy, "per_prompt": per_prompt, "generated_tokens": n_tokens, "generate_s": gen_s,
             "tokens_per_s": n_tokens / gen_s if gen_s > 0 else None,
             "sampling": {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}}
 

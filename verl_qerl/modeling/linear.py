@@ -43,8 +43,9 @@ import torch.nn as nn
 from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
 from . import _ops
 
-#: Rows quantized at a time by :meth:`NVFP4Linear.from_linear`: bounds the float32 temporaries of
-#: quantization (a few copies of the chunk) to ~64 MiB each, whatever the layer size.
+#: Elements quantized at a time by :func:`quantize_rows` (whole rows): bounds the float32 temporaries of
+#: quantization (a few copies of the chunk) to ~64 MiB each, whatever the layer size. Read at each call,
+#: so tests can lower it to run the chunked path on small layers.
 QUANTIZE_CHUNK_ELEMENTS = 1 << 24
 
 
@@ -342,10 +343,13 @@ def quantize_rows(
     global_scale: torch.Tensor | None,
     *,
     name: str = "weight",
-    chunk_elements: int = QUANTIZE_CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,
     scale_rule: str = DEFAULT_SCALE_RULE,
 ) -> NVFP4Weight:
-    """:func:`verl_qerl.nvfp4.quantize`, row-chunked so temporaries stay ~``chunk_elements`` floats."""
+    """:func:`verl_qerl.nvfp4.quantize`, row-chunked so temporaries stay ~``chunk_elements`` floats
+    (default :data:`QUANTIZE_CHUNK_ELEMENTS`)."""
+    if chunk_elements is None:
+        chunk_elements = QUANTIZE_CHUNK_ELEMENTS
     if global_scale is None:
         from ..nvfp4 import compute_global_scale
 
