@@ -23,7 +23,6 @@ from verl_qerl.aqn import (
     AQNConfigError,
     NormNoiser,
     aqn_metrics,
-    attach_training_noise,
     canonical_name,
     derive_seed,
     land_noise,
@@ -149,6 +148,7 @@ def test_other_schedules_and_disable() -> None:
         ({"schedule": "exp"}, "schedule"),
         ({"schedule": "logarithmic"}, "schedule"),
         ({"apply_to": "actor"}, "apply_to"),
+        ({"apply_to": "both"}, "apply_to"),
         ({"rounding": "floor"}, "rounding"),
         ({"targets": ()}, "targets"),
         ({"targets": "input_layernorm"}, "targets"),
@@ -203,10 +203,9 @@ def test_bad_runtime_arguments_rejected_naming_the_key() -> None:
 
 
 def test_from_dict_round_trip() -> None:
-    cfg = AQNConfig.from_dict({"sigma_end": 1e-4, "targets": ["input_layernorm"], "apply_to": "both"})
-    assert cfg.targets == ("input_layernorm",) and cfg.noise_on_actor
+    cfg = AQNConfig.from_dict({"sigma_end": 1e-4, "targets": ["input_layernorm"], "apply_to": "rollout"})
+    assert cfg.targets == ("input_layernorm",) and cfg.apply_to == "rollout"
     assert AQNConfig.from_dict(cfg.to_dict()) == cfg
-    assert not AQNConfig().noise_on_actor
 
 
 @settings(max_examples=60, deadline=None)
@@ -349,7 +348,7 @@ _WORKER_SRC = _NET_SRC + textwrap.dedent(
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from verl_qerl.aqn import AQNConfig, NormNoiser, attach_training_noise, noise_for
+    from verl_qerl.aqn import AQNConfig, NormNoiser, noise_for
 
     def digest(t):
         return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
@@ -369,7 +368,7 @@ _WORKER_SRC = _NET_SRC + textwrap.dedent(
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     out["local_sizes"] = [p.to_local().numel() for n, p in net.named_parameters() if "norm" in n]
-    actor = attach_training_noise(net, AQNConfig(), round_to=torch.bfloat16)  # before the first forward
+    actor = NormNoiser.from_config(net.named_parameters(), AQNConfig(), round_to=torch.bfloat16)  # before forward
     x = torch.linspace(-1, 1, 33).reshape(3, 11)
     clean_out = net(x).detach()
     actor.apply(7, 1e-2)
@@ -427,7 +426,7 @@ def test_fsdp2_sharded_actor_gets_the_unsharded_noise(two_ranks: tuple[list[dict
     namespace: dict = {}
     exec(_NET_SRC, namespace)  # the same model source the ranks ran
     net = namespace["make_net"]()
-    actor = attach_training_noise(net, AQNConfig(), round_to=torch.bfloat16)
+    actor = NormNoiser.from_config(net.named_parameters(), AQNConfig(), round_to=torch.bfloat16)
     x = torch.linspace(-1, 1, 33).reshape(3, 11)
     actor.apply(7, 1e-2)
     norms = [p.detach().tolist() for n, p in net.named_parameters() if "norm" in n]
@@ -533,7 +532,7 @@ def test_constructor_guards() -> None:
 
 
 def test_fp32_storage_rounded_to_bf16_matches_a_bf16_engine() -> None:
-    """apply_to=both: an fp32 actor computing in BF16 sees the rollout engine's exact values."""
+    """round_to: fp32 storage computing in BF16 gets the exact values of a BF16 engine."""
     bf16 = _norm_dict(torch.bfloat16)
     fp32 = {"base_model.model." + k: v.detach().float() for k, v in bf16.items()}  # peft names
     rollout, actor = NormNoiser(bf16), NormNoiser(fp32, round_to=torch.bfloat16)
@@ -673,7 +672,7 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def test_effect_grows_with_sigma_on_tiny_qwen2(tiny_qwen2) -> None:
     model, ids = tiny_qwen2
-    noiser = attach_training_noise(model, AQNConfig())
+    noiser = NormNoiser.from_config(model.named_parameters(), AQNConfig())
     assert len(noiser) == 4 and all(".layers." in n for n in noiser.names)
     clean = _logits(model, ids)
     h0 = _entropy(clean)
@@ -702,7 +701,7 @@ def test_bf16_model_late_stage_noise_lands_only_with_stochastic_rounding(tiny_qw
     clean = _logits(bf16, ids)
     results = {}
     for rounding in ("nearest", "stochastic"):
-        noiser = attach_training_noise(bf16, AQNConfig(rounding=rounding))
+        noiser = NormNoiser.from_config(bf16.named_parameters(), AQNConfig(rounding=rounding))
         sq, changed_steps = 0.0, 0
         for step in range(1, 31):
             with noisy(noiser, step, 5e-4):
@@ -718,7 +717,7 @@ def test_bf16_model_late_stage_noise_lands_only_with_stochastic_rounding(tiny_qw
 
 def test_noisy_context_restores_on_error_and_supports_backward(tiny_qwen2) -> None:
     model, ids = tiny_qwen2
-    noiser = attach_training_noise(model, AQNConfig(apply_to="both"))
+    noiser = NormNoiser.from_config(model.named_parameters(), AQNConfig())
     before = noiser.checksum()
     with pytest.raises(ZeroDivisionError), noisy(noiser, 5, 1e-2):
         assert noiser.checksum() != before

@@ -34,7 +34,7 @@ The package splits by job: :mod:`.schedule` (settings and the sigma schedule), :
 from __future__ import annotations
 
 from ._checks import AQNConfigError
-from .apply import NormNoiser, attach_training_noise, noisy
+from .apply import NormNoiser, noisy
 from .noise import derive_seed, noise_for
 from .rounding import ROUNDINGS, land_noise, matched_noise_scale, realized_std, sr_variance, stochastic_round
 from .schedule import (
@@ -64,7 +64,6 @@ __all__ = [
     "NormNoiser",
     "StageInfo",
     "aqn_metrics",
-    "attach_training_noise",
     "canonical_name",
     "derive_seed",
     "land_noise",

@@ -300,17 +300,6 @@ class NormNoiser:
 
 
 
-def attach_training_noise(model: Any, cfg: AQNConfig, *, round_to: torch.dtype | None = None) -> NormNoiser:
-    """A :class:`NormNoiser` over a PyTorch model's targeted RMSNorm parameters.
-
-    Works for plain HF models, peft-wrapped ones and FSDP2 (DTensor) modules: it only uses
-    ``model.named_parameters()``. With FSDP mixed precision (fp32 stored, BF16 computed) pass
-    ``round_to=torch.bfloat16`` so the actor computes with the same values as a BF16 rollout.
-    Used when ``cfg.apply_to == "both"``.
-    """
-    return NormNoiser.from_config(model.named_parameters(), cfg, round_to=round_to)
-
-
 @contextlib.contextmanager
 def noisy(noiser: NormNoiser, step: int, sigma: float) -> Iterator[NormNoiser]:
     """Apply the noise of ``step`` for the duration of the block, then restore.

@@ -20,9 +20,9 @@ from .targets import DEFAULT_TARGETS
 SCHEDULES = ("exponential", "linear", "cosine", "constant", "none")
 #: The schedules that go from sigma_start to sigma_end (the others ignore sigma_end).
 DECAYING_SCHEDULES = ("exponential", "linear", "cosine")
-#: "rollout": only the sampling engine is noisy (the paper). "both": the actor also computes old
-#: log-probs and updates with the rollout's noise, so sampling and training see one policy.
-APPLY_TO = ("rollout", "both")
+#: Where the noise goes: only the sampling (rollout) engine, the paper's setting. The actor computes
+#: log-probs and updates on the clean weights.
+APPLY_TO = ("rollout",)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class AQNConfig:
         if not is_int(self.seed):
             raise bad("seed", f"must be an int, got {self.seed!r}")
         if self.apply_to not in APPLY_TO:
-            raise bad("apply_to", f"unknown value {self.apply_to!r}; choose one of {APPLY_TO}")
+            raise bad("apply_to", f"{self.apply_to!r} is not supported: AQN perturbs the rollout engine only "
+                      f"(the paper's setting); the only value is {APPLY_TO[0]!r}")
         if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
             raise bad("targets", f"must be a non-empty list of module names, got {self.targets!r}")
         if not isinstance(self.include_final_norm, bool):
@@ -114,11 +115,6 @@ class AQNConfig:
         out = dataclasses.asdict(self)
         out["targets"] = list(self.targets)
         return out
-
-    @property
-    def noise_on_actor(self) -> bool:
-        """Whether the training model also gets the noise (``apply_to == "both"``)."""
-        return self.enable and self.apply_to == "both"
 
     def resolve_total_steps(self, total_steps: int | None) -> int:
         """The run length to use: the argument if given, else ``self.total_steps``."""
