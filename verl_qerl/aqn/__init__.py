@@ -6,15 +6,15 @@ QeRL (arXiv 2510.11696, section 3.3) drives exploration by adding a channel-wise
 row-wise multiplicative noise ``1 + Z/w`` on those weights at zero extra parameters. ``sigma``
 follows a stage-wise decay over training, with a noise-free first stage.
 
-This package imports only torch and works on ``name -> tensor`` mappings, so one implementation
-serves the training model (HF / peft / FSDP2) and the vLLM rollout model (through a worker
-extension that passes ``model.named_parameters()``). It guarantees three things that the
-authors' code does not:
+This package imports only torch and works on ``name -> tensor`` mappings: the vLLM rollout model
+gets the noise through a worker extension that passes ``model.named_parameters()``, and an HF/peft
+model (e.g. for an offline entropy probe) through the same call. The noise goes to the rollout
+engine only, as in the paper; the actor trains on the clean weights. It guarantees three things
+that the authors' code does not:
 
 * **Reproducible.** The noise of a tensor at a step is drawn on the CPU from a generator seeded
   by a stable hash of ``(seed, step, canonical tensor name)``: every tensor-parallel rank, every
-  process, a resumed run, and the actor and the rollout engine get the same values, whatever the
-  accelerator.
+  process and a resumed run get the same values, whatever the accelerator.
 * **Non-accumulating.** Clean weights are snapshotted once; every ``apply`` writes
   ``clean + Z`` (never ``current + Z``) *in place* (``copy_``; vLLM's CUDA graphs hold the
   storage pointer), and ``restore`` writes the clean bits back exactly.

@@ -7,7 +7,6 @@ import hashlib
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,43 +18,6 @@ from .schedule import AQNConfig
 from .targets import canonical_name, select_norm_tensors
 
 
-def _is_dtensor(tensor: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
-
-
-def _local_tensor(tensor: Tensor) -> Tensor:
-    """The storage to write in place: the tensor itself, or a DTensor's local shard.
-
-    Resolved at every write, never cached: FSDP2 may re-point a DTensor's local tensor (lazy
-    init copies the shard into its padded buffer), and a cached one would go stale.
-    """
-    if _is_dtensor(tensor):
-        with torch.no_grad():
-            return tensor.to_local()
-    return tensor
-
-
-def _global_region(tensor: Tensor) -> tuple[tuple[int, ...], tuple[slice, ...] | None]:
-    """(global shape, region of the global tensor held locally; None when it is all local).
-
-    FSDP2 shards parameters on dim 0 as DTensors; their noise is drawn at the global shape and
-    sliced, so a sharded actor gets the same values as an unsharded engine.
-    """
-    if not _is_dtensor(tensor):
-        return as_shape(tensor.shape), None
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not all(isinstance(p, (Shard, Replicate)) for p in tensor.placements):
-        raise ValueError(f"AQN: unsupported DTensor placements {tensor.placements} (need Shard/Replicate)")
-    local_shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return as_shape(tensor.shape), tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-
-
 def _tensor_bytes(tensor: Tensor) -> bytes:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes()
@@ -65,24 +27,17 @@ def _tensor_bytes(tensor: Tensor) -> bytes:
 class _Entry:
     name: str
     key: str  # canonical name: what the noise is keyed by
-    source: Tensor  # the tensor as given (a DTensor stays a DTensor)
-    global_shape: tuple[int, ...]
-    region: tuple[slice, ...] | None
+    live: Tensor  # the tensor as given: written in place
     clean: Tensor  # exact clone of live: same device, dtype and bits
     clean_cpu: Tensor  # the same bits on the CPU, for the noise arithmetic
     expected: Tensor | None = None  # what we last wrote; None while clean
-
-    @property
-    def live(self) -> Tensor:
-        """What is written in place (the local shard for a DTensor)."""
-        return _local_tensor(self.source)
 
 
 class NormNoiser:
     """Adds AQN to a fixed set of named tensors, in place, and takes it off again.
 
-    Works on any ``name -> tensor`` mapping (parameters of an HF/peft model, FSDP2 DTensors,
-    or a vLLM model's RMSNorm weights), holding no model object. The clean values are
+    Works on any ``name -> tensor`` mapping (a vLLM model's RMSNorm weights, or the parameters
+    of an unsharded HF/peft model), holding no model object. The clean values are
     snapshotted once; ``apply(step, sigma)`` writes ``clean + Z(seed, step, name)`` landed in
     the rounding dtype; ``restore()`` writes the clean bits back. Writes are ``copy_`` into the
     existing storage under ``no_grad`` (CUDA graphs keep their pointers; autograd still sees
@@ -92,10 +47,6 @@ class NormNoiser:
     noisy weight), the next ``apply``/``restore`` raises instead of silently mixing states;
     call :meth:`refresh_clean` once the new value is the intended clean weight.
 
-    ``round_to``: the dtype the weights are *computed* in, if coarser than they are stored
-    (e.g. ``torch.bfloat16`` for an FSDP actor that keeps fp32 master weights and computes in
-    BF16): the noisy value is then rounded onto that grid and stored exactly, so the actor and
-    a BF16 rollout engine see the same numbers.
     """
 
     def __init__(
@@ -104,7 +55,6 @@ class NormNoiser:
         *,
         seed: int = 0,
         rounding: str = "stochastic",
-        round_to: torch.dtype | None = None,
     ) -> None:
         if not is_int(seed):
             raise bad("seed", f"must be an int, got {seed!r}")
@@ -112,7 +62,6 @@ class NormNoiser:
             raise bad("rounding", f"unknown rounding {rounding!r}; choose one of {ROUNDINGS}")
         self.seed = seed
         self.rounding = rounding
-        self.round_to = round_to
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         if not items:
             raise ValueError("NormNoiser: no tensors given")
@@ -128,30 +77,21 @@ class NormNoiser:
         self._stats = {"qerl/aqn_sigma_effective": 0.0, "qerl/aqn_changed_frac": 0.0}
 
     def _make_entry(self, name: str, key: str, tensor: Tensor) -> _Entry:
-        live = _local_tensor(tensor)
-        global_shape, region = _global_region(tensor)
-        if not live.dtype.is_floating_point:
-            raise TypeError(f"NormNoiser: {name!r} has dtype {live.dtype}; need a floating dtype")
-        if live.numel() == 0 and math.prod(global_shape) == 0:
+        if hasattr(tensor, "placements"):
+            raise TypeError(f"NormNoiser: {name!r} is a sharded DTensor; AQN writes the rollout engine's plain "
+                            "tensors (pass unsharded tensors)")
+        if not tensor.dtype.is_floating_point:
+            raise TypeError(f"NormNoiser: {name!r} has dtype {tensor.dtype}; need a floating dtype")
+        if tensor.numel() == 0:
             raise ValueError(f"NormNoiser: {name!r} is empty")
-        if live.numel() == 0 and region is None:
-            raise ValueError(
-                f"NormNoiser: {name!r} has no local elements (an FSDP1 flat-parameter view?); "
-                "use FSDP2 (DTensor parameters) or unsharded tensors"
-            )
-        target = self.round_to or live.dtype
-        if torch.finfo(target).eps < torch.finfo(live.dtype).eps:
-            raise ValueError(f"NormNoiser: round_to={target} is finer than {name!r}'s storage {live.dtype}")
-        clean = live.detach().clone()
-        return _Entry(name, key, tensor, global_shape, region, clean, clean.to("cpu"))
+        clean = tensor.detach().clone()
+        return _Entry(name, key, tensor, clean, clean.to("cpu"))
 
     @classmethod
     def from_config(
         cls,
         named_tensors: Iterable[tuple[str, Tensor]],
         cfg: AQNConfig,
-        *,
-        round_to: torch.dtype | None = None,
     ) -> NormNoiser:
         """Select the AQN targets of ``named_tensors`` (e.g. ``model.named_parameters()``)."""
         named = list(named_tensors)
@@ -163,7 +103,7 @@ class NormNoiser:
                 f"first names seen: {sample}"
             )
         picked = [(n, t) for n, t in named if n in chosen]
-        return cls(picked, seed=cfg.seed, rounding=cfg.rounding, round_to=round_to)
+        return cls(picked, seed=cfg.seed, rounding=cfg.rounding)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -181,7 +121,7 @@ class NormNoiser:
         return len(self._entries)
 
     def checksum(self) -> str:
-        """BLAKE2b hex digest of the bytes the tensors hold now (rank-local for DTensors)."""
+        """BLAKE2b hex digest of the bytes the tensors hold now."""
         h = hashlib.blake2b(digest_size=16)
         for e in self._entries:
             h.update(f"{e.key}|{e.live.dtype}|{tuple(e.live.shape)}|".encode())
@@ -198,7 +138,7 @@ class NormNoiser:
 
     def metrics(self) -> dict[str, float]:
         """What the last ``apply`` really wrote: std of ``noisy - clean`` over all targeted
-        elements, and the fraction of elements whose stored value changed (rank-local)."""
+        elements, and the fraction of elements whose stored value changed."""
         return dict(self._stats)
 
     # -- writing -------------------------------------------------------------------------
@@ -226,26 +166,21 @@ class NormNoiser:
             self._write_clean()
             self._current = (step, 0.0)
             return
-        # One land_noise call per (storage dtype, rounding dtype) group: the per-call cost of
-        # the rounding setup is then paid once per step, not once per tensor.
-        groups: dict[tuple[torch.dtype, torch.dtype], list[_Entry]] = {}
+        # One land_noise call per storage dtype: the per-call cost of the rounding setup is then
+        # paid once per step, not once per tensor.
+        groups: dict[torch.dtype, list[_Entry]] = {}
         for e in self._entries:
-            dtype = e.clean_cpu.dtype
-            groups.setdefault((dtype, self.round_to or dtype), []).append(e)
+            groups.setdefault(e.clean_cpu.dtype, []).append(e)
         sum_sq, count, changed = 0.0, 0, 0
         with torch.no_grad():
-            for (_, target), entries in groups.items():
+            for target, entries in groups.items():
                 needs_uniform = self.rounding != "nearest" and not fine_dtype(target)
                 zs, uniforms = [], []
                 for e in entries:
-                    z = noise_for(e.key, e.global_shape, sigma, self.seed, step)
-                    u = uniform_for(e.key, e.global_shape, self.seed, step) if needs_uniform else None
-                    if e.region is not None:
-                        z = z[e.region]
-                        u = None if u is None else u[e.region]
-                    zs.append(z.reshape(-1))
-                    if u is not None:
-                        uniforms.append(u.reshape(-1))
+                    shape = as_shape(e.clean_cpu.shape)
+                    zs.append(noise_for(e.key, shape, sigma, self.seed, step).reshape(-1))
+                    if needs_uniform:
+                        uniforms.append(uniform_for(e.key, shape, self.seed, step).reshape(-1))
                 clean = torch.cat([e.clean_cpu.reshape(-1) for e in entries])
                 uniform = torch.cat(uniforms) if needs_uniform else None
                 values = land_noise(clean, torch.cat(zs), sigma, target, self.rounding, uniform)

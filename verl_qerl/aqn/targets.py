@@ -24,8 +24,8 @@ def canonical_name(name: str) -> str:
 
     ``base_model.model.model.layers.0.input_layernorm.weight`` (peft),
     ``_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.input_layernorm.weight`` (FSDP1)
-    and vLLM's ``model.layers.0.input_layernorm.weight`` all map to the last one, so the actor
-    and the rollout engine draw the same noise for the same weight.
+    and vLLM's ``model.layers.0.input_layernorm.weight`` all map to the last one, so the same
+    weight draws the same noise whichever wrapper holds it.
     """
     parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
     out = ".".join(parts)
