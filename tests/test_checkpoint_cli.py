@@ -366,7 +366,7 @@ def test_force_never_replaces_a_folder_holding_the_source(tiny_bf16, tmp_path):
     (root / "other" / "notes.txt").write_text("mine")
     (tmp_path / "link").symlink_to(root)
     before = _tree(tmp_path)
-    res = run_cli(str(src), str(root), "--force")  # DST = SRC's parent: used to exit 0 having deleted both
+    res = run_cli(str(src), str(root), "--force")  # DST = SRC's parent: must refuse, not delete both
     assert res.returncode == 2, (res.stdout, res.stderr[-2000:])
     assert "contains the source" in res.stderr and str(root) in res.stderr and "Traceback" not in res.stderr
     assert _tree(tmp_path) == before

@@ -182,7 +182,7 @@ def test_baseline_that_is_not_a_results_file(fake_runs, tmp_path, capsys):
 
 
 def test_memory_targets_count_a_run_that_timed_out_after_its_first_step():
-    """Issue 8's 32B claim: a logged step and the nvidia-smi peak, even when step 2 ran into --timeout."""
+    """The 32B memory claim: a logged step and the nvidia-smi peak, even when step 2 ran into --timeout."""
     rows = [{"variant": "qerl", "gpus": 1, "steps_logged": 1, "gpu_peak_used_gb_max": 65.1, "error": "rc=timeout"},
             {"variant": "qerl", "gpus": 1, "steps_logged": 0}]
     t = gs.memory_targets(rows, 80.0)

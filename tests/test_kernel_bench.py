@@ -350,7 +350,7 @@ def test_variant_ratios_sums_and_lines(kb):
 
 
 def test_gpu_kernel_check_script_uses_real_options(kb):
-    """benchmarks/gpu/kernel_check.sh runs once per GPU session with no second chance: every kernel.py option,
+    """benchmarks/gpu/kernel_check.sh runs on a GPU machine with no second chance: every kernel.py option,
     model and variant it passes must exist here (a renamed flag would otherwise cost a device call)."""
     import re
     import subprocess

@@ -1,7 +1,7 @@
 """verl_qerl.verl.launch: the shared main_ppo override lists, and both launchers that use them.
 
 The two frozen sets below are what ``benchmarks/grpo_step.py`` and ``examples/exploration/run_arms.py``
-produced for a CPU run before their common core moved into ``launch.py``: the refactor kept them equal.
+produce for a CPU run, written out in full: the shared core in ``launch.py`` must keep producing exactly these.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _run_arms_cpu(tmp_path: Path) -> list[str]:
     return run_arms.overrides(args, "nvfp4", 3, tmp_path / "run", flash_attn=False)
 
 
-#: grpo_step.py --tiny (CPU), variant qerl, 2 GPUs, before the refactor (+ qerl.replay_poll_s since session 4)
+#: grpo_step.py --tiny (CPU), variant qerl, 2 GPUs: the full override list, qerl.replay_poll_s included
 GRPO_STEP_CPU = {
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
     "+actor_rollout_ref.rollout.enable_sleep_mode=False", "+qerl=nvfp4", "+ray_kwargs.ray_init.num_gpus=2",
@@ -99,7 +99,7 @@ GRPO_STEP_CPU = {
 
 
 def _run_arms_cpu_expected(d: Path, m: Path, run: Path) -> set[str]:
-    """run_arms.py --device cpu, arm nvfp4, seed 3, defaults otherwise, before the refactor."""
+    """run_arms.py --device cpu, arm nvfp4, seed 3, defaults otherwise: the full override list."""
     return {
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "+actor_rollout_ref.rollout.enable_sleep_mode=False", "+qerl=nvfp4",

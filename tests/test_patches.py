@@ -1,4 +1,4 @@
-"""The upstream diffs in ``patches/`` (issue 7) against the installed verl 0.9.1.
+"""The upstream diffs in ``patches/`` against the installed verl 0.9.1.
 
 * each patch has its header, touches only ``verl/`` and passes ``git apply --check -p1`` in the
   site-packages folder of the installed verl (never modified);

@@ -188,7 +188,7 @@ def test_merge_error_exits_2_naming_the_file(tmp_path):
 
 
 def test_child_that_dies_keeps_the_batches_it_measured(tmp_path, monkeypatch):
-    """A 32B engine that times out at B=256 must not lose B=1..64 (session 3 lost them once): the parent keeps
+    """A 32B engine that times out at B=256 must not lose B=1..64 (the rows it already measured): the parent keeps
     every row the child logged before dying, and a child that logged none returns no rows."""
     rb = _load_script()
     row = {"model": "32b", "backend": "qerl_nvfp4", "batch": 8, "tok_s": 496.9}

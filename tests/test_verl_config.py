@@ -100,7 +100,7 @@ def test_no_block_changes_nothing():
         (["actor_rollout_ref.model.lora.merge=true"], r"cannot be merged into a 4-bit base"),
         (["trainer.v1.trainer_mode=separate_async"], r"trainer_mode='separate_async'"),
         (["trainer.use_v1=false"], r"use_v1=false"),
-        (["qerl.aqn.apply_to=both"], r"apply_to=both: not supported by the verl trainer yet"),
+        (["qerl.aqn.apply_to=both"], r"qerl.aqn: apply_to: 'both' is not supported: AQN perturbs the rollout"),
         (["qerl.ignore=['lm_head','re:((']"], r"qerl.ignore: 're:\(\(' is not a valid regular expression"),
         (["qerl.ignore=[3]"], r"qerl.ignore: 3 is not a module name pattern"),
         (["actor_rollout_ref.model.lora_rank=abc"], r"actor_rollout_ref.model.lora_rank='abc': must be an integer"),

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+#: The instruction appended to every GSM8K question (verl's own GSM8K preprocessing uses it; the
+#: generated problems of :mod:`verl_qerl.testing.data` and the exploration example reuse it).
 GSM8K_SUFFIX = 'Let\'s think step by step and output the final answer after "####".'
 DAPO_PREFIX = (
     "Solve the following math problem step by step. The last line of your response should be of the form "

@@ -41,8 +41,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-#: Same instruction as verl's GSM8K preprocessing and :mod:`verl_qerl.testing.data`.
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+from verl_qerl.datasets import GSM8K_SUFFIX
+
+#: The instruction verl's GSM8K preprocessing appends (one definition: :mod:`verl_qerl.datasets`).
+INSTRUCTION = GSM8K_SUFFIX
 DATA_SOURCE = "openai/gsm8k"
 
 NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Oz", "Pam")

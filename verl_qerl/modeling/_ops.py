@@ -1,7 +1,7 @@
 """The single seam between modeling and the NVFP4 compute kernels.
 
 ``verl_qerl.kernels`` (CUDA FP4xBF16 GEMM and dequant kernels with torch fallbacks, M-based
-dispatch) is developed separately. Everything in :mod:`verl_qerl.modeling` calls NVFP4 compute
+dispatch) is its own package, below modeling. Everything in :mod:`verl_qerl.modeling` calls NVFP4 compute
 through the two functions here, so the modeling code neither knows nor cares whether that package
 is installed, built, or still missing: without it we fall back to the format's reference
 ``verl_qerl.nvfp4.dequantize`` followed by ``F.linear`` (correct everywhere, slow on GPU).

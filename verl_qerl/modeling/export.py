@@ -69,15 +69,15 @@ def _dense(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 dequant(W) + sum of active adapters' scaling*B@A, and the bias."""
     from peft.tuners.lora import LoraLayer
 
+    from .lora.layer import lora_delta
+
     if isinstance(layer, LoraLayer):
         inner = layer.get_base_layer()
         w = _dense(inner)[0]
         if not layer.disable_adapters:
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
-                    a = layer.lora_A[adapter].weight.detach().float()
-                    b = layer.lora_B[adapter].weight.detach().float()
-                    w = w + (b @ a) * layer.scaling[adapter]
+                    w = w + lora_delta(layer, adapter).detach()
         return w, inner.bias
     if isinstance(layer, NVFP4Linear):
         return layer.dequantize_weight(torch.float32), layer.bias

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+from ..datasets import GSM8K_SUFFIX
 
 
 def arithmetic_problem(rng: random.Random) -> tuple[str, int]:
@@ -35,7 +35,7 @@ def make_rows(n: int, split: str, seed: int) -> list[dict]:
         rows.append(
             {
                 "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                "prompt": [{"role": "user", "content": f"{question} {GSM8K_SUFFIX}"}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {"split": split, "index": i, "answer": str(answer), "question": question},

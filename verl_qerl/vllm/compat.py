@@ -45,10 +45,6 @@ def vllm_version() -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)
 
 
-def version_at_least(major: int, minor: int) -> bool:
-    return vllm_version()[:2] >= (major, minor)
-
-
 def warn_if_untested() -> None:
     """One log line when running on a vLLM whose internals we have not read."""
     major, minor, _ = vllm_version()
@@ -111,9 +107,3 @@ def ensure_verl_lora_mapper_alias() -> bool:
     WeightsMapper.get_unstacked_mapper = WeightsMapper.get_rename_mapper
     logger.info("qerl_nvfp4: aliased WeightsMapper.get_unstacked_mapper -> get_rename_mapper for verl's LoRA loader")
     return True
-
-
-def is_cuda_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cuda())

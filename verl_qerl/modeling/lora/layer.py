@@ -41,6 +41,17 @@ MERGE_REFUSED = (
 )
 
 
+def lora_delta(layer: LoraLayer, adapter: str) -> torch.Tensor:
+    """``scaling * B @ A`` of one adapter of a peft LoRA layer, in float32.
+
+    The one definition of the LoRA weight delta: :meth:`NVFP4LoraLinear.get_delta_weight` returns it
+    and :func:`verl_qerl.modeling.export_merged` adds it to the dequantized (or dense) base weight.
+    """
+    a = layer.lora_A[adapter].weight.float()
+    b = layer.lora_B[adapter].weight.float()
+    return (b @ a) * layer.scaling[adapter]
+
+
 class NVFP4LoraLinear(nn.Module, LoraLayer):
     """LoRA adapters around a frozen ``NVFP4Linear``: ``y = base(x) + sum_a scale_a * B_a(A_a(drop(x)))``."""
 
@@ -84,10 +95,8 @@ class NVFP4LoraLinear(nn.Module, LoraLayer):
         warnings.warn("NVFP4LoraLinear: nothing to unmerge (NVFP4 layers never merge)", stacklevel=2)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        """``scaling * B @ A`` in float32 (what a merge would add; used by export_merged)."""
-        a = self.lora_A[adapter].weight.float()
-        b = self.lora_B[adapter].weight.float()
-        return (b @ a) * self.scaling[adapter]
+        """``scaling * B @ A`` in float32: what a merge would add (see :func:`lora_delta`)."""
+        return lora_delta(self, adapter)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         self._check_forward_args(x, *args, **kwargs)
