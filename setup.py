@@ -49,6 +49,7 @@ setup(
     entry_points={
         "console_scripts": [
             "qerl-quantize = verl_qerl.cli.quantize:main",
+            "qerl-pretrained = verl_qerl.cli.pretrained:main",
         ],
         # Loaded by verl on every `import verl` (driver, TaskRunner, workers, vLLM server actors).
         "verl.plugins": [
