@@ -187,7 +187,7 @@ def check_gguf_header(path: Path, model: PretrainedModel) -> None:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise PretrainedIntegrityError(f"{path}: starts with {magic!r}, not the GGUF magic {GGUF_MAGIC!r}")
-    reader_cls = _gguf_reader()
+    reader_cls = require_gguf()
     fields = reader_cls(str(path)).fields
     for key, want in (("general.architecture", model.architecture), ("general.name", model.general_name)):
         got = fields[key].contents() if key in fields else None
@@ -196,7 +196,8 @@ def check_gguf_header(path: Path, model: PretrainedModel) -> None:
                                            f"for {model.title}")
 
 
-def _gguf_reader():
+def require_gguf():  # noqa: ANN201 - gguf.GGUFReader
+    """``gguf.GGUFReader``; :class:`PretrainedNotInstalled` naming the pip requirement if ``gguf`` is missing."""
     try:
         from gguf import GGUFReader
     except ImportError as err:
@@ -213,7 +214,7 @@ def assemble_gguf(model: PretrainedModel, workdir: Path, progress: bool = True) 
     :class:`PretrainedIntegrityError` and leaves no joined file behind.
     """
     paths = locate_parts(model)
-    _gguf_reader()  # fail before the long part if the reader is missing
+    require_gguf()  # fail before the long part if the reader is missing
     digest = hashlib.sha256()
     if len(paths) == 1:
         out = paths[0]
@@ -260,7 +261,7 @@ def convert_gguf(gguf_file: Path, out_dir: Path, dtype: str = "bfloat16") -> dic
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _gguf_reader()
+    require_gguf()
     kwargs: dict = {"dtype": getattr(torch, dtype)}
     try:  # transformers >= 5.18 can keep GGUF blocks packed; ask for the dense model explicitly
         from transformers import GgufConfig
