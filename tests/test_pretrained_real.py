@@ -14,7 +14,8 @@ a BF16 Hugging Face folder, and
 A model whose packages are missing is skipped, unless the environment was built by
 ``examples/setup_env.sh`` and that script installs it (it lists such models in
 ``$VENV/qerl-pretrained-required``) or ``QERL_REQUIRE_PRETRAINED`` names it: then a missing package
-is a failure, so CI cannot pass by silently skipping.
+is a failure, so CI cannot pass by silently skipping. With ``QERL_PRETRAINED_CACHE`` set, a conversion
+cached there is reused (the Qwen conversion takes minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def real(request, tmp_path_factory) -> dict:
     model = _require(key)
     base = tmp_path_factory.mktemp(key)
     t0 = time.perf_counter()
-    folder = pretrained.prepare(key, base / "hf", progress=False)
+    # QERL_PRETRAINED_CACHE set: reuse (or fill) that cache, as qerl-pretrained does; else convert afresh.
+    out = pretrained.default_cache_dir() / key if os.environ.get("QERL_PRETRAINED_CACHE") else base / "hf"
+    folder = pretrained.prepare(key, out, progress=False)
     convert_s = time.perf_counter() - t0
     gguf_file = pretrained.assemble_gguf(model, base / "gguf", progress=False)
     from transformers import AutoTokenizer
