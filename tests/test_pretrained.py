@@ -225,3 +225,25 @@ def test_registered_models_are_consistent():
     assert pretrained.get_model("smollm2-135m").size == 98_362_432
     with pytest.raises(KeyError, match="known: qwen2.5-coder-0.5b, smollm2-135m"):
         pretrained.get_model("qwen-7b")
+
+
+def test_tied_embedding_model_quantizes_and_loads(tmp_path):
+    """A tied-embedding model (SmolLM2's layout) through convert -> qerl-quantize -> load_nvfp4_model."""
+    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
+    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
+
+    (tmp_path / "g").mkdir()
+    gguf_file = write_tiny_gguf(tmp_path / "g" / "tied.gguf", arch="llama", tied=True)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = pretrained.convert_gguf(gguf_file, hf)
+    assert config["tie_word_embeddings"] is True and config["model_type"] == "llama"
+    quantize_checkpoint(hf, tmp_path / "nvfp4")
+    from_ckpt = load_nvfp4_model(tmp_path / "nvfp4", dtype=torch.float32)
+    at_load = load_nvfp4_model(hf, dtype=torch.float32)  # the BF16 folder quantized on load: the same values
+    assert sum(isinstance(m, NVFP4Linear) for m in from_ckpt.modules()) == 7 * 2
+    assert from_ckpt.lm_head.weight.data_ptr() == from_ckpt.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[5, 17, 99, 3, 250]])
+    with torch.no_grad():
+        assert torch.equal(from_ckpt(ids).logits, at_load(ids).logits)

@@ -6,10 +6,11 @@ a BF16 Hugging Face folder, and
 * greedy generations of that folder in transformers equal those of transformers' own GGUF load
   (the oracle) on chat prompts, token for token;
 * the same in vLLM's CPU engine (plain BF16 weights, ``qerl_nvfp4`` off);
-* ``qerl-quantize`` of the folder loads with :func:`verl_qerl.modeling.load_nvfp4_model`; LoRA on top
-  trains (gradients reach the adapters only), and vLLM's ``qerl_nvfp4`` engine, forced to choose the
-  FP4 GEMM layout (``QERL_NVFP4_BACKEND=kernel``: SmolLM2's K=576 layers must fall back, its
-  K=1536 ones repack), gives the NVFP4 model's log-probabilities.
+* vLLM's ``qerl_nvfp4`` engine on the folder, forced to choose the FP4 GEMM layout
+  (``QERL_NVFP4_BACKEND=kernel``: SmolLM2's K=576 layers must fall back, its K=1536 ones repack),
+  gives the log-probabilities of :func:`verl_qerl.modeling.load_nvfp4_model` on the same folder;
+* ``qerl-quantize`` of the folder loads with ``load_nvfp4_model``, and LoRA on top trains
+  (gradients reach the adapters only).
 
 A model whose packages are missing is skipped, unless the environment was built by
 ``examples/setup_env.sh`` and that script installs it (it lists such models in
@@ -204,7 +205,7 @@ def nvfp4_folder(real, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_vllm_bf16_and_qerl_nvfp4_engines(real, gguf_greedy, nvfp4_folder):
+def test_vllm_bf16_and_qerl_nvfp4_engines(real, gguf_greedy):
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     from verl_qerl.modeling import load_nvfp4_model
@@ -223,9 +224,10 @@ def test_vllm_bf16_and_qerl_nvfp4_engines(real, gguf_greedy, nvfp4_folder):
     if hidden % 128:
         assert "cannot use the FP4 GEMM layout" in res["_log"] and f"K={hidden}" in res["_log"]
 
-    # The NVFP4 engine's log-probabilities equal the HF NVFP4 policy's (qerl-quantize + load_nvfp4_model:
-    # the same quantization bit for bit), teacher-forced on the engine's own tokens, both in float32.
-    model = load_nvfp4_model(nvfp4_folder, dtype=torch.float32)
+    # The NVFP4 engine's log-probabilities equal the HF NVFP4 policy's (load_nvfp4_model quantizing the BF16
+    # folder at load: the same quantization as the engine's, bit for bit), teacher-forced on the engine's own
+    # tokens, both in float32.
+    model = load_nvfp4_model(real["folder"], dtype=torch.float32)
     worst = 0.0
     for prompt_ids, out in zip(real["ids"], res["nvfp4"]["outputs"]):
         seq = torch.tensor([prompt_ids + out["tokens"]])
