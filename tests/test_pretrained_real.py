@@ -174,7 +174,7 @@ def _driver(job_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(results))
 
 
-def run_vllm(engines: list[dict], prompts: list[list[int]], timeout: float = 900) -> dict:
+def run_vllm(engines: list[dict], prompts: list[list[int]], timeout: float = 1800) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as tmp:
