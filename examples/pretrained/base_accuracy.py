@@ -4,8 +4,9 @@ An RL study needs a task the policy starts on at roughly 10-40% accuracy: high e
 groups contain rewarded samples, low enough to leave room to learn. This script scores a Hugging
 Face folder (e.g. ``qerl-pretrained qwen2.5-coder-0.5b``) greedily with transformers on problems from
 ``examples/exploration/problems.py`` at several difficulty levels, with the same chat prompt and
-strict ``#### <answer>`` grading (verl's GSM8K scorer) as the training data, plus a lenient score
-(the last number in the response) that separates "cannot compute" from "ignores the format".
+strict ``#### <answer>`` grading (verl's GSM8K scorer) as the training data, plus a ``\\boxed{N}`` score
+(how the Qwen2.5 instruct models state an answer unprompted) and a lenient one (the last number in the
+response), which separate "cannot compute" from "ignores the format".
 
 usage: python examples/pretrained/base_accuracy.py MODEL_DIR [--n 24] [--levels L1,L2,L3] [--out result.json]
 """
@@ -34,13 +35,19 @@ LEVELS: dict[str, Difficulty] = {
 }
 
 
+def boxed_answer(text: str) -> str | None:
+    """The last ``\\boxed{N}`` (how Qwen2.5 instruct models state a final answer unprompted)."""
+    found = re.findall(r"\\boxed\{\s*(-?[\d,]+)\s*\}", text)
+    return found[-1].replace(",", "") if found else None
+
+
 def last_number(text: str) -> str | None:
     found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return found[-1].replace(",", "") if found else None
 
 
 def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
-    strict = lenient = 0
+    strict = lenient = boxed = 0
     lengths, samples = [], []
     for start in range(0, len(problems), batch):
         chunk = problems[start:start + batch]
@@ -53,11 +60,12 @@ def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
             text = tok.decode(row, skip_special_tokens=True)
             strict += gsm8k_strict_score(text, str(p.answer)) == 1.0
             lenient += last_number(text) == str(p.answer)
+            boxed += boxed_answer(text) == str(p.answer)
             lengths.append(int((row != tok.pad_token_id).sum()))
             if len(samples) < 2:
                 samples.append({"question": p.question, "answer": p.answer, "response": text})
     n = len(problems)
-    return {"n": n, "strict": strict / n, "lenient": lenient / n, "mean_tokens": sum(lengths) / n,
+    return {"n": n, "strict": strict / n, "lenient": lenient / n, "boxed": boxed / n, "mean_tokens": sum(lengths) / n,
             "samples": samples}
 
 
@@ -85,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         res["settings"] = LEVELS[name].__dict__
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results["levels"][name] = res
-        print(f"{name}: strict {res['strict']:.2f} lenient {res['lenient']:.2f} (n={res['n']}, "
-              f"{res['mean_tokens']:.0f} tokens, {res['seconds']:.0f} s)", flush=True)
+        print(f"{name}: strict {res['strict']:.2f} boxed {res['boxed']:.2f} lenient {res['lenient']:.2f} "
+              f"(n={res['n']}, {res['mean_tokens']:.0f} tokens, {res['seconds']:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
