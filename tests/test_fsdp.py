@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,27 +19,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_qerl.testing.procs import free_port
+from verl_qerl.testing.tiny import lora_nvfp4_model
+
 WORLD = 2
 GS_NAME = "model.layers.0.self_attn.q_proj.base_layer.weight_global_scale"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _build(path: str):
-    from verl_qerl.modeling import get_lora_model, load_nvfp4_model
-
-    model = load_nvfp4_model(path, dtype=torch.float32)
-    model = get_lora_model(model, r=8, lora_alpha=16)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # peft starts B at 0; make the step touch every path
-        for name, p in sorted(model.named_parameters()):
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 def _ids() -> torch.Tensor:
@@ -83,7 +68,7 @@ def _worker(rank: int, path: str, port: int, out_dir: str) -> None:
         # FSDP2: shard every decoder layer, then the root (verl's fsdp2 strategy)
         from torch.distributed.fsdp import fully_shard
 
-        model = _build(path)
+        model = lora_nvfp4_model(path)
         before = _buffers(model)
         for layer in model.base_model.model.model.layers:
             fully_shard(layer)
@@ -101,7 +86,7 @@ def _worker(rank: int, path: str, port: int, out_dir: str) -> None:
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
             from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-            model = _build(path)
+            model = lora_nvfp4_model(path)
             wrapped = FullyShardedDataParallel(
                 model, auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}), use_orig_params=True,
                 device_id=torch.device("cpu"), mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16))
@@ -120,7 +105,7 @@ def fsdp_results(tiny_nvfp4, tmp_path_factory):
     # Run this file as a script: spawned workers re-import ``__main__`` by path, which works whatever
     # pytest's import mode (tests/ is not a package).
     out = tmp_path_factory.mktemp("fsdp")
-    proc = subprocess.run([sys.executable, __file__, str(tiny_nvfp4), str(_free_port()), str(out)],
+    proc = subprocess.run([sys.executable, __file__, str(tiny_nvfp4), str(free_port()), str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -129,7 +114,7 @@ def fsdp_results(tiny_nvfp4, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single_process_losses(tiny_nvfp4):
     torch.manual_seed(0)
-    return _two_steps(_build(str(tiny_nvfp4)))
+    return _two_steps(lora_nvfp4_model(str(tiny_nvfp4)))
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")

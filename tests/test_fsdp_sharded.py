@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,29 +21,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_qerl.testing.procs import free_port
 from verl_qerl.testing.scripts import load_script
-from verl_qerl.testing.tiny import TINY_SHAPE
+from verl_qerl.testing.tiny import (
+    TINY_SHAPE,
+    lora_nvfp4_model,
+)
 
 STEPS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _build(path: str):
-    from verl_qerl.modeling import get_lora_model, load_nvfp4_model
-
-    model = load_nvfp4_model(path, dtype=torch.float32)
-    model = get_lora_model(model, r=8, lora_alpha=16)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # peft starts B at 0; make every path carry a gradient
-        for name, p in sorted(model.named_parameters()):
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
 def _ids(step: int = 0) -> torch.Tensor:
@@ -188,13 +174,13 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
     result: dict = {}
     try:
         # the single-process model, run in this process (same threads, same kernels)
-        ref = _build(path)
+        ref = lora_nvfp4_model(path)
         ref_state = {k: v.clone() for k, v in ref.state_dict().items()}
         ref_fb = _forward_backward(ref)
         ref_losses = _train(ref, STEPS)[0] + [_eval_loss(ref)]
 
         # the base sharded, fp32 (no mixed precision: comparable bit for bit with the single process)
-        model = _build(path)
+        model = lora_nvfp4_model(path)
         layers = _shard(model, base=True)
         result["bytes"] = base_bytes(layers)
         result["dtensor_base"] = all(type(layer.weight_packed).__name__ == "DTensor" for layer in layers)
@@ -220,7 +206,7 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         # the same with gradient checkpointing (verl's default: the layer's forward runs again in backward)
         # and with FSDP2's CPU offload policy (shards on the host, copied in per layer)
         for variant in ("checkpointing", "offload"):
-            model = _build(path)
+            model = lora_nvfp4_model(path)
             if variant == "checkpointing":
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             layers = _shard(model, base=True, offload=variant == "offload")
@@ -232,7 +218,7 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         # verl's layout with mixed precision (bf16 compute, fp32 reduce): sharded base == replicated base
         runs = {}
         for base in (True, False):
-            m = _build(path)
+            m = lora_nvfp4_model(path)
             _shard(m, base=base, mp_dtype=torch.bfloat16)
             runs[base] = _train(m, STEPS)[0] + [_eval_loss(m)]
             if base:
@@ -244,13 +230,13 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
 
         # resume: 2 steps, verl checkpoint, 1 more step == a fresh model (its base zeroed first) loaded
         # from the checkpoint and stepped once
-        model = _build(path)
+        model = lora_nvfp4_model(path)
         _shard(model, base=True)
         _, opt = _train(model, 2)
         mgr = _checkpoint_manager(model, opt)
         mgr.save_checkpoint(str(out / "ckpt"), global_step=2)
         cont = _train(model, 1, opt)[0] + [_eval_loss(model)]
-        fresh = _build(path)
+        fresh = lora_nvfp4_model(path)
         fresh_layers = _shard(fresh, base=True)
         with torch.no_grad():
             for layer in fresh_layers:
@@ -345,7 +331,7 @@ def _plain_name(name: str) -> str:
 
 def _run(tiny_nvfp4, tmp_path_factory, world: int, mode: str = "fsdp2") -> list[dict]:
     out = tmp_path_factory.mktemp(f"fsdp_sharded_{mode}_{world}")
-    proc = subprocess.run([sys.executable, __file__, mode, str(world), str(tiny_nvfp4), str(_free_port()), str(out)],
+    proc = subprocess.run([sys.executable, __file__, mode, str(world), str(tiny_nvfp4), str(free_port()), str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

@@ -34,6 +34,7 @@ import pytest
 import torch
 
 from verl_qerl import pretrained
+from verl_qerl.testing.procs import shutdown_vllm_engine
 
 PROMPTS = (
     "Tom has 23 apples and buys 19 more. How many apples does he have now?",
@@ -136,18 +137,6 @@ def test_transformers_greedy_equals_gguf_load(real, gguf_greedy):
 # ------------------------------------------------------------------------------------------------
 
 
-def _shutdown(llm) -> None:
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine.engine_core, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
 
 def _driver(job_file: str, out_file: str) -> None:
     from vllm import LLM, SamplingParams
@@ -168,7 +157,7 @@ def _driver(job_file: str, out_file: str) -> None:
             res.append({"tokens": list(comp.token_ids),
                         "logprobs": [float(step[t].logprob) for t, step in zip(comp.token_ids, comp.logprobs)]})
         results[eng["name"]] = {"outputs": res, "startup_s": startup, "total_s": time.perf_counter() - t0}
-        _shutdown(llm)
+        shutdown_vllm_engine(llm)
         for key in eng.get("env", {}):
             os.environ.pop(key, None)
     Path(out_file).write_text(json.dumps(results))

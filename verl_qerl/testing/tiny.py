@@ -115,3 +115,17 @@ def make_tiny_model(
     meta = {"made_by": "verl_qerl.testing.tiny", "arch": arch, "seed": seed, **dims}
     (out / "tiny_model.json").write_text(json.dumps(meta, indent=1))
     return out
+
+
+def lora_nvfp4_model(path: str, r: int = 8, seed: int = 1) -> torch.nn.Module:
+    """An NVFP4 model from ``path`` (float32) with a LoRA adapter whose A and B are both random
+    (peft starts B at 0, which would leave the adapter's gradient paths untested)."""
+    from verl_qerl.modeling import get_lora_model, load_nvfp4_model
+
+    model = get_lora_model(load_nvfp4_model(path, dtype=torch.float32), r=r, lora_alpha=2 * r)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
