@@ -1050,7 +1050,8 @@ def test_kernel_layout_runs_the_same_weights(engines_bcd, engine_a, name, twin):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_quantize_at_load_in_chunks_is_bit_exact(monkeypatch):
+@pytest.mark.parametrize("rule", ["bf16", "fp32"])
+def test_quantize_at_load_in_chunks_is_bit_exact(monkeypatch, rule):
     """``_quantize_bf16`` quantizes a loaded BF16 weight ``_QUANT_ROWS`` rows at a time. A fused layer of more
     rows (three chunks, a ragged last one, parts with different amax) gives the bytes of one unchunked quantize
     with the group's global scale. The linear method runs on a stand-in layer (no engine, no TP group)."""
@@ -1069,12 +1070,13 @@ def test_quantize_at_load_in_chunks_is_bit_exact(monkeypatch):
     original = lm.quantize
     monkeypatch.setattr(lm, "quantize", lambda t, *a, **k: calls.append(t.shape[0]) or original(t, *a, **k))
     method = lm.QeRLNvFp4LinearMethod.__new__(lm.QeRLNvFp4LinearMethod)
+    method.config = SimpleNamespace(scale_rule=rule)  # what QeRLNvFp4Config holds
     packed, scale, gscale = method._quantize_bf16(layer)
     assert calls == [lm._QUANT_ROWS, lm._QUANT_ROWS, sum(widths) - 2 * lm._QUANT_ROWS]
     bounds = [0, widths[0], widths[0] + widths[1], sum(widths)]
-    gs = fused_global_scale([w[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+    gs = fused_global_scale([w[a:b] for a, b in zip(bounds[:-1], bounds[1:])], rule=rule)
     assert torch.equal(gscale.reshape(-1), gs.reshape(-1))
-    whole = original(w, gs)
+    whole = original(w, gs, rule=rule)
     assert torch.equal(packed, whole.packed)
     assert torch.equal(scale.view(torch.uint8), whole.scale.view(torch.uint8))
 
