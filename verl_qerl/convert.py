@@ -170,7 +170,10 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(s)
 
 
-def _replace_dir(tmp: Path, dst: Path, force: bool) -> None:
+def replace_dir(tmp: Path, dst: Path, force: bool) -> None:
+    """Move the finished folder ``tmp`` to ``dst``: an empty or missing ``dst`` is simply taken; an
+    existing one only with ``force``, renamed aside first and put back if the move fails, so ``dst``
+    always holds either the old content or the complete new one. SIGINT/SIGTERM wait until the swap is done."""
     with _signals_deferred():
         if dst.is_dir() and not any(dst.iterdir()):
             dst.rmdir()
@@ -186,7 +189,10 @@ def _replace_dir(tmp: Path, dst: Path, force: bool) -> None:
         except BaseException:
             old.rename(dst)
             raise
-        shutil.rmtree(old)
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
 
 
 def quantize_checkpoint(
@@ -273,7 +279,7 @@ def quantize_checkpoint(
         for path in sorted(src.iterdir()):
             if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):
                 shutil.copy2(path, tmp / path.name)
-        _replace_dir(tmp, dst, force)
+        replace_dir(tmp, dst, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_made(made)

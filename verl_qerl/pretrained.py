@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .convert import replace_dir
+
 #: Marker file written last into a finished folder; its JSON names the source it was made from.
 DONE_MARKER = "DONE"
 #: Bumped when the converted folder's layout changes, so older caches are rebuilt.
@@ -340,25 +342,8 @@ def prepare(key: str, out: str | os.PathLike | None = None, *, force: bool = Fal
         for path in stage.iterdir():  # some writers use mkstemp (0600): give files a plain umask mode
             if path.is_file():
                 os.chmod(path, 0o666 & ~umask)
-        _move_into_place(stage, out, force)
+        replace_dir(stage, out, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return out
-
-
-def _move_into_place(stage: Path, out: Path, force: bool) -> None:
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    if not out.exists():
-        stage.rename(out)
-        return
-    if not force:
-        raise FileExistsError(f"{out}: appeared while converting; pass --force to replace it")
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    out.rename(old)
-    stage.rename(out)
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
