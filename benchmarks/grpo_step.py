@@ -40,6 +40,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -208,6 +209,15 @@ def read_metrics(path: Path) -> list[dict]:
     return sorted(rows, key=lambda r: r.get("training/global_step") or 0)
 
 
+_BASE_BYTES_LINE = re.compile(r"this rank holds (\d+) of (\d+) base bytes")
+
+
+def base_bytes_held(log_text: str) -> list[int]:
+    """Per-rank NVFP4 base bytes the actor logged at build time (``[verl-qerl] actor: ... this rank holds L of T
+    base bytes``, one line per FSDP rank); empty when the base was not sharded (``qerl.shard_base=false``)."""
+    return [int(m.group(1)) for m in _BASE_BYTES_LINE.finditer(log_text)]
+
+
 def summarize_run(steps: list[dict], gpus: int, skip: int = 1) -> dict:
     """Means over steps after the first ``skip`` (warm-up) of the phase times, tokens/s and curves."""
     use = steps[skip:] if len(steps) > skip else steps
@@ -270,6 +280,9 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
            "overrides": ov, "log": str(log)}
     if mem.peak:
         row["gpu_peak_used_gb_max"] = max(mem.peak.values()) / 1024
+    held = base_bytes_held(log.read_text(errors="replace"))
+    if held:
+        row["actor_base_gb_per_rank"] = max(held) / 1e9
     if steps:
         row.update(summarize_run(steps, gpus))
     if rc != 0 or not steps:

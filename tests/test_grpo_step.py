@@ -243,3 +243,13 @@ def test_72b_preset_writes_an_nvfp4_checkpoint_of_the_qwen25_72b_shape(monkeypat
     assert (shape["num_attention_heads"], shape["num_key_value_heads"], shape["vocab_size"]) == (64, 8, 152064)
     with pytest.raises(gs.StepBenchError, match="72b.*NVFP4 variants only"):
         gs.build_inputs(gs.parse_args(["--model", "72b", "--variants", "qerl,lora"]), tmp_path / "work")
+
+
+def test_per_rank_base_bytes_are_read_from_the_actor_log():
+    """The per-rank figure the 2-GPU memory target is read from: one line per FSDP rank, the largest kept."""
+    log = ("(WorkerDict pid=1) [verl-qerl] actor: NVFP4 base of 196 layers sharded over 2 FSDP2 ranks (gathered "
+           "per layer); this rank holds 1836000000 of 3672000000 base bytes\n"
+           "noise\n(WorkerDict pid=2) [verl-qerl] actor: NVFP4 base of 196 layers sharded over 2 FSDP2 ranks "
+           "(gathered per layer); this rank holds 1836000512 of 3672000000 base bytes\n")
+    assert gs.base_bytes_held(log) == [1836000000, 1836000512]
+    assert gs.base_bytes_held("no sharding here") == []

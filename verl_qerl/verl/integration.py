@@ -230,15 +230,18 @@ def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
     ``offload_policy``, ``reshard_after_forward``; its ``mp_policy`` is not used: the base's units
     cast nothing). Returns the number of layers sharded (0: the model has no ``NVFP4Linear``).
     """
-    from ..modeling.fsdp import nvfp4_layers, shard_nvfp4_base
+    from ..modeling.fsdp import base_bytes, nvfp4_layers, shard_nvfp4_base
 
     if not nvfp4_layers(model):
         return 0
     layers = shard_nvfp4_base(model, mesh=fsdp_kwargs.get("mesh"), offload_policy=fsdp_kwargs.get("offload_policy"),
                               reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
     mesh = fsdp_kwargs.get("mesh")
-    logger.warning("[verl-qerl] actor: NVFP4 base of %d layers sharded over %s FSDP2 ranks (gathered per layer)",
-                   len(layers), mesh.size() if mesh is not None else "all")
+    held = base_bytes(layers)
+    # one line per rank, parsed by benchmarks/grpo_step.py (actor_base_gb_per_rank)
+    logger.warning("[verl-qerl] actor: NVFP4 base of %d layers sharded over %s FSDP2 ranks (gathered per layer); "
+                   "this rank holds %d of %d base bytes", len(layers), mesh.size() if mesh is not None else "all",
+                   held["local"], held["total"])
     return len(layers)
 
 
