@@ -59,7 +59,9 @@ def _greedy(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, lora: d
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    # logprobs=2: the two most likely tokens per step, so a comparison can tell a near-tie (margin) from a real
+    # disagreement (see greedy_agree)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2, ignore_eos=True)
     as_request = lambda d: LoRARequest(d["name"], d["id"], d["path"]) if d else None  # noqa: E731
     request = [as_request(d) for d in loras] if loras is not None else as_request(lora)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=request, use_tqdm=False)
@@ -67,7 +69,12 @@ def _greedy(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, lora: d
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
         lps = [float(step[tok].logprob) for tok, step in zip(comp.token_ids, comp.logprobs)]
-        results.append({"prompt": list(prompt), "tokens": list(comp.token_ids), "logprobs": lps})
+        margins = []
+        for step in comp.logprobs:
+            top = sorted((float(v.logprob) for v in step.values()), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        results.append({"prompt": list(prompt), "tokens": list(comp.token_ids), "logprobs": lps,
+                        "margins": margins})
     return results
 
 
@@ -306,6 +313,43 @@ def _hf_logprobs(model, runs: list[dict]) -> list[list[float]]:
         start = len(r["prompt"]) - 1
         out.append([float(logp[start + i, t]) for i, t in enumerate(r["tokens"])])
     return out
+
+
+def greedy_agree(runs: list[dict], ref: list[dict], lp_tol: float) -> tuple[bool, str]:
+    """Whether two greedy runs of the same prompts agree as far as their arithmetic lets them.
+
+    Two engines whose logprobs differ by up to ``lp_tol`` (e.g. bf16 paths that sum in different orders) may
+    pick different tokens only where the reference's top-2 margin is below ``2 * lp_tol``: each of the two
+    logprobs can move by ``lp_tol``. So per prompt: tokens equal up to the first difference, logprobs within
+    ``lp_tol`` on that common prefix, and the first difference (if any) at a near-tie of the reference; after it
+    the sequences condition on different tokens and are not compared. Returns (ok, a line per prompt).
+    """
+    ok, lines = True, []
+    for i, (a, b) in enumerate(zip(runs, ref)):
+        n = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(b["tokens"]))
+        diff = max((abs(x - y) for x, y in zip(a["logprobs"][:n], b["logprobs"][:n])), default=0.0)
+        good = diff <= lp_tol
+        msg = f"prompt {i}: {n}/{len(b['tokens'])} tokens equal, max |dlogprob| {diff:.3g} on them"
+        if n < len(b["tokens"]):
+            margin = b["margins"][n]
+            good = good and margin < 2 * lp_tol
+            msg += (f"; differs at token {n} where the reference's top-2 margin is {margin:.3g} "
+                    f"(near-tie < {2 * lp_tol:g})")
+        ok = ok and good
+        lines.append(msg + ("" if good else "  <-- disagreement"))
+    return ok, "\n".join(lines)
+
+
+def test_greedy_agree_allows_a_flip_only_at_a_near_tie():
+    ref = [{"tokens": [5, 6, 7], "logprobs": [-0.1, -0.5, -0.7], "margins": [2.0, 0.01, 1.0]}]
+    assert greedy_agree(ref, ref, 1e-2)[0]
+    flip_at_tie = [{"tokens": [5, 9, 3], "logprobs": [-0.105, -0.51, -2.0], "margins": [2.0, 0.0, 0.0]}]
+    assert greedy_agree(flip_at_tie, ref, 1e-2)[0]
+    flip_at_clear_winner = [{"tokens": [9, 6, 7], "logprobs": [-0.1, -0.5, -0.7], "margins": [2.0, 0.01, 1.0]}]
+    ok, report = greedy_agree(flip_at_clear_winner, ref, 1e-2)
+    assert not ok and "differs at token 0" in report
+    drift_on_prefix = [{"tokens": [5, 6, 7], "logprobs": [-0.2, -0.5, -0.7], "margins": [2.0, 0.01, 1.0]}]
+    assert not greedy_agree(drift_on_prefix, ref, 1e-2)[0]
 
 
 def _max_diff(runs: list[dict], ref: list[list[float]]) -> float:

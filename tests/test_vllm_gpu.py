@@ -76,8 +76,11 @@ def test_cuda_graph_engine_runs_the_fp4_kernel_on_the_exact_weights(gpu_engines,
 
 def test_cuda_graphs_match_eager_and_hf(gpu_engines, tiny_bf16):
     g, e = gpu_engines["graphs_bf16"], gpu_engines["eager_bf16"]
-    assert [r["tokens"] for r in g["base"]] == [r["tokens"] for r in e["base"]]
-    assert cpu._max_diff(g["base"], [r["logprobs"] for r in e["base"]]) <= 1e-2
+    # graph and eager bf16 pad the batch differently, so the split-K sums differ in order: tokens may flip only at
+    # a near-tie of the eager run (greedy_agree), logprobs on the common prefix within 1e-2
+    ok, report = cpu.greedy_agree(g["base"], e["base"], lp_tol=1e-2)
+    print("\nCUDA graphs vs eager (bf16):\n" + report)
+    assert ok, report
     ref = cpu._ref_weights_from_bf16(tiny_bf16)
     hf32 = cpu._hf_model(tiny_bf16, ref)
     diff_bf16 = cpu._max_diff(g["base"], cpu._hf_logprobs(hf32, g["base"]))
