@@ -590,6 +590,32 @@ def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
     assert BaseLinearLayerWithLoRA._apply_lora_to_output.__wrapped__.__module__.startswith("vllm.")
 
 
+def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
+    """vLLM's torch.compile cache (AOT artifacts under ``VLLM_CACHE_ROOT``) is keyed on the config hash: engines
+    with the fast path on and off must get different keys, or one loads the other's compiled graph (vLLM 0.24 on a
+    GPU: the ``off`` engine died on ``'...WithLoRA' object has no attribute 'qerl_lora_a'``, the ``on`` engine on
+    punica's ``assert lora_b_weight.is_contiguous()``). ``off`` keeps vLLM's own hash."""
+    from vllm.config import VllmConfig
+    from vllm.config.lora import LoRAConfig
+
+    from verl_qerl.vllm import lora_fast_path
+
+    assert lora_fast_path.install()
+    config = VllmConfig()
+    config.lora_config = LoRAConfig(max_lora_rank=8, max_loras=1)
+    keys = {}
+    for mode in ("off", "on", "all", "auto"):
+        monkeypatch.setenv(FAST_PATH_ENV, mode)
+        keys[mode] = config.compute_hash()
+    assert len(set(keys.values())) == len(keys), keys
+    assert config.lora_config.compute_hash.__wrapped__(config.lora_config) == \
+        (monkeypatch.setenv(FAST_PATH_ENV, "off") or config.lora_config.compute_hash())
+    # an engine the fast path never serves (several adapter slots) keeps vLLM's key under any mode
+    config.lora_config = LoRAConfig(max_lora_rank=8, max_loras=2)
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    assert config.lora_config.compute_hash() == config.lora_config.compute_hash.__wrapped__(config.lora_config)
+
+
 def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):
     for name, expected in (("fast", True), ("vllm", False)):
         layers = engines_fast_path[name]["summary"][0]["layers"]

@@ -45,6 +45,7 @@ why and leaves vLLM's path in place.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from typing import Any
@@ -56,16 +57,22 @@ from .config import QeRLNvFp4Error
 
 logger = logging.getLogger(__name__)
 
-#: ``on``: qerl_nvfp4 layers; ``all``: also unquantized (BF16) layers; ``off`` (default): vLLM's path only.
+#: ``auto`` / ``on``: qerl_nvfp4 layers of single-slot engines; ``all``: also unquantized (BF16) layers;
+#: ``off``: vLLM's path only.
 FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
-_MODES = ("on", "all", "off")
+_MODES = ("auto", "on", "all", "off")
+_DEFAULT_MODE = "off"
+
+# vLLM configures handlers for its own logger tree only: a child of it prints the per-engine summary at INFO in
+# the engine's log, where a benchmark can read it.
+summary_logger = logging.getLogger("vllm.qerl_lora_fast_path")
 
 _installed = False
 
 
 def fast_path_mode() -> str:
     """The ``QERL_LORA_FAST_PATH`` setting, validated (read when an engine builds its LoRA layers)."""
-    mode = os.environ.get(FAST_PATH_ENV, "off").strip().lower() or "off"
+    mode = os.environ.get(FAST_PATH_ENV, _DEFAULT_MODE).strip().lower() or _DEFAULT_MODE
     if mode not in _MODES:
         raise QeRLNvFp4Error(f"{FAST_PATH_ENV}={mode!r}; expected one of {', '.join(_MODES)}")
     return mode
@@ -111,6 +118,7 @@ def install() -> bool:
     LoRAModelManager._create_lora_modules = create_lora_modules
     BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
     _wrap_merged_column_apply()
+    _key_compile_cache_on_mode()
     _installed = True
     return True
 
@@ -138,6 +146,35 @@ def _wrap_merged_column_apply() -> None:
     column_parallel_linear._mcp_apply = mcp_apply
 
 
+def _key_compile_cache_on_mode() -> None:
+    """Make vLLM's compile-cache key depend on the fast-path mode.
+
+    vLLM keys its torch.compile artifacts (the AOT-compiled model under ``VLLM_CACHE_ROOT``, the inductor cache
+    directory) on ``VllmConfig.compute_hash()``, which knows nothing of this module: an engine with the fast path
+    would load the graph an engine without it compiled (punica kernels on the re-laid, strided adapter views:
+    ``assert lora_b_weight.is_contiguous()``), and the other way round (``no attribute 'qerl_lora_a'``).
+    ``VllmConfig.compute_hash`` folds in ``LoRAConfig.compute_hash``, so the mode goes there, for the engines the
+    mode can change (one adapter slot, not fully sharded); every other engine keeps vLLM's own key."""
+    try:
+        from vllm.config.lora import LoRAConfig
+    except ImportError:
+        return
+    original = getattr(LoRAConfig, "compute_hash", None)
+    if not callable(original) or getattr(original, "qerl_keyed", False):
+        return
+
+    @functools.wraps(original)
+    def compute_hash(self: Any) -> str:
+        key = original(self)
+        mode = fast_path_mode()
+        if mode == "off" or getattr(self, "max_loras", None) != 1 or getattr(self, "fully_sharded_loras", False):
+            return key
+        return hashlib.sha256(f"{key}|{FAST_PATH_ENV}={mode}".encode()).hexdigest()
+
+    compute_hash.qerl_keyed = True  # type: ignore[attr-defined]
+    LoRAConfig.compute_hash = compute_hash
+
+
 # -- conversion ---------------------------------------------------------------------------------
 
 
@@ -156,34 +193,45 @@ def _served(layer: Any, mode: str) -> bool:
 
 
 def convert_manager(manager: Any) -> int:
-    """Put the served linear LoRA layers of ``manager`` on the fast path; returns how many."""
+    """Put the served linear LoRA layers of ``manager`` on the fast path; returns how many.
+
+    Logs one line per engine (per LoRA manager) with the count, ``qerl_lora_fast_path_layers=N``, so a
+    benchmark's log shows whether the fast path ran; the count is also kept on the manager."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
     mode = fast_path_mode()
-    if mode == "off":
-        logger.info("qerl LoRA fast path off (%s=off): vLLM's LoRA path everywhere", FAST_PATH_ENV)
-        return 0
+    why_not = None
     slots = getattr(manager, "lora_slots", None)
-    if slots != 1:
-        logger.info("qerl LoRA fast path not used: the engine has %s adapter slots (max_loras); it needs exactly 1",
-                    slots)
-        return 0
-    if getattr(getattr(manager, "lora_config", None), "fully_sharded_loras", False):
-        logger.info("qerl LoRA fast path not used: fully_sharded_loras is on")
-        return 0
+    if mode == "off":
+        why_not = f"{FAST_PATH_ENV}=off"
+    elif slots != 1:
+        why_not = f"the engine has {slots} adapter slots (max_loras); the fast path needs exactly 1"
+    elif getattr(getattr(manager, "lora_config", None), "fully_sharded_loras", False):
+        why_not = "fully_sharded_loras is on"
     done, skipped = [], {}
-    for name, layer in getattr(manager, "modules", {}).items():
-        if not isinstance(layer, BaseLinearLayerWithLoRA) or not _served(layer, mode):
-            continue
-        why = convert_layer(layer)
-        if why is None:
-            done.append(name)
-        else:
-            skipped[name] = why
+    if why_not is None:
+        for name, layer in getattr(manager, "modules", {}).items():
+            if not isinstance(layer, BaseLinearLayerWithLoRA) or not _served(layer, mode):
+                continue
+            why = convert_layer(layer)
+            if why is None:
+                done.append(name)
+            else:
+                skipped[name] = why
     for name, why in skipped.items():
         logger.warning("qerl LoRA fast path: %s keeps vLLM's path (%s)", name, why)
-    logger.info("qerl LoRA fast path on for %d linear layers (mode %s)", len(done), mode)
+    manager.qerl_lora_fast_path_layers = len(done)
+    summary_logger.info("qerl LoRA fast path: qerl_lora_fast_path_layers=%d (mode %s%s)", len(done), mode,
+                        f"; not used: {why_not}" if why_not else "")
     return len(done)
+
+
+def count_fast_path_layers(model: Any) -> int:
+    """How many linear LoRA layers of ``model`` run on the fast path."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    return sum(isinstance(m, BaseLinearLayerWithLoRA) and bool(getattr(m, "qerl_lora_fast_path", False))
+               for m in model.modules())
 
 
 def convert_layer(layer: Any) -> str | None:

@@ -118,6 +118,12 @@ class QeRLWorkerExtension:
                 out[name] = param.detach().to("cpu").clone()
         return encode_tensors(out)
 
+    def qerl_lora_fast_path_layers(self) -> int:
+        """How many linear LoRA layers of this rank run on the single-adapter fast path (0 without LoRA)."""
+        from .lora_fast_path import count_fast_path_layers
+
+        return count_fast_path_layers(compat.worker_model(self))
+
     def qerl_quant_summary(self) -> dict[str, Any]:
         """Per linear layer: quant method class, and for ``qerl_nvfp4`` layers the backend and scales.
 
