@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         if earlier.get("benchmark") != "lora_profile" or earlier.get("device") != device:
             print(f"error: --merge {args.merge}: not a lora_profile JSON of {device}", flush=True)
             return 2
-        keep = [r for r in earlier["rows"] if r["variant"] != args.variant]
+        rerun = {(r["variant"], r["part"], r["batch"]) for r in result["rows"]}
+        keep = [r for r in earlier["rows"] if (r["variant"], r["part"], r["batch"]) not in rerun]
         result["rows"] = keep + result["rows"]
         result["kernel_tables"] = {**earlier.get("kernel_tables", {}), **result["kernel_tables"]}
         result["lora_layer_ops"] = {**earlier.get("lora_layer_ops", {}), **result["lora_layer_ops"]}
