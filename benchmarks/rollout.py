@@ -410,6 +410,12 @@ def bench_backend(job: dict) -> dict:
         quant = llm.llm_engine.vllm_config.model_config.quantization
     except Exception:  # noqa: BLE001 - informative only
         pass
+    fast_layers = None
+    if kw.get("enable_lora"):  # proof of which LoRA path ran: the count of layers on the single-adapter fast path
+        try:
+            fast_layers = llm.collective_rpc("qerl_lora_fast_path_layers")[0]
+        except Exception as exc:  # noqa: BLE001 - informative only
+            print(f"[rollout] could not count fast-path layers: {type(exc).__name__}: {exc}", flush=True)
     lora_request = None
     if job.get("lora"):
         from vllm.lora.request import LoRARequest
@@ -441,14 +447,15 @@ def bench_backend(job: dict) -> dict:
                 "prefill_s": prefill_s, "prefill_tok_s": b * len(prompts[0]) / prefill_s,
                 "decode_s": decode_s, "decode_tok_s": (n_out - b) / decode_s,
                 "decode_ms_per_step": 1e3 * decode_s / max(new - 1, 1),
-                "startup_s": startup_s, "quantization": quant,
+                "startup_s": startup_s, "quantization": quant, "lora_fast_path_layers": fast_layers,
                 "load_format": kw.get("load_format", "auto"),
             }
             rows.append(row)
             # machine-readable too: the parent keeps these rows when a later batch times out or crashes
             print(ROW_PREFIX + json.dumps(row), flush=True)
             print(f"[rollout] {job['model']} {backend:10s} B={b:4d} {row['tok_s']:10.1f} tok/s  prefill "
-                  f"{prefill_s * 1e3:8.1f} ms  decode {row['decode_tok_s']:10.1f} tok/s", flush=True)
+                  f"{prefill_s * 1e3:8.1f} ms  decode {row['decode_tok_s']:10.1f} tok/s"
+                  + (f"  fast-path layers {fast_layers}" if fast_layers is not None else ""), flush=True)
     finally:
         _shutdown(llm)
     return {"rows": rows}
@@ -789,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = build["bf16"] if backend in ("bf16", "nf4") else build["nvfp4"]
         llm = dict(model=ckpt, dtype="bfloat16", seed=args.seed, skip_tokenizer_init=True,
                    max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(max_b, 8),
-                   enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu)
+                   enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu,
+                   worker_extension_cls="verl_qerl.vllm.worker_extension.QeRLWorkerExtension")
         if on_gpu:
             llm["gpu_memory_utilization"] = args.gpu_memory_utilization
         if with_lora:

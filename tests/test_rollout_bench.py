@@ -81,6 +81,8 @@ def test_tiny_rollout_writes_rows_and_targets(tmp_path):
     for r in res["rows"]:
         assert r["tok_s"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0, r
         assert r["output_tokens"] == r["batch"] * 8 and r["lora"] is True
+        # proof of the LoRA path: the tiny model's 8 qerl_nvfp4 linear layers on the fast path (default auto)
+        assert r["lora_fast_path_layers"] == (8 if r["backend"] == "qerl_nvfp4" else 0), r
     assert {s["backend"] for s in res["skipped"]} == {"ct_marlin", "nf4"}
     assert "skipped on CPU" in log
     targets = res["targets"]

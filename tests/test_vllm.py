@@ -557,6 +557,8 @@ def _fast_path_tasks(prompts: list[list[int]], adapter: dict, adapter_next: dict
         {"id": "summary", "kind": "rpc", "args": {"method": "qerl_quant_summary"}},
         {"id": "base", "kind": "greedy", "args": {"prompts": prompts}},
         {"id": "lora_dir", "kind": "greedy", "args": {"prompts": prompts, "lora": folder}},
+        # what the LoRA term adds to each linear layer's forward, at the last step's token count
+        {"id": "lora_ops", "kind": "rpc", "args": {"method": "qerl_lora_layer_ops"}},
         # one batch: the first request with the adapter, the second without
         {"id": "mixed", "kind": "greedy", "args": {"prompts": prompts, "loras": [folder, None]}},
         # verl's in-memory route (TensorLoRARequest, id 123), then the next step's weights, same engine and id
@@ -590,7 +592,8 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     # the opt-in for unquantized (BF16 baseline) layers, against vLLM's path on the same unquantized engine
     plain = {**llm, "quantization": None}
     plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "mixed")]
-    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "on"}},
+    # "fast" runs under the default mode (auto), with the variable removed from the driver's environment
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: ""}},
                        {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}},
                        {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
                        {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
@@ -632,6 +635,39 @@ def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
     torch.testing.assert_close(column_parallel_linear._mcp_apply(x, None, layer), want)
     assert "qerl_lora_fast_path" not in vars(column_parallel_linear._mcp_apply.__wrapped__)  # vLLM's, underneath
     assert BaseLinearLayerWithLoRA._apply_lora_to_output.__wrapped__.__module__.startswith("vllm.")
+    # the LoRA term is two ops, i.e. two kernel launches on CUDA: the shrink GEMM and the fused expand
+    ops, _ = lora_fast_path._top_level_ops(BaseLinearLayerWithLoRA._apply_lora_to_output, layer, x, base)
+    assert ops == ["aten::linear", "qerl::lora_expand"], ops
+
+
+# the most top-level ops (= CUDA kernel launches) the fast path may add to one linear layer's forward
+FAST_PATH_MAX_LORA_OPS = 2
+
+
+def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
+    """vLLM's torch.compile cache (AOT artifacts under ``VLLM_CACHE_ROOT``) is keyed on the config hash: engines
+    with the fast path on and off must get different keys, or one loads the other's compiled graph (vLLM 0.24 on a
+    GPU: the ``off`` engine died on ``'...WithLoRA' object has no attribute 'qerl_lora_a'``, the ``on`` engine on
+    punica's ``assert lora_b_weight.is_contiguous()``). ``off`` keeps vLLM's own hash."""
+    from vllm.config import VllmConfig
+    from vllm.config.lora import LoRAConfig
+
+    from verl_qerl.vllm import lora_fast_path
+
+    assert lora_fast_path.install()
+    config = VllmConfig()
+    config.lora_config = LoRAConfig(max_lora_rank=8, max_loras=1)
+    keys = {}
+    for mode in ("off", "on", "all", "auto"):
+        monkeypatch.setenv(FAST_PATH_ENV, mode)
+        keys[mode] = config.compute_hash()
+    assert len(set(keys.values())) == len(keys), keys
+    assert config.lora_config.compute_hash.__wrapped__(config.lora_config) == \
+        (monkeypatch.setenv(FAST_PATH_ENV, "off") or config.lora_config.compute_hash())
+    # an engine the fast path never serves (several adapter slots) keeps vLLM's key under any mode
+    config.lora_config = LoRAConfig(max_lora_rank=8, max_loras=2)
+    monkeypatch.setenv(FAST_PATH_ENV, "on")
+    assert config.lora_config.compute_hash() == config.lora_config.compute_hash.__wrapped__(config.lora_config)
 
 
 def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):
@@ -641,6 +677,20 @@ def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_p
         assert len(qerl) == 8
         assert all(v["lora_fast_path"] is expected for v in qerl.values()), (name, qerl)
         assert not layers["lm_head"].get("lora_fast_path", False)
+
+
+def test_lora_fast_path_adds_two_ops_per_layer(engines_fast_path):
+    """Per LoRA layer and forward, the fast path adds ``FAST_PATH_MAX_LORA_OPS`` top-level ops (the shrink GEMM,
+    the fused expand + mask + residual), fewer than vLLM's path on the same layers; a count that grows fails."""
+    fast, ref = engines_fast_path["fast"]["lora_ops"][0], engines_fast_path["vllm"]["lora_ops"][0]
+    qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
+    assert len(qerl) == 8 and all(v["fast_path"] for v in qerl.values())
+    for name, v in qerl.items():
+        assert v["lora_ops"] == ["aten::linear", "qerl::lora_expand"], (name, v)
+        assert len(v["lora_ops"]) <= FAST_PATH_MAX_LORA_OPS
+        assert not ref[name]["fast_path"] and len(ref[name]["lora_ops"]) > FAST_PATH_MAX_LORA_OPS, ref[name]
+    TIMINGS["lora_ops_per_layer_fast_path"] = {n: len(v["lora_ops"]) for n, v in qerl.items()}
+    TIMINGS["lora_ops_per_layer_vllm_path"] = {n: ref[n]["lora_ops"] for n in qerl}
 
 
 @pytest.mark.parametrize("key", [k for k in LORA_RUNS if k != "mixed"])

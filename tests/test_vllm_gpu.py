@@ -161,3 +161,18 @@ def test_lora_fast_path_under_cuda_graphs_matches_hf_peft(gpu_fast_path_engines,
         diff = cpu._max_diff(fast[key], cpu._hf_logprobs(hf, fast[key]))
         print(f"\nGPU bf16 graphs + fast path vs HF+peft fp32, {key}: max |dlogprob| = {diff:.3g}")
         assert diff <= 2e-2 * 2, (key, diff)
+
+
+def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
+    """On CUDA the fast path's LoRA term is the cuBLAS shrink and one Triton ``_lora_expand_kernel`` per layer
+    (printed: what cuBLAS launches for the shrink at this token count, and what vLLM's path launches)."""
+    fast = gpu_fast_path_engines["fast"]["lora_ops"][0]
+    ref = gpu_fast_path_engines["vllm"]["lora_ops"][0]
+    qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
+    assert len(qerl) == 8
+    for name, v in qerl.items():
+        print(f"\n{name} (T={v['tokens']}): fast path kernels {v['lora_kernels']}; "
+              f"vLLM path {ref[name]['lora_kernels']}")
+        assert v["lora_ops"] == ["aten::linear", "qerl::lora_expand"], (name, v)
+        assert sum("_lora_expand_kernel" in k for k in v["lora_kernels"]) == 1, (name, v)
+        assert len(v["lora_kernels"]) <= 3, (name, v)  # the shrink: one cuBLAS kernel (+ a split-K reduce at most)

@@ -1,4 +1,4 @@
-"""Single-adapter LoRA for vLLM linear layers: one shrink GEMM and one expand GEMM per layer.
+"""Single-adapter LoRA for vLLM linear layers: two ops per layer (shrink GEMM; fused expand + mask + residual).
 
 vLLM's LoRA layers serve many adapters at once: every linear layer runs the punica shrink and
 expand kernels over per-token adapter indices, slice by slice. In RL every request of a rollout
@@ -10,9 +10,10 @@ adapter slot the LoRA term is simply::
 with ``A_cat`` the concatenated A matrices of all fused slices (q/k/v, gate/up), ``B_blockdiag`` the
 slices' B matrices on a block diagonal (slice i's B in slice i's output rows and its rank columns,
 zeros elsewhere) and ``mask`` 1 for tokens whose request has the adapter and 0 for those without.
-The scaling ``alpha / r`` is already folded into vLLM's stored B. Two dense GEMMs (cuBLAS on CUDA),
-one elementwise product, no per-token indexing, static shapes: it traces under torch.compile and
-captures into CUDA graphs.
+The scaling ``alpha / r`` is already folded into vLLM's stored B. Two ops, two kernel launches on CUDA:
+the shrink ``x @ A_cat^T`` (cuBLAS) and ``qerl::lora_expand`` (one Triton kernel: expand, token mask and
+residual add; :mod:`verl_qerl.kernels.lora_expand`); no per-token indexing, static shapes: it traces under
+torch.compile and captures into CUDA graphs.
 
 How it plugs in (no vLLM file is edited):
 
@@ -32,19 +33,19 @@ How it plugs in (no vLLM file is edited):
 
 When it applies: the engine has one adapter slot (``max_loras=1``: one adapter per batch, so the
 "several adapters in one batch" case cannot arise), LoRA is not fully sharded, vLLM's dual-stream
-LoRA is off, and the layer's base quant method is ``qerl_nvfp4`` (``QERL_LORA_FAST_PATH=on``)
-or also unquantized BF16 (``=all``, for a like-for-like BF16 baseline). Everything else, including
-``max_loras > 1`` engines, keeps vLLM's punica path untouched. ``=off`` (the default) keeps vLLM's
-path everywhere: the fast path is opt-in until it is measured to pay on a GPU (on an H200 with vLLM
-0.24 it left the with/without-LoRA throughput ratio where vLLM's path has it, and vLLM's compile
-cache does not key on this variable, so switching it needs a fresh ``VLLM_CACHE_ROOT``). If vLLM's
-LoRA internals are not what this module was written against (read in vLLM 0.24 and 0.32), it logs
-why and leaves vLLM's path in place.
+LoRA is off, and the layer's base quant method is ``qerl_nvfp4`` (``QERL_LORA_FAST_PATH=auto``, the
+default, or ``on``) or also unquantized BF16 (``=all``, for a like-for-like BF16 baseline). Everything
+else, including ``max_loras > 1`` engines, keeps vLLM's punica path untouched; ``=off`` keeps vLLM's
+path everywhere. The mode is part of vLLM's compile-cache key (:func:`_key_compile_cache_on_mode`), so
+engines with and without the fast path never load each other's compiled graph. Each engine logs one
+line, ``qerl_lora_fast_path_layers=N``. If vLLM's LoRA internals are not what this module was written
+against (read in vLLM 0.24 and 0.32), it logs why and leaves vLLM's path in place.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from typing import Any
@@ -52,20 +53,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from verl_qerl.kernels.lora_expand import lora_expand
+
 from .config import QeRLNvFp4Error
 
 logger = logging.getLogger(__name__)
 
-#: ``on``: qerl_nvfp4 layers; ``all``: also unquantized (BF16) layers; ``off`` (default): vLLM's path only.
+#: ``auto`` (default) / ``on``: qerl_nvfp4 layers of single-slot engines; ``all``: also unquantized (BF16)
+#: layers; ``off``: vLLM's path only.
 FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
-_MODES = ("on", "all", "off")
+_MODES = ("auto", "on", "all", "off")
+_DEFAULT_MODE = "auto"
+
+# vLLM configures handlers for its own logger tree only: a child of it prints the per-engine summary at INFO in
+# the engine's log, where a benchmark can read it.
+summary_logger = logging.getLogger("vllm.qerl_lora_fast_path")
 
 _installed = False
 
 
 def fast_path_mode() -> str:
     """The ``QERL_LORA_FAST_PATH`` setting, validated (read when an engine builds its LoRA layers)."""
-    mode = os.environ.get(FAST_PATH_ENV, "off").strip().lower() or "off"
+    mode = os.environ.get(FAST_PATH_ENV, _DEFAULT_MODE).strip().lower() or _DEFAULT_MODE
     if mode not in _MODES:
         raise QeRLNvFp4Error(f"{FAST_PATH_ENV}={mode!r}; expected one of {', '.join(_MODES)}")
     return mode
@@ -111,6 +120,7 @@ def install() -> bool:
     LoRAModelManager._create_lora_modules = create_lora_modules
     BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
     _wrap_merged_column_apply()
+    _key_compile_cache_on_mode()
     _installed = True
     return True
 
@@ -138,6 +148,35 @@ def _wrap_merged_column_apply() -> None:
     column_parallel_linear._mcp_apply = mcp_apply
 
 
+def _key_compile_cache_on_mode() -> None:
+    """Make vLLM's compile-cache key depend on the fast-path mode.
+
+    vLLM keys its torch.compile artifacts (the AOT-compiled model under ``VLLM_CACHE_ROOT``, the inductor cache
+    directory) on ``VllmConfig.compute_hash()``, which knows nothing of this module: an engine with the fast path
+    would load the graph an engine without it compiled (punica kernels on the re-laid, strided adapter views:
+    ``assert lora_b_weight.is_contiguous()``), and the other way round (``no attribute 'qerl_lora_a'``).
+    ``VllmConfig.compute_hash`` folds in ``LoRAConfig.compute_hash``, so the mode goes there, for the engines the
+    mode can change (one adapter slot, not fully sharded); every other engine keeps vLLM's own key."""
+    try:
+        from vllm.config.lora import LoRAConfig
+    except ImportError:
+        return
+    original = getattr(LoRAConfig, "compute_hash", None)
+    if not callable(original) or getattr(original, "qerl_keyed", False):
+        return
+
+    @functools.wraps(original)
+    def compute_hash(self: Any) -> str:
+        key = original(self)
+        mode = fast_path_mode()
+        if mode == "off" or getattr(self, "max_loras", None) != 1 or getattr(self, "fully_sharded_loras", False):
+            return key
+        return hashlib.sha256(f"{key}|{FAST_PATH_ENV}={mode}".encode()).hexdigest()
+
+    compute_hash.qerl_keyed = True  # type: ignore[attr-defined]
+    LoRAConfig.compute_hash = compute_hash
+
+
 # -- conversion ---------------------------------------------------------------------------------
 
 
@@ -156,34 +195,45 @@ def _served(layer: Any, mode: str) -> bool:
 
 
 def convert_manager(manager: Any) -> int:
-    """Put the served linear LoRA layers of ``manager`` on the fast path; returns how many."""
+    """Put the served linear LoRA layers of ``manager`` on the fast path; returns how many.
+
+    Logs one line per engine (per LoRA manager) with the count, ``qerl_lora_fast_path_layers=N``, so a
+    benchmark's log shows whether the fast path ran; the count is also kept on the manager."""
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
 
     mode = fast_path_mode()
-    if mode == "off":
-        logger.info("qerl LoRA fast path off (%s=off): vLLM's LoRA path everywhere", FAST_PATH_ENV)
-        return 0
+    why_not = None
     slots = getattr(manager, "lora_slots", None)
-    if slots != 1:
-        logger.info("qerl LoRA fast path not used: the engine has %s adapter slots (max_loras); it needs exactly 1",
-                    slots)
-        return 0
-    if getattr(getattr(manager, "lora_config", None), "fully_sharded_loras", False):
-        logger.info("qerl LoRA fast path not used: fully_sharded_loras is on")
-        return 0
+    if mode == "off":
+        why_not = f"{FAST_PATH_ENV}=off"
+    elif slots != 1:
+        why_not = f"the engine has {slots} adapter slots (max_loras); the fast path needs exactly 1"
+    elif getattr(getattr(manager, "lora_config", None), "fully_sharded_loras", False):
+        why_not = "fully_sharded_loras is on"
     done, skipped = [], {}
-    for name, layer in getattr(manager, "modules", {}).items():
-        if not isinstance(layer, BaseLinearLayerWithLoRA) or not _served(layer, mode):
-            continue
-        why = convert_layer(layer)
-        if why is None:
-            done.append(name)
-        else:
-            skipped[name] = why
+    if why_not is None:
+        for name, layer in getattr(manager, "modules", {}).items():
+            if not isinstance(layer, BaseLinearLayerWithLoRA) or not _served(layer, mode):
+                continue
+            why = convert_layer(layer)
+            if why is None:
+                done.append(name)
+            else:
+                skipped[name] = why
     for name, why in skipped.items():
         logger.warning("qerl LoRA fast path: %s keeps vLLM's path (%s)", name, why)
-    logger.info("qerl LoRA fast path on for %d linear layers (mode %s)", len(done), mode)
+    manager.qerl_lora_fast_path_layers = len(done)
+    summary_logger.info("qerl LoRA fast path: qerl_lora_fast_path_layers=%d (mode %s%s)", len(done), mode,
+                        f"; not used: {why_not}" if why_not else "")
     return len(done)
+
+
+def count_fast_path_layers(model: Any) -> int:
+    """How many linear LoRA layers of ``model`` run on the fast path."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    return sum(isinstance(m, BaseLinearLayerWithLoRA) and bool(getattr(m, "qerl_lora_fast_path", False))
+               for m in model.modules())
 
 
 def convert_layer(layer: Any) -> str | None:
@@ -244,13 +294,71 @@ def convert_layer(layer: Any) -> str | None:
 
 
 def _apply_lora_single(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """``output + mask * (x @ A_cat^T) @ B_blockdiag^T`` for vLLM's single adapter slot."""
+    """``output + mask * (x @ A_cat^T) @ B_blockdiag^T`` for vLLM's single adapter slot: two ops, two kernels
+    on CUDA (the shrink on cuBLAS; expand, token mask and residual add in one Triton kernel)."""
     out_shape = output.shape
     x2 = x.reshape(-1, x.shape[-1])
     out2 = output.reshape(-1, output.shape[-1])
     shrunk = F.linear(x2, self.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
-    shrunk = shrunk * self.qerl_token_mask[: x2.shape[0]]  # 0 for tokens without the adapter
-    return torch.addmm(out2, shrunk, self.qerl_lora_b_t).view(out_shape)  # expand + residual in one GEMM
+    return lora_expand(out2, shrunk, self.qerl_lora_b_t, self.qerl_token_mask[: x2.shape[0]]).view(out_shape)
+
+
+# -- per-layer op count ---------------------------------------------------------------------------
+
+# ops that only make a view (no kernel); what remains of a layer's top-level ops is one kernel launch each on CUDA
+_VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+                       "aten::t", "aten::transpose", "aten::as_strided", "aten::expand", "aten::unsqueeze",
+                       "aten::squeeze", "aten::select", "aten::alias", "aten::detach", "aten::flatten",
+                       "aten::permute", "aten::numpy_T", "aten::lift_fresh", "aten::empty", "aten::empty_strided"})
+
+
+def _top_level_ops(fn: Any, *args: Any) -> tuple[list[str], list[str]]:
+    """The top-level non-view torch ops ``fn(*args)`` runs, and the device kernels it launches (none on CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    ops, kernels = [], []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernels.append(e.name)
+        elif e.cpu_parent is None and "::" in e.name and e.name not in _VIEW_OPS:
+            ops.append(e.name)
+    return ops, kernels
+
+
+def lora_layer_ops(model: Any, tokens: int | None = None) -> dict[str, dict[str, Any]]:
+    """Per linear LoRA layer of ``model``: the ops (and on CUDA the kernels) its LoRA term adds to one forward of
+    ``tokens`` tokens, i.e. what ``layer.apply`` runs beyond the base layer's ``quant_method.apply``.
+
+    ``tokens`` defaults to the token count of the punica wrapper's current mapping (vLLM's own path indexes its
+    per-token adapter slots, so it needs that count). Runs under ``torch.inference_mode``; the model's weights
+    and adapter buffers are only read."""
+    from collections import Counter
+
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    out: dict[str, dict[str, Any]] = {}
+    with torch.inference_mode():
+        for name, layer in model.named_modules():
+            if not isinstance(layer, BaseLinearLayerWithLoRA):
+                continue
+            base = layer.base_layer
+            n = tokens if tokens is not None else int(layer.punica_wrapper.token_lora_indices.shape[0])
+            a0 = layer.lora_a_stacked[0]
+            x = torch.randn(n, a0.shape[-1], dtype=a0.dtype, device=a0.device)
+            base_ops, base_kernels = _top_level_ops(layer._get_quant_method().apply, base, x, None)
+            all_ops, all_kernels = _top_level_ops(layer.apply, x, None)
+            lora_ops = Counter(all_ops) - Counter(base_ops)
+            lora_kernels = Counter(all_kernels) - Counter(base_kernels)
+            out[name] = {"fast_path": bool(getattr(layer, "qerl_lora_fast_path", False)), "tokens": n,
+                         "method": type(base.quant_method).__name__,
+                         "lora_ops": sorted(lora_ops.elements()), "lora_kernels": sorted(lora_kernels.elements())}
+    return out
 
 
 # -- per-token adapter mask ---------------------------------------------------------------------

@@ -118,6 +118,19 @@ class QeRLWorkerExtension:
                 out[name] = param.detach().to("cpu").clone()
         return encode_tensors(out)
 
+    def qerl_lora_fast_path_layers(self) -> int:
+        """How many linear LoRA layers of this rank run on the single-adapter fast path (0 without LoRA)."""
+        from .lora_fast_path import count_fast_path_layers
+
+        return count_fast_path_layers(compat.worker_model(self))
+
+    def qerl_lora_layer_ops(self, tokens: int | None = None) -> dict[str, dict[str, Any]]:
+        """Per linear LoRA layer: the ops / CUDA kernels its LoRA term adds to one forward (see
+        :func:`verl_qerl.vllm.lora_fast_path.lora_layer_ops`)."""
+        from .lora_fast_path import lora_layer_ops
+
+        return lora_layer_ops(compat.worker_model(self), tokens)
+
     def qerl_quant_summary(self) -> dict[str, Any]:
         """Per linear layer: quant method class, and for ``qerl_nvfp4`` layers the backend and scales.
 
