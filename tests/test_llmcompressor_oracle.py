@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import quantize_checkpoint
+from verl_qerl.checkpoint_conversion import quantize_checkpoint
 from verl_qerl.nvfp4 import compute_block_scales, global_scale_from_amax
 from verl_qerl.nvfp4.checkpoint import SCALE_RULE_KEY, CheckpointReader
 

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import fused_group
 from verl_qerl.nvfp4 import NVFP4FormatError, fused_global_scale, quantize
+from verl_qerl.nvfp4.arch import fused_group
 from verl_qerl.nvfp4.checkpoint import CheckpointError, CheckpointReader
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -248,7 +248,7 @@ def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16,
 
 def test_scale_rule_reaches_every_quantizing_path(tiny_bf16, tmp_path):
     """quantize_model, load_nvfp4_model of a BF16 folder and qerl-quantize agree under the fp32 rule too."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
     from verl_qerl.modeling import ModelConversionError, load_nvfp4_model, quantize_model
 
     ckpt = quantize_checkpoint(tiny_bf16, tmp_path / "fp32", scale_rule="fp32").dst

@@ -23,7 +23,7 @@ def _load_script():
 
 def test_direct_nvfp4_checkpoint_matches_quantize_checkpoint(tmp_path):
     """The 32B path (NVFP4 written directly) gives the same bits as quantize_checkpoint of the BF16 one."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
     from verl_qerl.nvfp4.checkpoint import CheckpointReader
 
     rb = _load_script()

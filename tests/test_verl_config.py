@@ -391,7 +391,7 @@ def test_an_nvfp4_twin_must_match_the_scale_rule_vllm_uses(tiny_bf16, tiny_nvfp4
     import json
     import shutil
 
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
     path = f"actor_rollout_ref.model.path={tiny_bf16}"
     # recorded by qerl-quantize (bf16, the default) ...

@@ -260,8 +260,8 @@ def _linear_names(n_layers: int = 2) -> list[str]:
 
 def _ref_weights_from_bf16(folder: Path, rule: str = "bf16") -> dict[str, torch.Tensor]:
     """What quantize-at-load must produce: our format library, fused q/k/v and gate/up global scales."""
-    from verl_qerl.convert import fused_group
     from verl_qerl.nvfp4 import fused_global_scale, quantize
+    from verl_qerl.nvfp4.arch import fused_group
     from verl_qerl.nvfp4.checkpoint import CheckpointReader
 
     reader = CheckpointReader(folder)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .arch import DEFAULT_IGNORE
 from .format import (
     BLOCK_SIZE,
     CT_WEIGHT_GLOBAL_SCALE,
@@ -65,7 +66,7 @@ class PatternError(ValueError):
     """A module name pattern that cannot work; the message names the option and the pattern."""
 
 
-def ct_quantization_config(ignore: Iterable[str] = ("lm_head",)) -> dict:
+def ct_quantization_config(ignore: Iterable[str] = DEFAULT_IGNORE) -> dict:
     """The ``quantization_config`` block of an NVFP4A16 compressed-tensors checkpoint."""
     weights = {
         "actorder": None,

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..aqn import AQNConfig, short_run
-from ..convert import DEFAULT_IGNORE
+from ..nvfp4.arch import DEFAULT_IGNORE
 from ..nvfp4.checkpoint import PatternError, check_patterns
 from ..nvfp4.quant_config import FORMAT_BF16
 from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES

@@ -97,7 +97,7 @@ def build_nvfp4_actor(auto_class, source, qerl, *, torch_dtype, config, trust_re
     """
     import torch
 
-    from ..modeling.convert import build_nvfp4_model
+    from ..modeling.model_conversion import build_nvfp4_model
 
     probe = torch.nn.Module()
     probe.register_parameter("p", torch.nn.Parameter(torch.empty(1)))

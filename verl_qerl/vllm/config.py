@@ -38,6 +38,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from verl_qerl.nvfp4 import quant_config
+from verl_qerl.nvfp4.arch import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES
 from verl_qerl.nvfp4.checkpoint import matches_pattern
 from verl_qerl.nvfp4.format import BLOCK_SIZE
 from verl_qerl.nvfp4.quant_config import (
@@ -55,10 +56,6 @@ from . import compat
 logger = logging.getLogger(__name__)
 
 METHOD_NAME = quant_config.QERL_QUANT_METHOD
-
-#: HF ``model_type`` values whose vLLM models we have run: dense decoders with q/k/v/o and
-#: gate/up/down linears and plain RMSNorm gains (what AQN perturbs).
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 #: Set to 1 to skip the architecture allow-list (at your own risk; AQN and LoRA untested there).
 ALLOW_UNTESTED_ARCH_ENV = "QERL_NVFP4_ALLOW_UNTESTED_ARCH"
@@ -113,7 +110,7 @@ class QeRLNvFp4Config(QuantizationConfig):
             raise QeRLNvFp4Error(f"scale_rule={scale_rule!r}; expected one of {SCALE_RULES}")
         self.scale_rule = scale_rule
         self.checkpoint_format = checkpoint_format
-        self.ignore = list(ignore if ignore is not None else ["lm_head"])
+        self.ignore = list(ignore if ignore is not None else DEFAULT_IGNORE)
         self.targets = list(targets if targets is not None else ["Linear"])
         self.activation_scales = bool(activation_scales)
         self.model_type: str | None = None
@@ -158,7 +155,7 @@ class QeRLNvFp4Config(QuantizationConfig):
             ignore = mo.get("exclude_modules") or mo.get("ignore") or config.get("ignore") or []
             activation_scales = str(mo.get("quant_algo", "")).upper() == "NVFP4"
             return cls(FORMAT_MODELOPT, ignore=ignore, activation_scales=activation_scales)
-        return cls(fmt, ignore=config.get("ignore", ["lm_head"]), targets=config.get("targets"),
+        return cls(fmt, ignore=config.get("ignore", DEFAULT_IGNORE), targets=config.get("targets"),
                    scale_rule=config.get("scale_rule", DEFAULT_SCALE_RULE))
 
     @classmethod
