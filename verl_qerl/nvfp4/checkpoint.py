@@ -23,21 +23,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .arch import DEFAULT_IGNORE
-from .format import (
-    BLOCK_SIZE,
-    CT_WEIGHT_GLOBAL_SCALE,
-    CT_WEIGHT_PACKED,
-    CT_WEIGHT_SCALE,
-    MODELOPT_WEIGHT,
-    MODELOPT_WEIGHT_SCALE,
-    MODELOPT_WEIGHT_SCALE_2,
-    SCALE_DTYPE,
-)
+from .format import BLOCK_SIZE, CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, SCALE_DTYPE
 from .quant_config import (
     CT_FORMAT,
     FORMAT_BF16,
     FORMAT_CT,
     FORMAT_MODELOPT,
+    LAYOUT_TENSOR_NAMES,
     QuantConfigError,
     declared_quant_config,
     read_json_object,
@@ -293,20 +285,17 @@ class CheckpointReader:
 
     def nvfp4_modules(self) -> list[str]:
         """Names of the modules stored as NVFP4 in this checkpoint."""
-        if self.format == FORMAT_CT:
-            suffix = "." + CT_WEIGHT_PACKED
-            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
-        if self.format == FORMAT_MODELOPT:
-            suffix = "." + MODELOPT_WEIGHT_SCALE_2
-            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
-        return []
+        names = LAYOUT_TENSOR_NAMES.get(self.format)
+        if names is None:
+            return []
+        # a tensor only an NVFP4 module has: compressed-tensors' packed codes; ModelOpt's second scale (its
+        # packed codes are a plain ``weight``)
+        suffix = "." + (names[0] if self.format == FORMAT_CT else names[2])
+        return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
 
     def _nvfp4_names(self, module: str) -> tuple[str, str, str]:
-        if self.format == FORMAT_CT:
-            names = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
-        elif self.format == FORMAT_MODELOPT:
-            names = (MODELOPT_WEIGHT, MODELOPT_WEIGHT_SCALE, MODELOPT_WEIGHT_SCALE_2)
-        else:
+        names = LAYOUT_TENSOR_NAMES.get(self.format)
+        if names is None:
             raise CheckpointError(f"{self.folder}: not an NVFP4 checkpoint (format {self.format})")
         for n in names:
             if f"{module}.{n}" not in self._where:

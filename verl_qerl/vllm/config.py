@@ -46,16 +46,15 @@ from verl_qerl.nvfp4.quant_config import (
     FORMAT_BF16,
     FORMAT_CT,
     FORMAT_MODELOPT,
+    LAYOUT_TENSOR_NAMES,
     QuantConfigError,
     modelopt_block,
 )
 from verl_qerl.nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
-from . import compat
+from . import METHOD_NAME, compat
 
 logger = logging.getLogger(__name__)
-
-METHOD_NAME = quant_config.QERL_QUANT_METHOD
 
 #: Set to 1 to skip the architecture allow-list (at your own risk; AQN and LoRA untested there).
 ALLOW_UNTESTED_ARCH_ENV = "QERL_NVFP4_ALLOW_UNTESTED_ARCH"
@@ -247,13 +246,6 @@ def check_architecture(hf_config: Any) -> str:
                          "a dense decoder anyway")
 
 
-# Tensor-name suffixes of one quantized module, per layout: (packed, block scale, global scale).
-_LAYOUT_NAMES = {
-    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
-    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
-}
-
-
 def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: int = 5) -> None:
     """Header-only scan of a local checkpoint: every NVFP4 module has its three tensors, group size 16.
 
@@ -266,12 +258,14 @@ def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: i
     if shapes is None:
         return  # not a local safetensors folder (e.g. .bin): the worker-side checks still apply
     if checkpoint_format == FORMAT_BF16:
-        stray = sorted(n for n in shapes if n.endswith((".weight_packed", ".weight_scale_2", ".weight_global_scale")))
+        ct_packed, _, ct_gscale = LAYOUT_TENSOR_NAMES[FORMAT_CT]
+        nvfp4_only = (f".{ct_packed}", f".{ct_gscale}", f".{LAYOUT_TENSOR_NAMES[FORMAT_MODELOPT][2]}")
+        stray = sorted(n for n in shapes if n.endswith(nvfp4_only))
         if stray:
             raise QeRLNvFp4Error(f"{folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but its config declares no "
                                  "NVFP4 quantization_config; qerl_nvfp4 would try to quantize it as BF16")
         return
-    packed_name, scale_name, gscale_name = _LAYOUT_NAMES[checkpoint_format]
+    packed_name, scale_name, gscale_name = LAYOUT_TENSOR_NAMES[checkpoint_format]
     modules: set[str] = set()
     for name, (dtype, _shape) in shapes.items():
         module, _, leaf = name.rpartition(".")

@@ -40,6 +40,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 
 from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, quantize
+from verl_qerl.nvfp4.quant_config import LAYOUT_TENSOR_NAMES
 
 from . import compat
 from .config import FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT, QeRLNvFp4Config, QeRLNvFp4Error
@@ -52,11 +53,7 @@ BACKEND_ENV = "QERL_NVFP4_BACKEND"
 #: Rows quantized at a time at load, to bound the fp32 temporaries of large layers.
 _QUANT_ROWS = 2048
 
-#: (packed, block scale, global scale) parameter names as the checkpoint spells them; placeholders.
-_NAMES = {
-    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
-    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
-}
+#: Input-scale parameters of W4A4 checkpoints, per layout: loaded into placeholders and dropped.
 _PLACEHOLDERS = {FORMAT_CT: ("input_global_scale",), FORMAT_MODELOPT: ("input_scale",), FORMAT_BF16: ()}
 
 
@@ -168,7 +165,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             layer.register_parameter("weight", weight)
             return
 
-        packed_name, scale_name, gscale_name = _NAMES[fmt]
+        packed_name, scale_name, gscale_name = LAYOUT_TENSOR_NAMES[fmt]
         layer.register_parameter(packed_name, ModelWeightParameter(
             data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0,
             weight_loader=track(packed_name, loader)))
@@ -209,7 +206,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             packed, scale, gscale = self._quantize_bf16(layer)
             del layer.weight
         else:
-            names = _NAMES[fmt]
+            names = LAYOUT_TENSOR_NAMES[fmt]
             self._check_loaded(layer, names)
             packed_name, scale_name, gscale_name = names
             packed = getattr(layer, packed_name).data
