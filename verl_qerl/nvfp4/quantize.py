@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import BLOCK_SIZE, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, ZERO_BLOCK_SCALE, e2m1_values
-
-# Decision boundaries between consecutive E2M1 magnitudes, and whether a value exactly on the
-# boundary rounds up (ties go to the neighbour with an even mantissa bit: 0, 1, 2, 4 are even).
-_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
-
+from .format import (
+    BLOCK_SIZE,
+    E2M1_BOUNDARIES,
+    E2M1_TIE_ROUNDS_UP,
+    FP4_MAX,
+    FP8_E4M3_MAX,
+    SCALE_DTYPE,
+    ZERO_BLOCK_SCALE,
+    e2m1_values,
+)
 
 #: How the global and block scales are computed from the amax statistics (see the module docstring).
 SCALE_RULES: tuple[str, ...] = ("bf16", "fp32")
@@ -178,7 +181,7 @@ def cast_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float32)
     mag = x.abs()
     idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for boundary, up_on_tie in zip(_BOUNDARIES, _TIE_ROUNDS_UP, strict=True):
+    for boundary, up_on_tie in zip(E2M1_BOUNDARIES, E2M1_TIE_ROUNDS_UP, strict=True):
         above = (mag >= boundary) if up_on_tie else (mag > boundary)
         idx += above.to(torch.uint8)
     sign = (x < 0).to(torch.uint8) << 3
