@@ -11,18 +11,20 @@ Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, 
    (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
    fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
    whole fused group, under the config's scale rule, so it is bit-identical to ``qerl-quantize``
-   and ``quantize_model`` with the same rule), and where the FP4 GEMM runs
-   (CUDA with ``verl_qerl.kernels``) replaces packed weight and scales by the kernel's repacked
-   layout (no second copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA
-   wrappers look for it (for its device only).
-4. ``apply`` calls ``verl_qerl.kernels.linear``: the ``qerl::nvfp4_gemm`` op on CUDA (fused GEMM
-   for small M, dequantize + cuBLAS for large M, chosen inside the op), the package's torch
-   reference on CPU (= :func:`verl_qerl.nvfp4.dequantize` + ``F.linear``). No host syncs, no
-   data-dependent shapes: it traces under torch.compile and captures into CUDA graphs.
+   and ``quantize_model`` with the same rule), and where the FP4 GEMM runs (CUDA with the
+   extension loaded) replaces packed weight and scales by the kernel's repacked layout (no second
+   copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA wrappers look for it
+   (for its device only).
+4. ``apply`` calls ``verl_qerl.kernels.linear``. Repacked layout: the ``qerl::nvfp4_gemm`` op (fused
+   GEMM for small M, dequantize + cuBLAS for large M, chosen inside the op; the package's torch
+   reference where the extension is not loaded). Compressed-tensors layout: the CUDA dequant op +
+   ``F.linear`` on CUDA, :func:`verl_qerl.nvfp4.dequantize` + ``F.linear`` elsewhere. No host syncs,
+   no data-dependent shapes: it traces under torch.compile and captures into CUDA graphs.
 
 Fused layers whose parts were quantized with different global scales (a checkpoint written
-without llm-compressor's scale fusing) stay exact: the fallback dequantizes each part with its own
-scale; the kernel runs with the first part's scale and rescales the other parts' output columns.
+without llm-compressor's scale fusing) stay exact: the compressed-tensors layout dequantizes each
+part with its own scale; the kernel runs with the first part's scale and rescales the other parts'
+output columns.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 
-from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, quantize
+from verl_qerl import kernels
+from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, pack_fp4, quantize
 from verl_qerl.nvfp4.quant_config import LAYOUT_TENSOR_NAMES
 
 from . import compat
@@ -47,7 +50,7 @@ from .config import FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT, QeRLNvFp4Config, Qe
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` (kernel on CUDA when ``verl_qerl.kernels`` is importable, else torch), ``torch``, ``kernel``.
+#: ``auto`` (kernel layout on CUDA when the extension loads, else torch), ``torch``, ``kernel``.
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
 
 #: Rows quantized at a time at load, to bound the fp32 temporaries of large layers.
@@ -55,17 +58,6 @@ _QUANT_ROWS = 2048
 
 #: Input-scale parameters of W4A4 checkpoints, per layout: loaded into placeholders and dropped.
 _PLACEHOLDERS = {FORMAT_CT: ("input_global_scale",), FORMAT_MODELOPT: ("input_scale",), FORMAT_BF16: ()}
-
-
-def _kernels():
-    """``verl_qerl.kernels`` if it exists (the CUDA FP4 GEMM package, landing separately), else None."""
-    try:
-        from verl_qerl import kernels
-    except ModuleNotFoundError as exc:  # only "the package is not there"; real import bugs propagate
-        if exc.name in ("verl_qerl.kernels",):
-            return None
-        raise
-    return kernels
 
 
 def _choose_backend(device: torch.device) -> str:
@@ -78,15 +70,8 @@ def _choose_backend(device: torch.device) -> str:
     wanted = os.environ.get(BACKEND_ENV, "auto").lower()
     if wanted not in ("auto", "torch", "kernel"):
         raise QeRLNvFp4Error(f"{BACKEND_ENV}={wanted!r}; expected auto, torch or kernel")
-    if wanted == "torch":
-        return "torch"
-    kernels = _kernels()
-    if kernels is None:
-        if wanted == "kernel":
-            raise QeRLNvFp4Error(f"{BACKEND_ENV}=kernel but verl_qerl.kernels is not installed")
-        return "torch"
-    if wanted == "kernel":
-        return "kernel"
+    if wanted in ("torch", "kernel"):
+        return wanted
     if device.type != "cuda":
         return "torch"
     if not kernels.cuda_available():
@@ -260,7 +245,6 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         layer.qerl_backend = _choose_backend(packed.device)
         layer.qerl_layout = "compressed-tensors"
         if layer.qerl_backend == "kernel":
-            kernels = _kernels()
             try:
                 repacked = kernels.repack(packed, scale)
             except kernels.LayoutError as exc:
@@ -280,14 +264,11 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         if layer.qerl_layout == "repacked":
             return self._apply_repacked(layer, x, bias)
         if layer.qerl_uniform_scale:
-            kernels = _kernels()
-            if kernels is not None:  # its torch reference on CPU; its dequant op + F.linear on CUDA
-                return kernels.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
+            return kernels.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
         return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
 
     @staticmethod
     def _apply_repacked(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = _kernels()
         repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
         n = layer.output_size_per_partition
         g = layer.weight_global_scale[:1]
@@ -301,12 +282,9 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
     def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed uint8 [N, K/2], E4M3 scale [N, K/16], global scale divisor(s)) whatever the stored layout."""
         if layer.qerl_layout == "repacked":
-            from verl_qerl.kernels import layout
-            from verl_qerl.nvfp4 import pack_fp4
-
             n = layer.output_size_per_partition
-            packed = pack_fp4(layout.unrepack_codes(layer.weight_packed, n))
-            scale = layout.unrepack_scales(layer.weight_scale, n).to(SCALE_DTYPE)
+            packed = pack_fp4(kernels.layout.unrepack_codes(layer.weight_packed, n))
+            scale = kernels.layout.unrepack_scales(layer.weight_scale, n).to(SCALE_DTYPE)
             return packed, scale, layer.weight_global_scale
         return layer.weight_packed, layer.weight_scale, layer.weight_global_scale
 
