@@ -1065,7 +1065,8 @@ def test_quantize_at_load_in_chunks_is_bit_exact(monkeypatch, rule):
     w[widths[0] + 5] *= 40  # the second part sets the group's amax
     w = w.to(torch.bfloat16)
     layer = SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False), logical_widths=widths,
-                            qerl_prefix="model.layers.0.mlp.gate_up_proj")
+                            qerl_state=lm.QeRLLayerState(prefix="model.layers.0.mlp.gate_up_proj",
+                                                         checkpoint_format=lm.FORMAT_BF16))
     calls = []
     original = lm.quantize
     monkeypatch.setattr(lm, "quantize", lambda t, *a, **k: calls.append(t.shape[0]) or original(t, *a, **k))
