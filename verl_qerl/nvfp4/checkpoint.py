@@ -11,7 +11,6 @@ time through ``safetensors.safe_open`` so nothing holds a whole model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -192,14 +191,6 @@ def matching_scale_rules(nvfp4: CheckpointReader, source: CheckpointReader) -> l
         if same_scales and torch.equal(q.packed, stored.packed):
             matches.append(rule)
     return matches
-
-
-def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
-    """Module patterns a quantized checkpoint left unquantized."""
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
-    if not qc and folder is not None and (folder / "hf_quant_config.json").is_file():
-        qc = json.loads((folder / "hf_quant_config.json").read_text()).get("quantization", {})
-    return list(qc.get("ignore") or qc.get("exclude_modules") or [])
 
 
 @dataclass

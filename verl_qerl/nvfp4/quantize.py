@@ -18,7 +18,8 @@ The *scale rule* says in which precision the two scale formulas are evaluated (:
   llm-compressor 0.14.0.1 with compressed-tensors 0.19.0). The result does not depend on whether a
   BF16 checkpoint's weights are held in bf16 or float32, so a float32 actor and a bf16 vLLM agree.
 * ``"fp32"``: both formulas in float32, i.e. compressed-tensors' functions on the float32 weight
-  (this package's only rule before the bf16 one; tested against compressed-tensors 0.17.0).
+  (tested against compressed-tensors 0.17.0). A checkpoint whose config.json records no rule may have
+  been made under either (see ``verl_qerl.nvfp4.checkpoint.matching_scale_rules``).
 
 Everything else (the per-element division and rounding) is float32 under both rules, and the
 weight is upcast to float32 first (exact for bf16/fp16 inputs).
@@ -262,10 +263,3 @@ def dequantize(
     values = e2m1_values(torch.float32, packed.device)[codes.long()]
     eff = _scale_as_float(scale) / global_scale.to(torch.float32).reshape(1).to(packed.device)
     return (values * eff.repeat_interleave(BLOCK_SIZE, dim=1)).to(dtype)
-
-
-def quantize_dequantize(
-    weight: torch.Tensor, global_scale: torch.Tensor | None = None, rule: str = DEFAULT_SCALE_RULE
-) -> torch.Tensor:
-    """The weight as NVFP4 sees it, in the weight's own dtype (fake quantization)."""
-    return quantize(weight, global_scale, rule=rule).dequantize(weight.dtype)
