@@ -212,7 +212,7 @@ def _lora_rows(model: str, backend: str, batches, tok_s: float, prefill_s: float
 
 def test_lora_split_targets_and_table():
     """--lora-split: each backend with and without the adapter in one result; the cross-backend targets use the
-    LoRA rows, issue 19's with / without targets compare ours to itself, and the table shows both."""
+    LoRA rows, the with / without LoRA targets compare qerl_nvfp4 to itself, and the table shows both."""
     rb = _load_script()
     rows = (_lora_rows("7b", "bf16", (1, 8), 100.0, 0.04, True) + _lora_rows("7b", "bf16", (1, 8), 130.0, 0.03, False)
             + _lora_rows("7b", "qerl_nvfp4", (1, 8), 180.0, 0.02, True)
