@@ -77,6 +77,7 @@ def test_state_is_uint8_buffers_only_and_survives_casts():
     assert not hasattr(layer, "weight")  # no float copy of the base
     assert {n: b.dtype for n, b in layer.named_buffers()} == dict.fromkeys(
         ("weight_packed", "weight_scale", "weight_global_scale"), torch.uint8)
+    assert NVFP4Linear.STORED == tuple(n for n, _ in layer.named_buffers())  # what FSDP's byte count iterates
     assert [n for n, _ in layer.named_parameters()] == ["bias"] and not layer.bias.requires_grad
     before = {n: b.clone() for n, b in layer.named_buffers()}
     gs = layer.global_scale.clone()

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
+from ..nvfp4.format import CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE
 from . import _ops
 
 #: Elements quantized at a time by :func:`quantize_rows` (whole rows): bounds the float32 temporaries of
@@ -215,8 +216,11 @@ class NVFP4Linear(nn.Module):
     # ----------------------------------------------------------------------------------------
     # FSDP2 sharding
 
+    #: The stored tensors: compressed-tensors' names, so the state dict holds a checkpoint's tensors.
+    STORED = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
+
     #: The stored tensors that :meth:`store_as_parameters` turns into Parameters (row-shardable).
-    SHARDABLE = ("weight_packed", "weight_scale")
+    SHARDABLE = STORED[:2]
 
     def store_as_parameters(self) -> None:
         """Hold ``weight_packed`` and ``weight_scale`` as frozen uint8 Parameters instead of buffers.
