@@ -32,7 +32,7 @@ def tiny_bf16(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_nvfp4(tiny_bf16, tmp_path_factory):
     """``qerl-quantize`` of :func:`tiny_bf16` (compressed-tensors NVFP4A16)."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
     dst = tmp_path_factory.mktemp("tiny") / "nvfp4"
     quantize_checkpoint(tiny_bf16, dst)

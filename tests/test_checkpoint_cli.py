@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import DestinationError, fused_group, quantize_checkpoint
+from verl_qerl.checkpoint_conversion import DestinationError, quantize_checkpoint
 from verl_qerl.nvfp4 import NVFP4FormatError, quantize
+from verl_qerl.nvfp4.arch import fused_group
 from verl_qerl.nvfp4.checkpoint import (
     FORMAT_BF16,
     FORMAT_CT,
@@ -319,7 +320,7 @@ def test_peak_memory_is_about_one_shard_not_the_model(tmp_path):
     model_bytes = _write_big_sharded_model(tmp_path / "src")
     script = r"""
 import json, resource, sys
-import verl_qerl.convert as c
+import verl_qerl.checkpoint_conversion as c
 cfg = json.load(open(sys.argv[1] + "/config.json"))
 c.linear_module_names(cfg)  # import transformers and build the meta model before measuring
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -489,11 +490,11 @@ def test_bad_ignore_regex_is_named(tiny_bf16, tmp_path):
 _PAUSING_CLI = r"""
 import shutil, sys, time
 from pathlib import Path
-import verl_qerl.convert as convert
+import verl_qerl.checkpoint_conversion as conversion
 from verl_qerl.cli.quantize import main
 
 where, marker = sys.argv[1], Path(sys.argv[2])
-write_shard, remove_tree = convert.save_file, shutil.rmtree
+write_shard, remove_tree = conversion.save_file, shutil.rmtree
 
 def save_file_then_wait(tensors, path, *args, **kwargs):
     write_shard(tensors, path, *args, **kwargs)  # the temp folder now holds a written shard
@@ -507,7 +508,7 @@ def rmtree_after_a_pause(path, *args, **kwargs):
     return remove_tree(path, *args, **kwargs)
 
 if where == "write":
-    convert.save_file = save_file_then_wait
+    conversion.save_file = save_file_then_wait
 else:
     shutil.rmtree = rmtree_after_a_pause
 sys.exit(main(sys.argv[3:]))

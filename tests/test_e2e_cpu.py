@@ -33,7 +33,7 @@ def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path, model_path):
     work = tmp_path / "tiny"
     extra = []
     if model_path == "nvfp4_path":
-        from verl_qerl.convert import quantize_checkpoint
+        from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
         subprocess.run([os.sys.executable, str(REPO / "examples/tiny/prepare.py"), str(work)], cwd=REPO, check=True)
         quantize_checkpoint(work / "model", work / "model-nvfp4")

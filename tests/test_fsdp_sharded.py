@@ -119,7 +119,7 @@ def _misuse_errors(model, layer) -> dict[str, str]:
     """The messages of the misuses of a sharded base that must fail loudly (not compute on 1/N of the rows)."""
     from verl_qerl.modeling.fsdp import shard_nvfp4_base
 
-    calls = {"nvfp4_weight": layer.nvfp4_weight, "dequantize_weight": layer.dequantize_weight,
+    calls = {"dequantize_weight": layer.dequantize_weight,
              "direct_forward": lambda: layer.forward(torch.zeros(1, layer.in_features)),  # hooks bypassed
              "shard_twice": lambda: shard_nvfp4_base(model)}
     errors = {}
@@ -363,8 +363,8 @@ def test_sharded_forward_backward_is_bit_identical(sharded):
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo multiprocess test written for Linux")
 def test_misuse_of_a_sharded_layer_fails_loudly(sharded):
     errors = sharded[1][0]["errors"]
-    for name in ("nvfp4_weight", "dequantize_weight"):
-        assert errors[name].startswith("NVFP4FormatError") and "sharded by FSDP2" in errors[name], errors[name]
+    name = "dequantize_weight"
+    assert errors[name].startswith("NVFP4FormatError") and "sharded by FSDP2" in errors[name], errors[name]
     assert errors["direct_forward"].startswith("RuntimeError") and "all-gathered first" in errors["direct_forward"]
     assert errors["shard_twice"].startswith("ValueError") and "already an FSDP2 module" in errors["shard_twice"]
 
@@ -372,6 +372,7 @@ def test_misuse_of_a_sharded_layer_fails_loudly(sharded):
 def test_store_as_parameters_keeps_the_state_dict(tiny_nvfp4):
     from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
     from verl_qerl.modeling.fsdp import nvfp4_layers, shard_nvfp4_base
+    from verl_qerl.nvfp4 import NVFP4Weight
 
     model = load_nvfp4_model(str(tiny_nvfp4), dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -388,7 +389,8 @@ def test_store_as_parameters_keeps_the_state_dict(tiny_nvfp4):
     assert list(after) == list(before)
     assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
     assert torch.equal(layer(x), y)
-    layer.set_nvfp4(layer.nvfp4_weight())  # still settable, still a Parameter
+    layer.set_nvfp4(NVFP4Weight(layer.weight_packed, layer.scale_fp8, layer.global_scale))  # still settable,
+    # still a Parameter
     assert isinstance(layer._parameters["weight_packed"], torch.nn.Parameter) and torch.equal(layer(x), y)
     with pytest.raises(ValueError, match="no NVFP4Linear"):
         shard_nvfp4_base(torch.nn.Linear(4, 4))

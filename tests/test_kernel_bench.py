@@ -191,7 +191,7 @@ def test_build_targets(kb):
     assert [t["measured"] for t in marlin] == [1.25, 0.75]
     assert all(t["op"] == ">=" and t["target"] == 1.0 for t in marlin)
     bf16 = [t for t in targets if "BF16 cuBLAS" in t["name"]]
-    assert [(t["measured"], t["target"]) for t in bf16] == [(2.0, 2.5), (2.0, 1.0)]  # issue 18 targets
+    assert [(t["measured"], t["target"]) for t in bf16] == [(2.0, 2.5), (2.0, 1.0)]  # per-layer targets vs BF16
     # without the Marlin column: only the BF16 targets
     rows = _recs(marlin=False)
     for m, s in kb.sum_layers(rows, 4).items():

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import quantize_checkpoint
+from verl_qerl.checkpoint_conversion import quantize_checkpoint
 from verl_qerl.nvfp4 import compute_block_scales, global_scale_from_amax
 from verl_qerl.nvfp4.checkpoint import SCALE_RULE_KEY, CheckpointReader
 
@@ -181,10 +181,9 @@ def test_actor_quantize_at_load_is_llmcompressor_whatever_dtype_the_actor_holds(
     layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     assert len(layers) == 14
     for name, layer in layers.items():
-        q = layer.nvfp4_weight()
-        assert _same_bytes(q.packed, theirs[f"{name}.weight_packed"]), name
-        assert _same_bytes(q.scale, theirs[f"{name}.weight_scale"]), name
-        assert _same_bytes(q.global_scale.reshape(1), theirs[f"{name}.weight_global_scale"]), name
+        assert _same_bytes(layer.weight_packed, theirs[f"{name}.weight_packed"]), name
+        assert _same_bytes(layer.scale_fp8, theirs[f"{name}.weight_scale"]), name
+        assert _same_bytes(layer.global_scale, theirs[f"{name}.weight_global_scale"]), name
 
 
 @pytest.mark.parametrize("rule", ["bf16", "fp32"])

@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from verl_qerl.convert import fused_group
 from verl_qerl.nvfp4 import NVFP4FormatError, fused_global_scale, quantize
+from verl_qerl.nvfp4.arch import fused_group
 from verl_qerl.nvfp4.checkpoint import CheckpointError, CheckpointReader
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -77,6 +77,7 @@ def test_state_is_uint8_buffers_only_and_survives_casts():
     assert not hasattr(layer, "weight")  # no float copy of the base
     assert {n: b.dtype for n, b in layer.named_buffers()} == dict.fromkeys(
         ("weight_packed", "weight_scale", "weight_global_scale"), torch.uint8)
+    assert NVFP4Linear.STORED == tuple(n for n, _ in layer.named_buffers())  # what FSDP's byte count iterates
     assert [n for n, _ in layer.named_parameters()] == ["bias"] and not layer.bias.requires_grad
     before = {n: b.clone() for n, b in layer.named_buffers()}
     gs = layer.global_scale.clone()
@@ -248,7 +249,7 @@ def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16,
 
 def test_scale_rule_reaches_every_quantizing_path(tiny_bf16, tmp_path):
     """quantize_model, load_nvfp4_model of a BF16 folder and qerl-quantize agree under the fp32 rule too."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
     from verl_qerl.modeling import ModelConversionError, load_nvfp4_model, quantize_model
 
     ckpt = quantize_checkpoint(tiny_bf16, tmp_path / "fp32", scale_rule="fp32").dst

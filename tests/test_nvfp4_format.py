@@ -175,6 +175,24 @@ def test_codes_of_grid_and_ties():
     assert cast_to_e2m1_codes(torch.tensor([-1e-30, -0.0, 0.0, -0.2])).tolist() == [8, 0, 0, 8]
 
 
+def test_rounding_boundaries_are_the_table_midpoints_and_round_as_compressed_tensors():
+    """The boundaries are derived from the E2M1 table (the midpoints, ties to the even code); on every
+    boundary and one float32 step either side, the codes decode to what compressed-tensors' own E2M1 cast
+    gives, for both signs."""
+    from compressed_tensors.quantization.quant_args import FP4_E2M1_DATA
+
+    from verl_qerl.nvfp4.format import E2M1_BOUNDARIES, E2M1_TIE_ROUNDS_UP
+
+    assert E2M1_BOUNDARIES == (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+    assert E2M1_TIE_ROUNDS_UP == (False, True, False, True, False, True, False)
+    b = torch.tensor(E2M1_BOUNDARIES, dtype=torch.float32)
+    x = torch.cat([torch.nextafter(b, torch.zeros_like(b)), b, torch.nextafter(b, torch.full_like(b, 7.0))])
+    x = torch.cat([x, -x])
+    theirs = FP4_E2M1_DATA.cast_to_fp4(x.clone())
+    ours = torch.cat([GRID, -GRID])[cast_to_e2m1_codes(x).long()]
+    assert torch.equal(ours, theirs), torch.stack([x, ours, theirs])[:, ours != theirs]
+
+
 def _nearest_grid_error(scaled: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     """How much further the chosen value is than the nearest grid value (0 for round-to-nearest)."""
     grid = torch.cat([GRID, -GRID]).to(torch.float64)

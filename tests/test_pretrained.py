@@ -229,7 +229,7 @@ def test_registered_models_are_consistent():
 
 def test_tied_embedding_model_quantizes_and_loads(tmp_path):
     """A tied-embedding model (SmolLM2's layout) through convert -> qerl-quantize -> load_nvfp4_model."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
     from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
     from verl_qerl.testing.tiny_gguf import write_tiny_gguf
 

@@ -143,7 +143,7 @@ def test_load_nvfp4_model_quantizes_a_qerl_nvfp4_folder_at_load_as_vllm_does(tin
 
 
 def test_qerl_quantize_converts_a_qerl_nvfp4_quantize_at_load_folder(tiny_bf16, tmp_path):
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
     src = _qerl_nvfp4_folder(tiny_bf16, tmp_path / "qerl")
     report = quantize_checkpoint(src, tmp_path / "out")

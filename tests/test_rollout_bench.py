@@ -23,7 +23,7 @@ def _load_script():
 
 def test_direct_nvfp4_checkpoint_matches_quantize_checkpoint(tmp_path):
     """The 32B path (NVFP4 written directly) gives the same bits as quantize_checkpoint of the BF16 one."""
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
     from verl_qerl.nvfp4.checkpoint import CheckpointReader
 
     rb = _load_script()
@@ -214,7 +214,7 @@ def _lora_rows(model: str, backend: str, batches, tok_s: float, prefill_s: float
 
 def test_lora_split_targets_and_table():
     """--lora-split: each backend with and without the adapter in one result; the cross-backend targets use the
-    LoRA rows, issue 19's with / without targets compare ours to itself, and the table shows both."""
+    LoRA rows, the with / without LoRA targets compare qerl_nvfp4 to itself, and the table shows both."""
     rb = _load_script()
     rows = (_lora_rows("7b", "bf16", (1, 8), 100.0, 0.04, True) + _lora_rows("7b", "bf16", (1, 8), 130.0, 0.03, False)
             + _lora_rows("7b", "qerl_nvfp4", (1, 8), 180.0, 0.02, True)

@@ -13,12 +13,12 @@ from hydra import compose, initialize_config_module  # noqa: E402
 
 from verl_qerl.verl.config import (  # noqa: E402
     TRAINER_MODE,
-    WORKER_EXTENSION,
     QeRLConfig,
     QeRLConfigError,
     apply_qerl,
     read_qerl,
 )
+from verl_qerl.vllm import STANDALONE_WORKER_EXTENSION, VERL_WORKER_EXTENSION  # noqa: E402
 
 BASE = [
     "actor_rollout_ref.model.path=/nonexistent/model",
@@ -46,7 +46,7 @@ def test_hydra_group_composes_and_fills_in_what_the_mode_needs():
     qerl = apply_qerl(cfg)
     assert qerl is not None and qerl.mode == "nvfp4" and qerl.aqn.enable and qerl.aqn.num_stages == 10
     vk = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm
-    assert vk.quantization == "qerl_nvfp4" and vk.worker_extension_cls == WORKER_EXTENSION
+    assert vk.quantization == "qerl_nvfp4" and vk.worker_extension_cls == VERL_WORKER_EXTENSION
     assert cfg.actor_rollout_ref.rollout.load_format == "safetensors"
     assert cfg.trainer.v1.trainer_mode == TRAINER_MODE
     assert list(cfg.actor_rollout_ref.model.target_modules) == [
@@ -66,8 +66,27 @@ def test_verl_accepts_the_result():
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.quantization == "qerl_nvfp4"
     rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    assert rollout.engine_kwargs["vllm"]["worker_extension_cls"] == WORKER_EXTENSION
+    assert rollout.engine_kwargs["vllm"]["worker_extension_cls"] == VERL_WORKER_EXTENSION
     assert dict(cfg.actor_rollout_ref.model.lora)["qerl"]["aqn"]["sigma_end"] == 5e-4
+
+
+def test_worker_extension_names_resolve_to_classes_vllm_accepts():
+    """What apply_qerl hands vLLM as ``worker_extension_cls``, resolved the way vLLM's workers resolve it: a
+    class with QeRL's AQN methods that still is verl's extension (verl's server installs that one unless
+    ``engine_kwargs`` replace it; without it no LoRA adapter reaches vLLM). The plain-vLLM one resolves too."""
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from verl_qerl.vllm.worker_extension import QeRLWorkerExtension
+
+    cfg = composed("+qerl=nvfp4")
+    apply_qerl(cfg)
+    under_verl = resolve_obj_by_qualname(cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls)
+    assert isinstance(under_verl, type)
+    assert issubclass(under_verl, vLLMColocateWorkerExtension) and issubclass(under_verl, QeRLWorkerExtension)
+    standalone = resolve_obj_by_qualname(STANDALONE_WORKER_EXTENSION)
+    assert isinstance(standalone, type) and issubclass(standalone, QeRLWorkerExtension)
+    assert not issubclass(standalone, vLLMColocateWorkerExtension)  # needs no verl
 
 
 @pytest.mark.parametrize("group", ["bf16", "nf4", "nvfp4_noaqn"])
@@ -331,6 +350,24 @@ def test_nvfp4_model_path_is_the_nvfp4_base(tiny_nvfp4, tiny_bf16):
     assert apply_qerl(cfg).quantized_checkpoint == str(tiny_nvfp4)
 
 
+def test_actor_hook_checks_the_nvfp4_source_as_the_driver_does(tiny_nvfp4, tiny_bf16, monkeypatch):
+    """The worker-side choice of the NVFP4 source (on verl's local copy of model.path) runs the driver's check:
+    the same refusal, and the same folder written another way (``~``) is the same folder."""
+    from verl_qerl.verl.integration import nvfp4_actor_source
+
+    def source(path, twin):
+        qerl = QeRLConfig(mode="nvfp4", quantized_checkpoint=None if twin is None else str(twin))
+        return nvfp4_actor_source(SimpleNamespace(lora={"qerl": qerl.to_dict()}, local_path=str(path), path=str(path)))
+
+    with pytest.raises(QeRLConfigError, match=r"qerl.quantized_checkpoint=.* is already an NVFP4 checkpoint"):
+        source(tiny_nvfp4, tiny_bf16)
+    monkeypatch.setenv("HOME", str(tiny_nvfp4.parent))
+    assert source(tiny_nvfp4, f"~/{tiny_nvfp4.name}") == str(tiny_nvfp4)
+    assert source(tiny_nvfp4, None) == str(tiny_nvfp4)
+    assert source(tiny_bf16, tiny_nvfp4) == str(tiny_nvfp4)  # a BF16 model.path with its NVFP4 twin
+    assert source(tiny_bf16, None) is None  # verl loads BF16, the actor quantizes it
+
+
 def test_verl_model_config_reads_an_nvfp4_model_path(tiny_nvfp4):
     """verl's own HFModelConfig on the NVFP4 folder: config (with its quantization_config) and tokenizer load."""
     from verl.workers.config import HFModelConfig
@@ -391,7 +428,7 @@ def test_an_nvfp4_twin_must_match_the_scale_rule_vllm_uses(tiny_bf16, tiny_nvfp4
     import json
     import shutil
 
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
     path = f"actor_rollout_ref.model.path={tiny_bf16}"
     # recorded by qerl-quantize (bf16, the default) ...

@@ -267,8 +267,8 @@ def _linear_names(n_layers: int = 2) -> list[str]:
 
 def _ref_weights_from_bf16(folder: Path, rule: str = "bf16") -> dict[str, torch.Tensor]:
     """What quantize-at-load must produce: our format library, fused q/k/v and gate/up global scales."""
-    from verl_qerl.convert import fused_group
     from verl_qerl.nvfp4 import fused_global_scale, quantize
+    from verl_qerl.nvfp4.arch import fused_group
     from verl_qerl.nvfp4.checkpoint import CheckpointReader
 
     reader = CheckpointReader(folder)
@@ -1159,7 +1159,8 @@ def test_quantize_at_load_in_chunks_is_bit_exact(monkeypatch, rule):
     w[widths[0] + 5] *= 40  # the second part sets the group's amax
     w = w.to(torch.bfloat16)
     layer = SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False), logical_widths=widths,
-                            qerl_prefix="model.layers.0.mlp.gate_up_proj")
+                            qerl_state=lm.QeRLLayerState(prefix="model.layers.0.mlp.gate_up_proj",
+                                                         checkpoint_format=lm.FORMAT_BF16))
     calls = []
     original = lm.quantize
     monkeypatch.setattr(lm, "quantize", lambda t, *a, **k: calls.append(t.shape[0]) or original(t, *a, **k))

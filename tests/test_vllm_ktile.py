@@ -22,7 +22,13 @@ pytest.importorskip("vllm")
 from verl_qerl.kernels import K_STAGE  # noqa: E402
 from verl_qerl.nvfp4 import dequantize, global_scale_from_amax, quantize  # noqa: E402
 from verl_qerl.vllm.config import FORMAT_BF16, QeRLNvFp4Config  # noqa: E402
-from verl_qerl.vllm.linear_method import BACKEND_ENV, QeRLNvFp4LinearMethod  # noqa: E402
+from verl_qerl.vllm.linear_method import (  # noqa: E402
+    BACKEND_ENV,
+    LAYOUT_CT,
+    LAYOUT_REPACKED,
+    QeRLLayerState,
+    QeRLNvFp4LinearMethod,
+)
 
 
 def _bf16_layer(widths: list[int], k: int, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -33,27 +39,25 @@ def _bf16_layer(widths: list[int], k: int, seed: int) -> tuple[torch.nn.Module, 
     layer.logical_widths = list(widths)
     layer.input_size_per_partition = k
     layer.output_size_per_partition = sum(widths)
-    layer.qerl_prefix = f"model.layers.0.k{k}"
-    layer.qerl_format = FORMAT_BF16
-    layer.qerl_layout = None
-    layer.qerl_loaded = {"weight": {None}}
+    layer.qerl_state = QeRLLayerState(prefix=f"model.layers.0.k{k}", checkpoint_format=FORMAT_BF16,
+                                      loaded={"weight": {None}})
     layer.register_parameter("weight", torch.nn.Parameter(w.clone(), requires_grad=False))
     return layer, w
 
 
-@pytest.mark.parametrize(("k", "layout"), [(576, "compressed-tensors"), (1536, "repacked")])
+@pytest.mark.parametrize(("k", "layout"), [(576, LAYOUT_CT), (1536, LAYOUT_REPACKED)])
 def test_k_not_multiple_of_gemm_stage_falls_back(k, layout, monkeypatch, caplog):
-    assert (k % K_STAGE == 0) == (layout == "repacked")
+    assert (k % K_STAGE == 0) == (layout == LAYOUT_REPACKED)
     monkeypatch.setenv(BACKEND_ENV, "kernel")
     method = QeRLNvFp4LinearMethod(QeRLNvFp4Config(checkpoint_format=FORMAT_BF16), prefix="t")
     widths = [576, 192, 192]  # SmolLM2's fused q/k/v
     layer, w = _bf16_layer(widths, k, seed=k)
     with caplog.at_level(logging.WARNING, logger="verl_qerl.vllm.linear_method"):
         method.process_weights_after_loading(layer)
-    assert layer.qerl_backend == "kernel"
-    assert layer.qerl_layout == layout
+    assert layer.qerl_state.backend == "kernel"
+    assert layer.qerl_state.layout == layout
     warned = [r.getMessage() for r in caplog.records if "cannot use the FP4 GEMM layout" in r.getMessage()]
-    assert bool(warned) == (layout != "repacked")
+    assert bool(warned) == (layout != LAYOUT_REPACKED)
     if warned:
         assert f"K={k}" in warned[0]
 

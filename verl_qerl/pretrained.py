@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .convert import replace_dir
+from .checkpoint_conversion import replace_dir
 
 #: Marker file written last into a finished folder; its JSON names the source it was made from.
 DONE_MARKER = "DONE"

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                         "this tool's output before the bf16 rule. Codes are round-to-nearest-even under both.")
     args = parser.parse_args(argv)
 
-    from .. import convert
+    from .. import checkpoint_conversion
     from ..nvfp4.checkpoint import PatternError, check_patterns
 
     def progress(iterable, total, desc):
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        report = convert.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force, progress=progress,
-                                             scale_rule=args.scale_rule)
+        report = checkpoint_conversion.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force,
+                                                           progress=progress, scale_rule=args.scale_rule)
     except (FileExistsError, ValueError) as err:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2

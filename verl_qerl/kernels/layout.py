@@ -46,6 +46,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..nvfp4.format import BLOCK_SIZE
+
 #: K elements per repacked tile (4 k16 MMA steps).
 K_TILE = 64
 #: K elements per GEMM pipeline stage (2 tiles); repacked weights need K % K_STAGE == 0.
@@ -143,7 +145,7 @@ def check_shapes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
             f"packed weight: expected uint8 [N, K/2], got {packed.dtype} {tuple(packed.shape)}"
         )
     n, k = packed.shape[0], packed.shape[1] * 2
-    if scale.dim() != 2 or tuple(scale.shape) != (n, k // 16):
+    if scale.dim() != 2 or tuple(scale.shape) != (n, k // BLOCK_SIZE):
         raise LayoutError(f"block scale shape {tuple(scale.shape)} does not match weight [N={n}, K={k}]")
     if n % N_TILE != 0:
         raise LayoutError(f"NVFP4 kernel layout needs N (out features) % {N_TILE} == 0, got N={n}")
@@ -173,7 +175,7 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 4096
         codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(r1 - r0, k)
         enc = encode_scale_bytes(sbytes[r0:r1])
         # A zero scale decodes to 2**97 in the kernel: zero the block's codes instead.
-        zero_blk = (enc == 0).repeat_interleave(16, dim=1)
+        zero_blk = (enc == 0).repeat_interleave(BLOCK_SIZE, dim=1)
         codes = torch.where(zero_blk, torch.zeros_like(codes), codes)
         nb = (r1 - r0) // N_TILE
         tiles = codes.view(nb, N_TILE, kt, K_TILE).permute(0, 2, 1, 3)  # [nb, kt, 16, 64]

@@ -12,6 +12,7 @@ import torch
 from ..nvfp4 import dequantize as _format_dequantize
 from ..nvfp4 import e2m1_values as e2m1_table
 from ..nvfp4 import unpack_fp4 as unpack_codes
+from ..nvfp4.format import BLOCK_SIZE
 from .layout import scale_as_float, unrepack_codes, unrepack_scales
 
 __all__ = ["dequantize_f64", "dequantize_ref", "dequantize_repacked_ref", "e2m1_table", "linear_f64", "unpack_codes"]
@@ -22,7 +23,7 @@ def _dequant_codes(
 ) -> torch.Tensor:
     vals = e2m1_table(torch.float32, codes.device)[codes.long()]
     eff = scale_f32 / global_scale.to(device=codes.device, dtype=torch.float32).reshape(1)
-    return (vals * eff.repeat_interleave(16, dim=1)).to(dtype)
+    return (vals * eff.repeat_interleave(BLOCK_SIZE, dim=1)).to(dtype)
 
 
 def dequantize_ref(
@@ -45,7 +46,7 @@ def dequantize_f64(packed: torch.Tensor, scale: torch.Tensor, global_scale: torc
     vals = e2m1_table(torch.float64, packed.device)[unpack_codes(packed).long()]
     s = scale_as_float(scale).to(torch.float64)
     g = global_scale.to(device=packed.device, dtype=torch.float64).reshape(1)
-    return vals * (s / g).repeat_interleave(16, dim=1)
+    return vals * (s / g).repeat_interleave(BLOCK_SIZE, dim=1)
 
 
 def linear_f64(

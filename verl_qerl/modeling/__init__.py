@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._ops import backend as kernel_backend
-from .convert import (
+from .linear import NVFP4Linear, quantize_rows
+from .model_conversion import (
     MODES,
     ModelConversionError,
     fill_meta_from_checkpoint,
@@ -25,7 +26,6 @@ from .convert import (
     params_on_meta,
     quantize_model,
 )
-from .linear import NVFP4Linear, quantize_rows
 
 _LAZY = {
     "export_merged": ".export",

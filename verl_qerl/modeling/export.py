@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from ..convert import DEFAULT_IGNORE, fused_group
 from ..nvfp4 import DEFAULT_SCALE_RULE, check_scale_rule, fused_global_scale
+from ..nvfp4.arch import DEFAULT_IGNORE, fused_group
 from ..nvfp4.checkpoint import SCALE_RULE_KEY, ct_quantization_config, ct_tensors, matches_pattern
 from .linear import NVFP4Linear, quantize_rows
 

@@ -120,7 +120,7 @@ def base_bytes(layers: Iterable[NVFP4Linear]) -> dict[str, int]:
     """
     local = total = 0
     for layer in layers:
-        for name in ("weight_packed", "weight_scale", "weight_global_scale"):
+        for name in NVFP4Linear.STORED:
             t = getattr(layer, name)
             local += _local_nbytes(t)
             total += t.numel() * t.element_size()  # a DTensor's numel is the global one

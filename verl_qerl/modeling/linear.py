@@ -1,6 +1,6 @@
 """``NVFP4Linear``: a frozen NVFP4 linear layer whose quantized state lives in uint8 buffers only.
 
-Why buffers, and why uint8 (measured on 2xH200, torch 2.11; see shared/design/ARCHITECTURE.md):
+Why buffers, and why uint8 (each point below was observed on 2xH200 with torch 2.11):
 
 * integer Parameters break FSDP1 ("Cannot flatten integer dtype tensors") and FSDP2 ("only
   Tensors of floating point dtype can require gradients");
@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, SCALE_DTYPE, NVFP4FormatError, NVFP4Weight, quantize
+from ..nvfp4.format import CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE
 from . import _ops
 
 #: Elements quantized at a time by :func:`quantize_rows` (whole rows): bounds the float32 temporaries of
@@ -215,8 +216,11 @@ class NVFP4Linear(nn.Module):
     # ----------------------------------------------------------------------------------------
     # FSDP2 sharding
 
+    #: The stored tensors: compressed-tensors' names, so the state dict holds a checkpoint's tensors.
+    STORED = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
+
     #: The stored tensors that :meth:`store_as_parameters` turns into Parameters (row-shardable).
-    SHARDABLE = ("weight_packed", "weight_scale")
+    SHARDABLE = STORED[:2]
 
     def store_as_parameters(self) -> None:
         """Hold ``weight_packed`` and ``weight_scale`` as frozen uint8 Parameters instead of buffers.
@@ -276,11 +280,6 @@ class NVFP4Linear(nn.Module):
                 f"NVFP4Linear.{what}: the layer is sharded by FSDP2 (this rank holds only its rows of weight_packed "
                 "and weight_scale); gather a full state dict (torch.distributed.checkpoint.state_dict."
                 "get_model_state_dict with full_state_dict=True) and load it into an unsharded model first")
-
-    def nvfp4_weight(self) -> NVFP4Weight:
-        """The layer's weight in the on-disk compressed-tensors form (fp8 scale, fp32 divisor)."""
-        self._require_full("nvfp4_weight")
-        return NVFP4Weight(self.weight_packed, self.scale_fp8, self.global_scale)
 
     def dequantize_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense [N, K] weight (a new tensor; for export and tests, never kept by the layer)."""

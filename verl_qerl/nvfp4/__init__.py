@@ -15,7 +15,6 @@ from .quantize import (
     global_scale_from_amax,
     pack_fp4,
     quantize,
-    quantize_dequantize,
     unpack_fp4,
 )
 
@@ -39,6 +38,5 @@ __all__ = [
     "global_scale_from_amax",
     "pack_fp4",
     "quantize",
-    "quantize_dequantize",
     "unpack_fp4",
 ]

@@ -11,7 +11,6 @@ time through ``safetensors.safe_open`` so nothing holds a whole model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -22,21 +21,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .format import (
-    BLOCK_SIZE,
-    CT_WEIGHT_GLOBAL_SCALE,
-    CT_WEIGHT_PACKED,
-    CT_WEIGHT_SCALE,
-    MODELOPT_WEIGHT,
-    MODELOPT_WEIGHT_SCALE,
-    MODELOPT_WEIGHT_SCALE_2,
-    SCALE_DTYPE,
-)
+from .arch import DEFAULT_IGNORE
+from .format import BLOCK_SIZE, CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, SCALE_DTYPE
 from .quant_config import (
     CT_FORMAT,
     FORMAT_BF16,
     FORMAT_CT,
     FORMAT_MODELOPT,
+    LAYOUT_TENSOR_NAMES,
     QuantConfigError,
     declared_quant_config,
     read_json_object,
@@ -65,7 +57,7 @@ class PatternError(ValueError):
     """A module name pattern that cannot work; the message names the option and the pattern."""
 
 
-def ct_quantization_config(ignore: Iterable[str] = ("lm_head",)) -> dict:
+def ct_quantization_config(ignore: Iterable[str] = DEFAULT_IGNORE) -> dict:
     """The ``quantization_config`` block of an NVFP4A16 compressed-tensors checkpoint."""
     weights = {
         "actorder": None,
@@ -201,14 +193,6 @@ def matching_scale_rules(nvfp4: CheckpointReader, source: CheckpointReader) -> l
     return matches
 
 
-def ignore_list(config: dict, folder: Path | None = None) -> list[str]:
-    """Module patterns a quantized checkpoint left unquantized."""
-    qc = config.get("quantization_config") or config.get("compression_config") or {}
-    if not qc and folder is not None and (folder / "hf_quant_config.json").is_file():
-        qc = json.loads((folder / "hf_quant_config.json").read_text()).get("quantization", {})
-    return list(qc.get("ignore") or qc.get("exclude_modules") or [])
-
-
 @dataclass
 class CheckpointReader:
     """Lazy, name-indexed access to the safetensors shards of a Hugging Face checkpoint folder."""
@@ -292,20 +276,17 @@ class CheckpointReader:
 
     def nvfp4_modules(self) -> list[str]:
         """Names of the modules stored as NVFP4 in this checkpoint."""
-        if self.format == FORMAT_CT:
-            suffix = "." + CT_WEIGHT_PACKED
-            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
-        if self.format == FORMAT_MODELOPT:
-            suffix = "." + MODELOPT_WEIGHT_SCALE_2
-            return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
-        return []
+        names = LAYOUT_TENSOR_NAMES.get(self.format)
+        if names is None:
+            return []
+        # a tensor only an NVFP4 module has: compressed-tensors' packed codes; ModelOpt's second scale (its
+        # packed codes are a plain ``weight``)
+        suffix = "." + (names[0] if self.format == FORMAT_CT else names[2])
+        return [n[: -len(suffix)] for n in self._where if n.endswith(suffix)]
 
     def _nvfp4_names(self, module: str) -> tuple[str, str, str]:
-        if self.format == FORMAT_CT:
-            names = (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE)
-        elif self.format == FORMAT_MODELOPT:
-            names = (MODELOPT_WEIGHT, MODELOPT_WEIGHT_SCALE, MODELOPT_WEIGHT_SCALE_2)
-        else:
+        names = LAYOUT_TENSOR_NAMES.get(self.format)
+        if names is None:
             raise CheckpointError(f"{self.folder}: not an NVFP4 checkpoint (format {self.format})")
         for n in names:
             if f"{module}.{n}" not in self._where:

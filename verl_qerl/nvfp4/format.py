@@ -16,6 +16,13 @@ E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 #: Largest E2M1 magnitude.
 FP4_MAX = 6.0
 
+#: Round-to-nearest decision boundaries between consecutive E2M1 magnitudes: their midpoints.
+E2M1_BOUNDARIES: tuple[float, ...] = tuple((lo + hi) / 2 for lo, hi in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
+
+#: Whether a value exactly on each boundary rounds up. Ties go to the neighbour whose mantissa bit (the
+#: code's lowest bit) is 0, so up exactly where the upper neighbour's code is even.
+E2M1_TIE_ROUNDS_UP: tuple[bool, ...] = tuple((code + 1) % 2 == 0 for code in range(len(E2M1_BOUNDARIES)))
+
 #: Largest finite float8_e4m3fn value.
 FP8_E4M3_MAX = 448.0
 

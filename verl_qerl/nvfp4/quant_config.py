@@ -24,13 +24,28 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .format import BLOCK_SIZE
+from .format import (
+    BLOCK_SIZE,
+    CT_WEIGHT_GLOBAL_SCALE,
+    CT_WEIGHT_PACKED,
+    CT_WEIGHT_SCALE,
+    MODELOPT_WEIGHT,
+    MODELOPT_WEIGHT_SCALE,
+    MODELOPT_WEIGHT_SCALE_2,
+)
 from .quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
 FORMAT_BF16 = "bf16"
 FORMAT_CT = "compressed-tensors"
 FORMAT_MODELOPT = "modelopt"
 CHECKPOINT_FORMATS = (FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT)
+
+#: Tensor-name suffixes of one quantized module, per quantized layout: (packed codes, block scales,
+#: global scale). The global scale is a divisor in compressed-tensors, a multiplier in ModelOpt.
+LAYOUT_TENSOR_NAMES: dict[str, tuple[str, str, str]] = {
+    FORMAT_CT: (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE),
+    FORMAT_MODELOPT: (MODELOPT_WEIGHT, MODELOPT_WEIGHT_SCALE, MODELOPT_WEIGHT_SCALE_2),
+}
 
 #: ``quant_method`` of the qerl_nvfp4 vLLM method's own config (and the method's registered name).
 QERL_QUANT_METHOD = "qerl_nvfp4"

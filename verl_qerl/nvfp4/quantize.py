@@ -18,7 +18,8 @@ The *scale rule* says in which precision the two scale formulas are evaluated (:
   llm-compressor 0.14.0.1 with compressed-tensors 0.19.0). The result does not depend on whether a
   BF16 checkpoint's weights are held in bf16 or float32, so a float32 actor and a bf16 vLLM agree.
 * ``"fp32"``: both formulas in float32, i.e. compressed-tensors' functions on the float32 weight
-  (this package's only rule before the bf16 one; tested against compressed-tensors 0.17.0).
+  (tested against compressed-tensors 0.17.0). A checkpoint whose config.json records no rule may have
+  been made under either (see ``verl_qerl.nvfp4.checkpoint.matching_scale_rules``).
 
 Everything else (the per-element division and rounding) is float32 under both rules, and the
 weight is upcast to float32 first (exact for bf16/fp16 inputs).
@@ -31,13 +32,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import BLOCK_SIZE, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, ZERO_BLOCK_SCALE, e2m1_values
-
-# Decision boundaries between consecutive E2M1 magnitudes, and whether a value exactly on the
-# boundary rounds up (ties go to the neighbour with an even mantissa bit: 0, 1, 2, 4 are even).
-_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
-
+from .format import (
+    BLOCK_SIZE,
+    E2M1_BOUNDARIES,
+    E2M1_TIE_ROUNDS_UP,
+    FP4_MAX,
+    FP8_E4M3_MAX,
+    SCALE_DTYPE,
+    ZERO_BLOCK_SCALE,
+    e2m1_values,
+)
 
 #: How the global and block scales are computed from the amax statistics (see the module docstring).
 SCALE_RULES: tuple[str, ...] = ("bf16", "fp32")
@@ -178,7 +182,7 @@ def cast_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     x = x.to(torch.float32)
     mag = x.abs()
     idx = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for boundary, up_on_tie in zip(_BOUNDARIES, _TIE_ROUNDS_UP, strict=True):
+    for boundary, up_on_tie in zip(E2M1_BOUNDARIES, E2M1_TIE_ROUNDS_UP, strict=True):
         above = (mag >= boundary) if up_on_tie else (mag > boundary)
         idx += above.to(torch.uint8)
     sign = (x < 0).to(torch.uint8) << 3
@@ -259,10 +263,3 @@ def dequantize(
     values = e2m1_values(torch.float32, packed.device)[codes.long()]
     eff = _scale_as_float(scale) / global_scale.to(torch.float32).reshape(1).to(packed.device)
     return (values * eff.repeat_interleave(BLOCK_SIZE, dim=1)).to(dtype)
-
-
-def quantize_dequantize(
-    weight: torch.Tensor, global_scale: torch.Tensor | None = None, rule: str = DEFAULT_SCALE_RULE
-) -> torch.Tensor:
-    """The weight as NVFP4 sees it, in the weight's own dtype (fake quantization)."""
-    return quantize(weight, global_scale, rule=rule).dequantize(weight.dtype)

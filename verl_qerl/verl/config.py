@@ -42,14 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..aqn import AQNConfig, short_run
-from ..convert import DEFAULT_IGNORE
+from ..modeling.model_conversion import MODES
+from ..nvfp4.arch import DEFAULT_IGNORE
 from ..nvfp4.checkpoint import PatternError, check_patterns
 from ..nvfp4.quant_config import FORMAT_BF16
 from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
+from ..vllm import METHOD_NAME, VERL_WORKER_EXTENSION
 
 logger = logging.getLogger("verl_qerl")
 
-MODES = ("nvfp4", "bf16", "nf4")
 
 def _default_target_modules() -> list[str]:
     """The projections of Qwen2/Llama decoder layers (peft's "all-linear" matches nn.Linear only)."""
@@ -57,9 +58,9 @@ def _default_target_modules() -> list[str]:
 
     return list(DEFAULT_LORA_TARGETS)
 
-WORKER_EXTENSION = "verl_qerl.vllm.verl_extension.QeRLVerlWorkerExtension"
+
 TRAINER_MODE = "qerl_sync"
-VLLM_QUANTIZATION = {"nvfp4": "qerl_nvfp4", "nf4": "bitsandbytes", "bf16": None}
+VLLM_QUANTIZATION = {"nvfp4": METHOD_NAME, "nf4": "bitsandbytes", "bf16": None}
 
 #: Where the engine and the vLLM servers find the block.
 CARRIER_PATH = ("actor_rollout_ref", "model", "lora", "qerl")
@@ -180,14 +181,20 @@ def checkpoint_format(path: Any) -> str | None:
         raise QeRLConfigError(f"actor_rollout_ref.model.path={str(path)!r}: {err}") from err
 
 
-def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
-    """A quantized ``model.path`` works only as the nvfp4 base (there are no BF16 weights in it)."""
+def nvfp4_base_source(path: Any, qerl: QeRLConfig) -> str | None:
+    """The NVFP4 checkpoint the actor's base is built from, given ``model.path`` (or the worker's local
+    copy of it): ``path`` itself when it is an NVFP4 checkpoint, else ``qerl.quantized_checkpoint``
+    (None: the actor quantizes the BF16 weights verl loads).
+
+    The one check of the two sources, run by the driver's config check and again by the actor hook:
+    an NVFP4 ``path`` works only as the nvfp4 base (it holds no BF16 weights to train from), and
+    ``qerl.quantized_checkpoint`` may then only name the same folder.
+    """
     from pathlib import Path
 
-    path = _get(config, "actor_rollout_ref.model.path")
     fmt = checkpoint_format(path)
     if fmt in (None, FORMAT_BF16):
-        return
+        return qerl.quantized_checkpoint
     if qerl.mode != "nvfp4":
         raise QeRLConfigError(
             f"actor_rollout_ref.model.path={str(path)!r} is an NVFP4 checkpoint ({fmt}), but qerl.mode={qerl.mode} "
@@ -198,6 +205,7 @@ def _check_model_path(config: Any, qerl: QeRLConfig) -> None:
         raise QeRLConfigError(
             f"qerl.quantized_checkpoint={qc!r} with actor_rollout_ref.model.path={str(path)!r}, which is already an "
             "NVFP4 checkpoint: the actor and vLLM both load model.path; leave qerl.quantized_checkpoint null")
+    return str(path)
 
 
 def _lora_rank(config: Any) -> int:
@@ -301,7 +309,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
             "frozen base, so set a rank > 0 (the paper uses 32)"
         )
     _check_run_length(config, qerl)
-    _check_model_path(config, qerl)
+    nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
     if qerl.mode == "nvfp4":
         _check_twin_scale_rule(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
@@ -344,11 +352,12 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
         raise QeRLConfigError(f"actor_rollout_ref.rollout.quantization={rollout_quant!r}: leave it null; QeRL "
                               "selects the vLLM method from qerl.mode")
     ext = vllm_kwargs.get("worker_extension_cls")
-    if ext not in (None, WORKER_EXTENSION):
+    if ext not in (None, VERL_WORKER_EXTENSION):
         raise QeRLConfigError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls={ext!r}: QeRL "
-                              f"needs {WORKER_EXTENSION} (a subclass of verl's extension)")
+                              f"needs {VERL_WORKER_EXTENSION} (a subclass of verl's extension)")
     if ext is None:
-        _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls", WORKER_EXTENSION, changes)
+        _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls", VERL_WORKER_EXTENSION,
+             changes)
 
     _set(config, ".".join(CARRIER_PATH), qerl.to_dict(), changes[:0])  # the carrier is not a user setting
     if changes:

@@ -63,29 +63,16 @@ def _qerl_of(model_config):
 
 
 def nvfp4_actor_source(model_config, qerl=None):
-    """The checkpoint folder the nvfp4 actor is built from without a dense copy, or None.
-
-    ``model.path`` when it is an NVFP4 checkpoint (then ``qerl.quantized_checkpoint`` must be unset
-    or the same folder), else ``qerl.quantized_checkpoint`` when set; None otherwise (verl loads
-    ``model.path`` in BF16 and hook 3 quantizes it).
-    """
-    from pathlib import Path
-
-    from ..nvfp4.quant_config import FORMAT_BF16
-    from .config import QeRLConfigError, checkpoint_format
+    """The checkpoint folder the nvfp4 actor is built from without a dense copy, or None (verl loads
+    ``model.path`` in BF16 and hook 3 quantizes it): :func:`~verl_qerl.verl.config.nvfp4_base_source`
+    of the worker's local copy of ``model.path``."""
+    from .config import nvfp4_base_source
 
     qerl = qerl if qerl is not None else _qerl_of(model_config)
     if qerl is None or qerl.mode != "nvfp4":
         return None
     local = getattr(model_config, "local_path", None) or getattr(model_config, "path", None)
-    fmt = checkpoint_format(local)
-    if fmt is not None and fmt != FORMAT_BF16:
-        qc = qerl.quantized_checkpoint
-        if qc and Path(qc).resolve() != Path(local).resolve():
-            raise QeRLConfigError(f"actor_rollout_ref.model.path={local!r} is already an NVFP4 checkpoint; "
-                                  f"qerl.quantized_checkpoint={qc!r} would be a second source: leave it null")
-        return str(local)
-    return qerl.quantized_checkpoint
+    return nvfp4_base_source(local, qerl)
 
 
 def build_nvfp4_actor(auto_class, source, qerl, *, torch_dtype, config, trust_remote_code=False,
@@ -97,7 +84,7 @@ def build_nvfp4_actor(auto_class, source, qerl, *, torch_dtype, config, trust_re
     """
     import torch
 
-    from ..modeling.convert import build_nvfp4_model
+    from ..modeling.model_conversion import build_nvfp4_model
 
     probe = torch.nn.Module()
     probe.register_parameter("p", torch.nn.Parameter(torch.empty(1)))

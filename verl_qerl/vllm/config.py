@@ -38,6 +38,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from verl_qerl.nvfp4 import quant_config
+from verl_qerl.nvfp4.arch import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES
 from verl_qerl.nvfp4.checkpoint import matches_pattern
 from verl_qerl.nvfp4.format import BLOCK_SIZE
 from verl_qerl.nvfp4.quant_config import (
@@ -45,20 +46,15 @@ from verl_qerl.nvfp4.quant_config import (
     FORMAT_BF16,
     FORMAT_CT,
     FORMAT_MODELOPT,
+    LAYOUT_TENSOR_NAMES,
     QuantConfigError,
     modelopt_block,
 )
 from verl_qerl.nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 
-from . import compat
+from . import METHOD_NAME, compat
 
 logger = logging.getLogger(__name__)
-
-METHOD_NAME = quant_config.QERL_QUANT_METHOD
-
-#: HF ``model_type`` values whose vLLM models we have run: dense decoders with q/k/v/o and
-#: gate/up/down linears and plain RMSNorm gains (what AQN perturbs).
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 #: Set to 1 to skip the architecture allow-list (at your own risk; AQN and LoRA untested there).
 ALLOW_UNTESTED_ARCH_ENV = "QERL_NVFP4_ALLOW_UNTESTED_ARCH"
@@ -113,7 +109,7 @@ class QeRLNvFp4Config(QuantizationConfig):
             raise QeRLNvFp4Error(f"scale_rule={scale_rule!r}; expected one of {SCALE_RULES}")
         self.scale_rule = scale_rule
         self.checkpoint_format = checkpoint_format
-        self.ignore = list(ignore if ignore is not None else ["lm_head"])
+        self.ignore = list(ignore if ignore is not None else DEFAULT_IGNORE)
         self.targets = list(targets if targets is not None else ["Linear"])
         self.activation_scales = bool(activation_scales)
         self.model_type: str | None = None
@@ -158,7 +154,7 @@ class QeRLNvFp4Config(QuantizationConfig):
             ignore = mo.get("exclude_modules") or mo.get("ignore") or config.get("ignore") or []
             activation_scales = str(mo.get("quant_algo", "")).upper() == "NVFP4"
             return cls(FORMAT_MODELOPT, ignore=ignore, activation_scales=activation_scales)
-        return cls(fmt, ignore=config.get("ignore", ["lm_head"]), targets=config.get("targets"),
+        return cls(fmt, ignore=config.get("ignore", DEFAULT_IGNORE), targets=config.get("targets"),
                    scale_rule=config.get("scale_rule", DEFAULT_SCALE_RULE))
 
     @classmethod
@@ -250,13 +246,6 @@ def check_architecture(hf_config: Any) -> str:
                          "a dense decoder anyway")
 
 
-# Tensor-name suffixes of one quantized module, per layout: (packed, block scale, global scale).
-_LAYOUT_NAMES = {
-    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
-    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
-}
-
-
 def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: int = 5) -> None:
     """Header-only scan of a local checkpoint: every NVFP4 module has its three tensors, group size 16.
 
@@ -269,12 +258,14 @@ def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: i
     if shapes is None:
         return  # not a local safetensors folder (e.g. .bin): the worker-side checks still apply
     if checkpoint_format == FORMAT_BF16:
-        stray = sorted(n for n in shapes if n.endswith((".weight_packed", ".weight_scale_2", ".weight_global_scale")))
+        ct_packed, _, ct_gscale = LAYOUT_TENSOR_NAMES[FORMAT_CT]
+        nvfp4_only = (f".{ct_packed}", f".{ct_gscale}", f".{LAYOUT_TENSOR_NAMES[FORMAT_MODELOPT][2]}")
+        stray = sorted(n for n in shapes if n.endswith(nvfp4_only))
         if stray:
             raise QeRLNvFp4Error(f"{folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but its config declares no "
                                  "NVFP4 quantization_config; qerl_nvfp4 would try to quantize it as BF16")
         return
-    packed_name, scale_name, gscale_name = _LAYOUT_NAMES[checkpoint_format]
+    packed_name, scale_name, gscale_name = LAYOUT_TENSOR_NAMES[checkpoint_format]
     modules: set[str] = set()
     for name, (dtype, _shape) in shapes.items():
         module, _, leaf = name.rpartition(".")

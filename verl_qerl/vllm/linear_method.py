@@ -11,18 +11,20 @@ Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, 
    (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
    fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
    whole fused group, under the config's scale rule, so it is bit-identical to ``qerl-quantize``
-   and ``quantize_model`` with the same rule), and where the FP4 GEMM runs
-   (CUDA with ``verl_qerl.kernels``) replaces packed weight and scales by the kernel's repacked
-   layout (no second copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA
-   wrappers look for it (for its device only).
-4. ``apply`` calls ``verl_qerl.kernels.linear``: the ``qerl::nvfp4_gemm`` op on CUDA (fused GEMM
-   for small M, dequantize + cuBLAS for large M, chosen inside the op), the package's torch
-   reference on CPU (= :func:`verl_qerl.nvfp4.dequantize` + ``F.linear``). No host syncs, no
-   data-dependent shapes: it traces under torch.compile and captures into CUDA graphs.
+   and ``quantize_model`` with the same rule), and where the FP4 GEMM runs (CUDA with the
+   extension loaded) replaces packed weight and scales by the kernel's repacked layout (no second
+   copy is kept). ``weight_packed`` keeps its name in both layouts: vLLM's LoRA wrappers look for it
+   (for its device only); the layer's :class:`QeRLLayerState` says which layout it holds.
+4. ``apply`` calls ``verl_qerl.kernels.linear``. Repacked layout: the ``qerl::nvfp4_gemm`` op (fused
+   GEMM for small M, dequantize + cuBLAS for large M, chosen inside the op; the package's torch
+   reference where the extension is not loaded). Compressed-tensors layout: the CUDA dequant op +
+   ``F.linear`` on CUDA, :func:`verl_qerl.nvfp4.dequantize` + ``F.linear`` elsewhere. No host syncs,
+   no data-dependent shapes: it traces under torch.compile and captures into CUDA graphs.
 
 Fused layers whose parts were quantized with different global scales (a checkpoint written
-without llm-compressor's scale fusing) stay exact: the fallback dequantizes each part with its own
-scale; the kernel runs with the first part's scale and rescales the other parts' output columns.
+without llm-compressor's scale fusing) stay exact: the compressed-tensors layout dequantizes each
+part with its own scale; the kernel runs with the first part's scale and rescales the other parts'
+output columns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,36 +42,48 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 
-from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, quantize
+from verl_qerl import kernels
+from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, pack_fp4, quantize
+from verl_qerl.nvfp4.quant_config import LAYOUT_TENSOR_NAMES
 
 from . import compat
 from .config import FORMAT_BF16, FORMAT_CT, FORMAT_MODELOPT, QeRLNvFp4Config, QeRLNvFp4Error
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` (kernel on CUDA when ``verl_qerl.kernels`` is importable, else torch), ``torch``, ``kernel``.
+#: ``auto`` (kernel layout on CUDA when the extension loads, else torch), ``torch``, ``kernel``.
 BACKEND_ENV = "QERL_NVFP4_BACKEND"
 
 #: Rows quantized at a time at load, to bound the fp32 temporaries of large layers.
 _QUANT_ROWS = 2048
 
-#: (packed, block scale, global scale) parameter names as the checkpoint spells them; placeholders.
-_NAMES = {
-    FORMAT_CT: ("weight_packed", "weight_scale", "weight_global_scale"),
-    FORMAT_MODELOPT: ("weight", "weight_scale", "weight_scale_2"),
-}
+#: Input-scale parameters of W4A4 checkpoints, per layout: loaded into placeholders and dropped.
 _PLACEHOLDERS = {FORMAT_CT: ("input_global_scale",), FORMAT_MODELOPT: ("input_scale",), FORMAT_BF16: ()}
 
 
-def _kernels():
-    """``verl_qerl.kernels`` if it exists (the CUDA FP4 GEMM package, landing separately), else None."""
-    try:
-        from verl_qerl import kernels
-    except ModuleNotFoundError as exc:  # only "the package is not there"; real import bugs propagate
-        if exc.name in ("verl_qerl.kernels",):
-            return None
-        raise
-    return kernels
+#: :attr:`QeRLLayerState.layout` values: what ``weight_packed`` / ``weight_scale`` hold once finalized.
+LAYOUT_CT = "compressed-tensors"  # packed codes uint8 [N, K/2], block scales E4M3 [N, K/16]
+LAYOUT_REPACKED = "repacked"  # the FP4 GEMM's tile layout (verl_qerl.kernels.layout), N padded
+
+
+@dataclass
+class QeRLLayerState:
+    """What the method keeps about one vLLM linear layer besides its parameters (``layer.qerl_state``)."""
+
+    #: the layer's module name, for messages
+    prefix: str
+    #: the checkpoint layout the parameters are created in and loaded from (``CHECKPOINT_FORMATS``)
+    checkpoint_format: str
+    #: parameter name -> fused-part ids loaded since the last finalize (vLLM does not check completeness)
+    loaded: dict[str, set[Any]] = field(default_factory=dict)
+    #: None until finalized; then :data:`LAYOUT_CT` or :data:`LAYOUT_REPACKED`
+    layout: str | None = None
+    #: ``kernel`` or ``torch`` (:func:`_choose_backend`); ``kernel`` keeps :data:`LAYOUT_CT` where repacking fails
+    backend: str | None = None
+    #: whether every fused part has the same global scale
+    uniform_scale: bool = True
+    #: per output column, the first part's global scale over the column's own (kernel path, mixed scales)
+    col_scale: torch.Tensor | None = None
 
 
 def _choose_backend(device: torch.device) -> str:
@@ -81,15 +96,8 @@ def _choose_backend(device: torch.device) -> str:
     wanted = os.environ.get(BACKEND_ENV, "auto").lower()
     if wanted not in ("auto", "torch", "kernel"):
         raise QeRLNvFp4Error(f"{BACKEND_ENV}={wanted!r}; expected auto, torch or kernel")
-    if wanted == "torch":
-        return "torch"
-    kernels = _kernels()
-    if kernels is None:
-        if wanted == "kernel":
-            raise QeRLNvFp4Error(f"{BACKEND_ENV}=kernel but verl_qerl.kernels is not installed")
-        return "torch"
-    if wanted == "kernel":
-        return "kernel"
+    if wanted in ("torch", "kernel"):
+        return wanted
     if device.type != "cuda":
         return "torch"
     if not kernels.cuda_available():
@@ -113,7 +121,7 @@ def _tracking(layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
 
     @functools.wraps(loader)
     def load_and_record(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        layer.qerl_loaded.setdefault(name, set()).add(_shard_key(args, kwargs))
+        layer.qerl_state.loaded.setdefault(name, set()).add(_shard_key(args, kwargs))
         return loader(param, loaded_weight, *args, **kwargs)
 
     return load_and_record
@@ -155,10 +163,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         layer.logical_widths = list(output_partition_sizes)
         layer.input_size_per_partition = k
         layer.output_size_per_partition = n
-        layer.qerl_prefix = self.prefix
-        layer.qerl_format = fmt
-        layer.qerl_layout = None  # set once the layer is finalized
-        layer.qerl_loaded = {}
+        layer.qerl_state = QeRLLayerState(prefix=self.prefix, checkpoint_format=fmt)
         loader = extra_weight_attrs["weight_loader"]
         track = functools.partial(_tracking, layer)
 
@@ -168,7 +173,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             layer.register_parameter("weight", weight)
             return
 
-        packed_name, scale_name, gscale_name = _NAMES[fmt]
+        packed_name, scale_name, gscale_name = LAYOUT_TENSOR_NAMES[fmt]
         layer.register_parameter(packed_name, ModelWeightParameter(
             data=torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1, output_dim=0,
             weight_loader=track(packed_name, loader)))
@@ -187,29 +192,31 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
 
     def _check_loaded(self, layer: torch.nn.Module, names: tuple[str, ...]) -> None:
         parts = len(layer.logical_widths)
+        state: QeRLLayerState = layer.qerl_state
         for name in names:
-            seen = layer.qerl_loaded.get(name, set())
+            seen = state.loaded.get(name, set())
             if None in seen or len(seen) >= parts:
                 continue
             if not seen:
                 detail = "was not in the checkpoint"
             else:
                 detail = f"arrived only for fused part(s) {sorted(map(str, seen))} of {parts}"
-            raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{name} {detail}: the checkpoint is incomplete "
-                                 f"(format {layer.qerl_format})")
+            raise QeRLNvFp4Error(f"{state.prefix}.{name} {detail}: the checkpoint is incomplete "
+                                 f"(format {state.checkpoint_format})")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if layer.qerl_layout is not None and not layer.qerl_loaded:
+        state: QeRLLayerState = layer.qerl_state
+        if state.layout is not None and not state.loaded:
             # Already finalized and nothing loaded since: a second pass over the whole model (verl runs
             # one after a full, non-LoRA weight sync) must leave the quantized layer alone.
             return
-        fmt = layer.qerl_format
+        fmt = state.checkpoint_format
         if fmt == FORMAT_BF16:
             self._check_loaded(layer, ("weight",))
             packed, scale, gscale = self._quantize_bf16(layer)
             del layer.weight
         else:
-            names = _NAMES[fmt]
+            names = LAYOUT_TENSOR_NAMES[fmt]
             self._check_loaded(layer, names)
             packed_name, scale_name, gscale_name = names
             packed = getattr(layer, packed_name).data
@@ -219,30 +226,31 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             gscale = torch.reciprocal(raw) if fmt == FORMAT_MODELOPT else raw
             bad = ~(torch.isfinite(gscale) & (gscale > 0))
             if bool(bad.any()):
-                raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{gscale_name}: global scale(s) {raw.tolist()} are not "
+                raise QeRLNvFp4Error(f"{state.prefix}.{gscale_name}: global scale(s) {raw.tolist()} are not "
                                      "finite and positive")
             if bool(torch.isnan(scale.to(torch.float32)).any()):
-                raise QeRLNvFp4Error(f"{layer.qerl_prefix}.{scale_name}: block scales contain NaN")
+                raise QeRLNvFp4Error(f"{state.prefix}.{scale_name}: block scales contain NaN")
             for name in (*names, *_PLACEHOLDERS[fmt]):
                 if hasattr(layer, name):
                     delattr(layer, name)
         self._finalize(layer, packed.contiguous(), scale.contiguous(), gscale.contiguous())
-        layer.qerl_loaded = {}  # a later layerwise reload records afresh
+        state.loaded = {}  # a later layerwise reload records afresh
 
     @torch.no_grad()
     def _quantize_bf16(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quantize the loaded weight as ``qerl-quantize`` would: one global scale per fused group."""
         w = layer.weight.data
+        prefix = layer.qerl_state.prefix
         bounds = torch.tensor([0, *layer.logical_widths]).cumsum(0).tolist()
         amax = torch.stack([w[a:b].abs().amax().to(torch.float32) for a, b in zip(bounds[:-1], bounds[1:])])
         compat.tp_all_reduce_max(amax)  # each rank holds a slice; the scale is that of the whole weight
         if not bool(torch.isfinite(amax).all()):
-            raise QeRLNvFp4Error(f"{layer.qerl_prefix}.weight: contains NaN/Inf; refusing to quantize")
+            raise QeRLNvFp4Error(f"{prefix}.weight: contains NaN/Inf; refusing to quantize")
         rule = self.config.scale_rule
         gscale = global_scale_from_amax(amax.max(), rule)  # == verl_qerl.nvfp4.fused_global_scale, bit for bit
         packed_rows, scale_rows = [], []
         for start in range(0, w.shape[0], _QUANT_ROWS):
-            q = quantize(w[start:start + _QUANT_ROWS], gscale, name=f"{layer.qerl_prefix}.weight", rule=rule)
+            q = quantize(w[start:start + _QUANT_ROWS], gscale, name=f"{prefix}.weight", rule=rule)
             packed_rows.append(q.packed)
             scale_rows.append(q.scale)
         return torch.cat(packed_rows), torch.cat(scale_rows), gscale.to(w.device)
@@ -251,65 +259,61 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
                   gscale: torch.Tensor) -> None:
         """Canonical parameters, per-part scale bookkeeping, and the FP4 kernel's own layout where it runs."""
         widths = layer.logical_widths
+        state: QeRLLayerState = layer.qerl_state
         uniform = bool((gscale == gscale[0]).all())
-        layer.qerl_uniform_scale = uniform
-        layer.qerl_col_scale = None
+        state.uniform_scale = uniform
+        state.col_scale = None
         if not uniform:
             logger.info("qerl_nvfp4: %s has per-part global scales %s; kept exact per part",
-                        layer.qerl_prefix, gscale.tolist())
+                        state.prefix, gscale.tolist())
             ratio = (gscale[0] / gscale).to(torch.float32)  # y_part = y(g0) * g0 / g_part
-            layer.qerl_col_scale = torch.repeat_interleave(ratio, torch.tensor(widths, device=ratio.device))
+            state.col_scale = torch.repeat_interleave(ratio, torch.tensor(widths, device=ratio.device))
         _replace(layer, "weight_global_scale", gscale[:1].clone() if uniform else gscale.clone())
-        layer.qerl_backend = _choose_backend(packed.device)
-        layer.qerl_layout = "compressed-tensors"
-        if layer.qerl_backend == "kernel":
-            kernels = _kernels()
+        state.backend = _choose_backend(packed.device)
+        state.layout = LAYOUT_CT
+        if state.backend == "kernel":
             try:
                 repacked = kernels.repack(packed, scale)
             except kernels.LayoutError as exc:
                 logger.warning("qerl_nvfp4: %s cannot use the FP4 GEMM layout (%s); dequantize + F.linear",
-                               layer.qerl_prefix, exc)
+                               state.prefix, exc)
             else:
                 # Only the kernel layout is kept (no second copy of the weight). ``weight_packed`` keeps
                 # its name for vLLM's LoRA wrappers, which only read its device.
                 packed, scale = repacked.qweight, repacked.qscale
-                layer.qerl_layout = "repacked"
+                state.layout = LAYOUT_REPACKED
         _replace(layer, "weight_packed", packed)
         _replace(layer, "weight_scale", scale)
 
     # -- 4. forward -------------------------------------------------------------------------------
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.qerl_layout == "repacked":
+        state: QeRLLayerState = layer.qerl_state
+        if state.layout == LAYOUT_REPACKED:
             return self._apply_repacked(layer, x, bias)
-        if layer.qerl_uniform_scale:
-            kernels = _kernels()
-            if kernels is not None:  # its torch reference on CPU; its dequant op + F.linear on CUDA
-                return kernels.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
+        if state.uniform_scale:
+            return kernels.linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
         return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
 
     @staticmethod
     def _apply_repacked(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernels = _kernels()
         repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
         n = layer.output_size_per_partition
         g = layer.weight_global_scale[:1]
-        if layer.qerl_col_scale is None:
+        col_scale = layer.qerl_state.col_scale
+        if col_scale is None:
             return kernels.linear(x, None, None, g, bias, kernel_weight=repacked, n=n)
         y = kernels.linear(x, None, None, g, None, kernel_weight=repacked, n=n)
-        y = (y.to(torch.float32) * layer.qerl_col_scale).to(x.dtype)
+        y = (y.to(torch.float32) * col_scale).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed uint8 [N, K/2], E4M3 scale [N, K/16], global scale divisor(s)) whatever the stored layout."""
-        if layer.qerl_layout == "repacked":
-            from verl_qerl.kernels import layout
-            from verl_qerl.nvfp4 import pack_fp4
-
+        if layer.qerl_state.layout == LAYOUT_REPACKED:
             n = layer.output_size_per_partition
-            packed = pack_fp4(layout.unrepack_codes(layer.weight_packed, n))
-            scale = layout.unrepack_scales(layer.weight_scale, n).to(SCALE_DTYPE)
+            packed = pack_fp4(kernels.layout.unrepack_codes(layer.weight_packed, n))
+            scale = kernels.layout.unrepack_scales(layer.weight_scale, n).to(SCALE_DTYPE)
             return packed, scale, layer.weight_global_scale
         return layer.weight_packed, layer.weight_scale, layer.weight_global_scale
 
@@ -317,7 +321,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
     def dequantized_weight(cls, layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """The layer's weight as NVFP4 represents it, [N, K] in ``dtype`` (each fused part with its own scale)."""
         packed, scale, gscale = cls.canonical_nvfp4(layer)
-        if layer.qerl_uniform_scale:
+        if layer.qerl_state.uniform_scale:
             return dequantize(packed, scale, gscale, dtype)
         parts, start = [], 0
         for i, width in enumerate(layer.logical_widths):

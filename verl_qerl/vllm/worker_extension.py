@@ -148,11 +148,12 @@ class QeRLWorkerExtension:
                 continue  # LoRA wrappers forward quant_method too; report the base layer once
             info: dict[str, Any] = {"method": type(method).__name__,
                                     "lora_fast_path": bool(getattr(module, "qerl_lora_fast_path", False))}
-            if hasattr(module, "qerl_backend"):
+            state = getattr(module, "qerl_state", None)
+            if state is not None and state.layout is not None:  # a finalized qerl_nvfp4 layer
                 from .linear_method import QeRLNvFp4LinearMethod
 
-                info.update(backend=module.qerl_backend, layout=module.qerl_layout, format=module.qerl_format,
-                            uniform_scale=module.qerl_uniform_scale, scale_rule=method.config.scale_rule,
+                info.update(backend=state.backend, layout=state.layout, format=state.checkpoint_format,
+                            uniform_scale=state.uniform_scale, scale_rule=method.config.scale_rule,
                             global_scale=module.weight_global_scale.detach().cpu().tolist(),
                             shape=[module.output_size_per_partition, module.input_size_per_partition])
                 for t in QeRLNvFp4LinearMethod.canonical_nvfp4(module):  # layout-independent digest

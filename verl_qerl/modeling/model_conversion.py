@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..convert import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
 from ..nvfp4 import BLOCK_SIZE, DEFAULT_SCALE_RULE, NVFP4FormatError, check_scale_rule, fused_global_scale
+from ..nvfp4.arch import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
 from ..nvfp4.checkpoint import (
     FORMAT_BF16,
     SCALE_RULE_KEY,

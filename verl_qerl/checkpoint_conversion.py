@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .nvfp4.arch import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
 from .nvfp4.checkpoint import (
     FORMAT_BF16,
     SCALE_RULE_KEY,
@@ -40,23 +41,7 @@ from .nvfp4.checkpoint import (
 from .nvfp4.quant_config import quantize_at_load_layers
 from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
 
-#: model_type values whose Linear layout (q/k/v/o, gate/up/down, lm_head) we have tested.
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-
-#: Modules left in BF16 unless the user says otherwise (embeddings are not Linear layers at all).
-DEFAULT_IGNORE = ("lm_head",)
-
-#: Projections that inference engines fuse into one GEMM, so their parts share a global scale.
-FUSED_GROUPS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
-
-
-def fused_group(module: str) -> str:
-    """The fused-layer key a module belongs to (itself when it is not fused)."""
-    parent, _, leaf = module.rpartition(".")
-    return f"{parent}.{FUSED_GROUPS[leaf]}" if leaf in FUSED_GROUPS else module
 
 
 def linear_module_names(config: dict) -> list[str]:
