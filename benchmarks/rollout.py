@@ -23,7 +23,7 @@ Backends (one fresh subprocess, hence one engine, per backend and model; the eng
 Checkpoints (in ``--work-dir``, reused when complete): the BF16 checkpoint is written layer by layer, one
 safetensors shard per decoder layer, from N(0, 0.02) bf16 tensors generated on the GPU when there is one
 (RMSNorm weights 1, q/k/v biases 0); nothing holds a whole model. The NVFP4 checkpoint is
-``verl_qerl.convert.quantize_checkpoint`` of it. A 32B BF16 checkpoint is 65.5 GB, more than the H100
+``verl_qerl.checkpoint_conversion.quantize_checkpoint`` of it. A 32B BF16 checkpoint is 65.5 GB, more than the H100
 machine's 64 GB disk, so for 32B (``--bf16-checkpoint auto``) the NVFP4 checkpoint is written directly
 (each random tensor quantized as it is generated, fused q/k/v and gate/up sharing a global scale, the same
 per-tensor seeds, hence the same bits as quantizing the BF16 checkpoint) and the BF16 baseline runs with
@@ -277,7 +277,7 @@ def write_config_only(folder: Path, shape: dict) -> Path:
 def quantize_with_progress(src: Path, dst: Path) -> Path:
     from tqdm import tqdm
 
-    from verl_qerl.convert import quantize_checkpoint
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
 
     if (dst / DONE).is_file():
         print(f"[rollout] reusing {dst}", flush=True)
