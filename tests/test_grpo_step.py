@@ -233,7 +233,7 @@ def test_the_polling_interval_reaches_main_ppo(tmp_path):
 
 def test_72b_preset_writes_an_nvfp4_checkpoint_of_the_qwen25_72b_shape(monkeypatch, tmp_path):
     written = []
-    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed: written.append(
+    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed, tokenizer: written.append(
         (folder, shape, fmt)) or folder)
     args = gs.parse_args(["--model", "72b", "--variants", "qerl", "--micro-batch", "1", "--ckpt-dir", str(tmp_path)])
     model, _, _ = gs.build_inputs(args, tmp_path / "work")
