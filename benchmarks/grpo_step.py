@@ -25,6 +25,27 @@ runs is split over calls and the last one writes the JSON with every row and the
     python benchmarks/grpo_step.py --variants qerl,lora \
         --baseline benchmarks/results/grpo_step-7b-variants-<gpu>.json     # call 2: runs qerl only
 
+``--preset reasoning`` (issue 20) is the workload of reasoning RL, where long rollouts should dominate the step:
+32 prompts x 8 = 256 sequences per step, every response exactly 2048 tokens (``ignore_eos``: a random model has no
+natural length, and a fixed one makes both variants decode the same tokens), sampled at temperature 1 over the
+151,936 ids of Qwen2.5's tokenizer (``--tokenizer``, default ``.tokenizers/qwen2.5`` written by ``qerl-pretrained
+qwen2.5-coder-0.5b --tokenizer-only --out .tokenizers/qwen2.5``; verl masks every logit at or above
+``len(tokenizer)``, so the tiny 512-id tokenizer of plain runs lets the model sample only 512 ids), LoRA rank 32 and
+the paper's learning rates (1e-5 for the 4-bit variants, 5e-6 for BF16 LoRA; the rate does not change the cost),
+``gpu_memory_utilization`` 0.5 for both variants (verl's default; QeRL's 4-bit weights leave its vLLM ~9 GB more KV
+cache, and each run records what vLLM reported: ``kv_cache_tokens``, ``max_concurrency``), micro-batch 4 (8.7k
+tokens, 1.7x the activations of the measured 8 x 640 setting) and its own targets: QeRL / BF16 LoRA step <= 0.80,
+gen <= 0.70, old_log_prob and update_actor <= 1.05. Every run also records the rollouts' decode-batch histogram
+(``decode_batches``: engine steps per number of sequences decoding, from ``verl_qerl.vllm.decode_stats``).
+
+Its time at 7B on one H200, from the 16 x 8 x <= 512 runs (results/grpo_step-7b-variants-nvidia-h200.json): start-up
+~295 s; the actor costs 0.204 ms (update_actor) + 0.068 ms (old_log_prob) per padded token, so 256 x 2176 = 557k
+tokens take ~114 + 38 s (+5% for attention at 2176 tokens); generation is 2048 decode steps at M = 256 of ~16-18 ms,
+~35-39 s. One step is ~195 s, and 3 steps (1 warm-up + 2 measured) + start-up ~885 s: more than one 10-minute call.
+So a run goes detached over two back-to-back calls on one warm machine (``benchmarks/gpu/detached.sh``), one variant
+per machine (a machine is held at most 30 minutes), the second variant merging the first's JSON with ``--baseline``
+(``benchmarks/GPU.md`` has the calls). ``--steps 2`` (1 measured step) still needs ~685 s.
+
 Models: ``7b`` / ``32b`` / ``72b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
 or the path of a local HF checkpoint. ``72b`` is for NVFP4 variants only (written directly in NVFP4, 44.5 GB;
 its BF16 checkpoint would be 145 GB) and one GPU with every memory setting on: micro-batch 1, gradient
