@@ -302,3 +302,29 @@ def test_checkpoints_written_before_the_tokenizer_marker_count_as_the_tiny_one(t
     stamp = (ckpt / "config.json").stat().st_mtime_ns
     rb.write_random_checkpoint(ckpt, shape, "bf16", device="cpu", show_progress=False)
     assert (ckpt / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_verl_samples_only_the_checkpoints_tokenizer_ids(tmp_path):
+    """The 512-id artifact, with verl's own logits mask as the oracle: verl's vLLM server masks every logit at or above
+    len(tokenizer of the checkpoint); the tiny default leaves 512 ids, a real tokenizer folder leaves all of its."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits
+
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    rb = _load_script()
+    build_tokenizer(800).save_pretrained(tmp_path / "tok")  # a larger vocabulary than the tiny default's 512
+    shape = dict(SMALL, vocab_size=1024)
+
+    def sampleable(ckpt) -> int:
+        model = SimpleNamespace(compute_logits=lambda *a, **k: torch.zeros(2, shape["vocab_size"]))
+        monkey_patch_compute_logits(model, len(AutoTokenizer.from_pretrained(ckpt)))
+        return int(torch.isfinite(model.compute_logits(None)[0]).sum())
+
+    tiny = rb.write_random_checkpoint(tmp_path / "a", shape, "bf16", device="cpu", show_progress=False)
+    real = rb.write_random_checkpoint(tmp_path / "b", shape, "bf16", device="cpu", show_progress=False,
+                                      tokenizer=tmp_path / "tok")
+    assert sampleable(tiny) == 512
+    assert sampleable(real) == 800
