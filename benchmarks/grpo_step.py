@@ -273,7 +273,7 @@ def base_bytes_held(log_text: str) -> list[int]:
 #: vLLM 0.24's start-up lines on its KV cache (vllm/v1/core/kv_cache_utils.py, ``get_kv_cache_configs``:
 #: ``"GPU KV cache size: %s tokens"`` with ``f"{num_tokens:,}"``, ``"Maximum concurrency for %s tokens per request:
 #: %.2fx"`` with ``f"{max_model_len:,}"``), one pair per engine
-_KV_TOKENS_LINE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_KV_TOKENS_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # later vLLMs: "<device> KV cache size: ..."
 _CONCURRENCY_LINE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 
 
@@ -373,6 +373,13 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
     if held:
         row["actor_base_gb_per_rank"] = max(held) / 1e9
     row.update(kv_cache_report(log_text))
+    if not row["kv_cache_tokens"]:  # vLLM's log did not reach main_ppo's: the engines' own record
+        engines = decode_stats.engine_kv(decode_stats.read_records(stats_dir))
+        if engines:
+            row.update(kv_cache_tokens=[e["kv_cache_tokens"] for e in engines],
+                       max_concurrency=[round(e["max_concurrency"], 2) for e in engines],
+                       max_concurrency_len=[e["max_model_len"] for e in engines],
+                       kv_cache_source="stat logger: num_gpu_blocks x block_size")
     if steps:
         row.update(summarize_run(steps, gpus))
     hist = decode_histogram(stats_dir, len(steps))

@@ -37,6 +37,10 @@ def test_rollouts_split_on_sleep_or_on_a_gap_and_histogram_counts_decode_steps()
     rollouts = ds.split_rollouts(sorted(records, key=lambda r: r["t"]), gap_s=5.0)
     assert [len(r) for r in rollouts] == [6, 4]  # sleep ends a; b and c are 0.2 s apart: one rollout
     assert [len(r) for r in ds.split_rollouts(a + b, gap_s=5.0)] == [6, 3]  # no events: the 94 s gap splits
+    drained = [dict(x, run=0 if i == len(a) - 1 else x["run"]) for i, x in enumerate(a)]
+    moved = [dict(x, t=x["t"] - 99.9) for x in b]  # right after a, no sleep: split because a left nothing running
+    assert [len(r) for r in ds.split_rollouts(drained + moved, gap_s=5.0)] == [6, 3]
+    assert [len(r) for r in ds.split_rollouts(a + moved, gap_s=5.0)] == [9]
     s = ds.summarize_rollout(rollouts[0])
     assert s["decode_steps_by_m"] == {1: 1, 3: 2, 4: 2} and s["decode_steps"] == 5
     assert s["prefill_steps"] == 1 and s["prefill_tokens"] == 40 and s["generated_tokens"] == 19
@@ -48,6 +52,14 @@ def test_rollouts_split_on_sleep_or_on_a_gap_and_histogram_counts_decode_steps()
     assert [(r["m"], r["decode_steps"]) for r in rows] == [("1", 2), ("2-8", 7)]
     assert rows[0]["seconds"] == pytest.approx(0.18)  # b's M = 1 step lasted until c's step
     assert rows[1]["ms_per_step"] == pytest.approx(1e3 * (0.02 + 0.02 + 0.02) / 7)
+
+
+def test_engine_records_give_the_kv_capacity():
+    recs = [{"t": 1.0, "event": "engine", "num_gpu_blocks": 1000, "block_size": 16, "max_model_len": 2184},
+            {"t": 2.0, "event": "engine", "num_gpu_blocks": None, "block_size": 16, "max_model_len": 2184},
+            {"t": 3.0, "gen": 4}]
+    (kv,) = ds.engine_kv(recs)
+    assert kv["kv_cache_tokens"] == 16000 and kv["max_concurrency"] == pytest.approx(16000 / 2184)
 
 
 def test_buckets_cover_every_m_once():
@@ -81,6 +93,8 @@ DRIVER = textwrap.dedent("""
             return len(last.outputs[0].token_ids)
         got = await asyncio.gather(*(one(i, n) for i, n in enumerate((3, 5, 7, 9))))
         print("TOKENS", list(got), flush=True)
+        cache = engine.vllm_config.cache_config
+        print("BLOCKS", cache.num_gpu_blocks, cache.block_size, flush=True)
         engine.shutdown()
 
     asyncio.run(main(sys.argv[1]))
@@ -100,7 +114,12 @@ def test_async_engine_records_every_step(tiny_bf16, tmp_path):
     assert proc.returncode == 0 and "TOKENS [3, 5, 7, 9]" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
     records = ds.read_records(stats)
     assert records, f"nothing recorded in {stats}: {sorted(p.name for p in stats.glob('*'))}"
-    assert all("event" not in r for r in records)  # no sleep on CPU
+    assert [r["event"] for r in records if "event" in r] == ["engine"]  # no sleep on CPU
+    blocks, block_size = (int(x) for x in proc.stdout.split("BLOCKS")[1].split()[:2])
+    (kv,) = ds.engine_kv(records)  # the engine's KV cache, as vLLM's own config holds it
+    assert (kv["num_gpu_blocks"], kv["block_size"], kv["max_model_len"]) == (blocks, block_size, 128)
+    assert kv["kv_cache_tokens"] == blocks * block_size or kv["kv_cache_tokens"] == pytest.approx(
+        blocks * block_size, rel=0.01)
     (rollout,) = ds.split_rollouts(records)
     s = ds.summarize_rollout(rollout)
     assert s["generated_tokens"] == 3 + 5 + 7 + 9 and s["prefill_tokens"] == 4 * 5

@@ -14,8 +14,9 @@ loaded then appends one JSON line per engine step that produced tokens to ``<fol
 prefill finished in it), ``prompt`` = prompt tokens of the prefills that finished in it, ``run`` / ``wait`` = the
 scheduler's running / waiting queues after the step, ``pre`` = preemptions, ``kv`` = KV-cache usage (0-1).
 Sleep / wake of the engine (verl's ``free_cache_engine`` between rollouts) is recorded as ``{"t": ..., "event":
-"sleep"}`` / ``"wake"``. Counting happens on the host, per scheduler step, so CUDA graphs (which pad M up to a
-captured size and replay without Python) do not hide it.
+"sleep"}`` / ``"wake"``, and the KV cache the engine got, once it is up, as ``{"event": "engine", "num_gpu_blocks",
+"block_size", "max_model_len", ...}``. Counting happens on the host, per scheduler step, so CUDA graphs (which
+pad M up to a captured size and replay without Python) do not hide it.
 
 This module itself imports nothing from vLLM: the benchmark's driver reads the files with it.
 """
@@ -51,9 +52,24 @@ def read_records(folder: Path) -> list[dict]:
     return sorted(records, key=lambda r: r["t"])
 
 
+def engine_kv(records: Iterable[dict]) -> list[dict]:
+    """The ``engine`` events: per engine, ``kv_cache_tokens`` = blocks x block size and ``max_concurrency`` =
+    that / ``max_model_len`` (vLLM's own figure counts whole blocks per request, so it can be a little lower)."""
+    out = []
+    for rec in records:
+        if rec.get("event") == "engine" and rec.get("num_gpu_blocks") and rec.get("block_size"):
+            tokens = int(rec["num_gpu_blocks"]) * int(rec["block_size"])
+            out.append({"kv_cache_tokens": rec.get("kv_cache_size_tokens") or tokens,
+                        "max_concurrency": rec.get("kv_cache_max_concurrency") or tokens / rec["max_model_len"],
+                        "max_model_len": rec["max_model_len"], "num_gpu_blocks": rec["num_gpu_blocks"],
+                        "block_size": rec["block_size"]})
+    return out
+
+
 def split_rollouts(records: Iterable[dict], gap_s: float = ROLLOUT_GAP_S) -> list[list[dict]]:
-    """The step records grouped by rollout: a new rollout starts after a ``sleep`` event or after ``gap_s`` seconds
-    without a step. Events themselves are dropped; empty groups are not returned."""
+    """The step records grouped by rollout: a new rollout starts after a ``sleep`` event, after a step that left
+    no request running or waiting (a GRPO step's rollout ends when all its responses are done), or after ``gap_s``
+    seconds without a step. Events themselves are dropped; empty groups are not returned."""
     rollouts: list[list[dict]] = []
     current: list[dict] = []
     last_t: float | None = None
@@ -63,7 +79,8 @@ def split_rollouts(records: Iterable[dict], gap_s: float = ROLLOUT_GAP_S) -> lis
                 rollouts.append(current)
                 current = []
             continue
-        if current and last_t is not None and rec["t"] - last_t > gap_s:
+        drained = bool(current) and current[-1].get("run") == 0 and current[-1].get("wait") == 0
+        if current and (drained or (last_t is not None and rec["t"] - last_t > gap_s)):
             rollouts.append(current)
             current = []
         current.append(rec)

@@ -33,6 +33,7 @@ class DecodeStepLogger(AggregateStatLoggerBase):
     _made = 0
 
     def __init__(self, vllm_config, engine_indexes: list[int] | None = None) -> None:
+        self.vllm_config = vllm_config
         folder = Path(os.environ[ENV])
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"steps-{os.getpid()}-{DecodeStepLogger._made}.jsonl"
@@ -57,6 +58,15 @@ class DecodeStepLogger(AggregateStatLoggerBase):
         self._file.write(json.dumps({"t": round(time.time(), 6), "event": event, "level": level}) + "\n")
 
     def log_engine_initialized(self) -> None:
+        """Called once the engines are up: records the KV cache they got (blocks x block size = tokens), which
+        does not depend on vLLM's own start-up log reaching the caller."""
+        cache = self.vllm_config.cache_config
+        rec = {"t": round(time.time(), 6), "event": "engine", "num_gpu_blocks": cache.num_gpu_blocks,
+               "block_size": cache.block_size, "max_model_len": self.vllm_config.model_config.max_model_len}
+        for key in ("kv_cache_size_tokens", "kv_cache_max_concurrency"):  # set in process 0 by some vLLM versions
+            if getattr(cache, key, None) is not None:
+                rec[key] = getattr(cache, key)
+        self._file.write(json.dumps(rec) + "\n")
         logger.info("[verl-qerl] decode step stats -> %s", self.path)
 
 
