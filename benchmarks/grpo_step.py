@@ -25,6 +25,27 @@ runs is split over calls and the last one writes the JSON with every row and the
     python benchmarks/grpo_step.py --variants qerl,lora \
         --baseline benchmarks/results/grpo_step-7b-variants-<gpu>.json     # call 2: runs qerl only
 
+``--preset reasoning`` (issue 20) is the workload of reasoning RL, where long rollouts should dominate the step:
+32 prompts x 8 = 256 sequences per step, every response exactly 2048 tokens (``ignore_eos``: a random model has no
+natural length, and a fixed one makes both variants decode the same tokens), sampled at temperature 1 over the
+151,936 ids of Qwen2.5's tokenizer (``--tokenizer``, default ``.tokenizers/qwen2.5`` written by ``qerl-pretrained
+qwen2.5-coder-0.5b --tokenizer-only --out .tokenizers/qwen2.5``; verl masks every logit at or above
+``len(tokenizer)``, so the tiny 512-id tokenizer of plain runs lets the model sample only 512 ids), LoRA rank 32 and
+the paper's learning rates (1e-5 for the 4-bit variants, 5e-6 for BF16 LoRA; the rate does not change the cost),
+``gpu_memory_utilization`` 0.5 for both variants (verl's default; QeRL's 4-bit weights leave its vLLM ~9 GB more KV
+cache, and each run records what vLLM reported: ``kv_cache_tokens``, ``max_concurrency``), micro-batch 4 (8.7k
+tokens, 1.7x the activations of the measured 8 x 640 setting) and its own targets: QeRL / BF16 LoRA step <= 0.80,
+gen <= 0.70, old_log_prob and update_actor <= 1.05. Every run also records the rollouts' decode-batch histogram
+(``decode_batches``: engine steps per number of sequences decoding, from ``verl_qerl.vllm.decode_stats``).
+
+Its time at 7B on one H200, from the 16 x 8 x <= 512 runs (results/grpo_step-7b-variants-nvidia-h200.json): start-up
+~295 s; the actor costs 0.204 ms (update_actor) + 0.068 ms (old_log_prob) per padded token, so 256 x 2176 = 557k
+tokens take ~114 + 38 s (+5% for attention at 2176 tokens); generation is 2048 decode steps at M = 256 of ~16-18 ms,
+~35-39 s. One step is ~195 s, and 3 steps (1 warm-up + 2 measured) + start-up ~885 s: more than one 10-minute call.
+So a run goes detached over two back-to-back calls on one warm machine (``benchmarks/gpu/detached.sh``), one variant
+per machine (a machine is held at most 30 minutes), the second variant merging the first's JSON with ``--baseline``
+(``benchmarks/GPU.md`` has the calls). ``--steps 2`` (1 measured step) still needs ~685 s.
+
 Models: ``7b`` / ``32b`` / ``72b`` (random Qwen2.5-shaped weights written on the spot, ``benchmarks/rollout.py``)
 or the path of a local HF checkpoint. ``72b`` is for NVFP4 variants only (written directly in NVFP4, 44.5 GB;
 its BF16 checkpoint would be 145 GB) and one GPU with every memory setting on: micro-batch 1, gradient
@@ -42,6 +63,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,23 +78,43 @@ REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 
 from memory_table import MODELS as SHAPES  # noqa: E402 - rollout.py's 7b/32b + the Qwen2.5-72B shape
-from rollout import device_name, versions, write_random_checkpoint  # noqa: E402
+from rollout import BenchError, device_name, tokenizer_identity, versions, write_random_checkpoint  # noqa: E402
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402 - rollout put REPO on sys.path
 from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
+from verl_qerl.vllm import decode_stats  # noqa: E402
 
 #: variant -> the hydra group option of ``+qerl=`` (verl_qerl/verl/hydra/qerl/*.yaml)
 VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "nf4"}
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 STEP_RATIO_TARGET = 0.75  # issue 8: QeRL step time <= 0.75x BF16 LoRA's
 SCALING_TARGET = 1.6      # issue 9: N-GPU throughput >= 1.6x of 1 GPU (N=2)
+#: the paper's learning rates (QeRL Table 4 and its released scripts): 1e-5 for the 4-bit variants, 5e-6 for BF16
+#: LoRA (which "collapses" above 5e-6); ``--lr paper`` gives each variant its own
+PAPER_LR = {"qerl": 1e-5, "nvfp4": 1e-5, "qlora": 1e-5, "lora": 5e-6}
+#: the random checkpoints' real tokenizer for --preset reasoning (git-ignored; carried to the GPU machine)
+DEFAULT_TOKENIZER = REPO / ".tokenizers" / "qwen2.5"
+TOKENIZER_COMMAND = f"qerl-pretrained qwen2.5-coder-0.5b --tokenizer-only --out {DEFAULT_TOKENIZER}"
+#: the run settings that --preset sets (explicit flags win); everything else keeps its own default
+GENERIC = dict(steps=4, batch=16, n=8, prompt_length=128, response_length=512, micro_batch=8, lora_rank=32, lr=1e-5,
+               gpu_memory_utilization=0.3, timeout=900.0, ignore_eos=False, tokenizer=None)
+PRESETS = {
+    # Reasoning RL (module docstring): 32 prompts x 8 = 256 sequences of exactly 2048 tokens, real vocabulary
+    "reasoning": dict(steps=3, batch=32, n=8, prompt_length=128, response_length=2048, micro_batch=4, lora_rank=32,
+                      lr="paper", gpu_memory_utilization=0.5, timeout=1500.0, ignore_eos=True,
+                      tokenizer=str(DEFAULT_TOKENIZER)),
+}
+#: issue 20's targets for --preset reasoning, QeRL / BF16 LoRA per phase: step, generation, and no training phase
+#: slower than 1.05x
+PRESET_TARGETS = {"reasoning": {"step": 0.80, "gen": 0.70, "old_log_prob": 1.05, "update_actor": 1.05}}
 #: settings a --baseline must share with this invocation for its rows to be comparable
 BASELINE_SETTINGS = ("model", "batch", "n", "prompt_length", "response_length", "micro_batch", "lora_rank", "lr",
                      "steps", "seed", "tp", "gpu_memory_utilization", "gradient_checkpointing", "enforce_eager",
-                     "data", "reward", "tiny", "replay_poll_s")
+                     "data", "reward", "tiny", "replay_poll_s", "preset", "ignore_eos", "tokenizer_id")
 #: what a setting missing from an older results JSON meant: files written before ``qerl.replay_poll_s`` existed
-#: ran under verl's own 2 s rollout polling
-BASELINE_DEFAULTS = {"replay_poll_s": 2.0}
+#: ran under verl's own 2 s rollout polling; before --preset / --ignore-eos / --tokenizer, runs had none of them
+#: (``tokenizer_id`` None = the checkpoint's own tokenizer: the tiny 512-id one of the random checkpoints)
+BASELINE_DEFAULTS = {"replay_poll_s": 2.0, "preset": None, "ignore_eos": False, "tokenizer_id": None}
 
 
 class StepBenchError(RuntimeError):
@@ -103,8 +145,11 @@ def build_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
             raise StepBenchError(f"--model 72b --variants {args.variants}: NVFP4 variants only (qerl, nvfp4); a "
                                  "BF16 72B checkpoint is 145 GB, more than the GPU machine's disk")
         # the layout of benchmarks/rollout.py (<dir>/<model>/<fmt>): one random checkpoint serves both scripts
-        model = write_random_checkpoint(Path(args.ckpt_dir) / args.model / fmt, SHAPES[args.model], fmt,
-                                        seed=args.seed)
+        try:
+            model = write_random_checkpoint(Path(args.ckpt_dir) / args.model / fmt, SHAPES[args.model], fmt,
+                                            seed=args.seed, tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+        except BenchError as exc:
+            raise StepBenchError(str(exc)) from exc
     else:
         model = Path(args.model)
         if not (model / "config.json").is_file():
@@ -126,7 +171,7 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
     ov = grpo_overrides(
         qerl=VARIANTS[variant], model=model, train_files=train, val_files=val, train_batch_size=args.batch,
         max_prompt_length=args.prompt_length, max_response_length=args.response_length, n=args.n,
-        lora_rank=args.lora_rank, lora_alpha=args.lora_rank, lr=args.lr, mini_batch_size=args.batch,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_rank, lr=lr_for(args, variant), mini_batch_size=args.batch,
         micro_batch_size=args.micro_batch, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
         steps=args.steps, gpus=gpus, tp=args.tp, shuffle=False,
         max_model_len=args.prompt_length + args.response_length + 8,
@@ -136,6 +181,8 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
         "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.project_name=qerl-grpo-step",
         f"trainer.experiment_name={variant}-{gpus}gpu",
     ]
+    if args.ignore_eos:  # every response runs its full length: a fixed-length reasoning trace
+        ov.append("actor_rollout_ref.rollout.ignore_eos=True")
     if VARIANTS[variant] == "nvfp4":  # the AQN variant: the fewest stages AQN allows (needs >= 3 steps)
         ov.append("qerl.aqn.num_stages=3")
     if args.reward:
@@ -148,6 +195,11 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
     if args.enforce_eager and not args.tiny:
         ov.append("actor_rollout_ref.rollout.enforce_eager=True")
     return ov + list(args.extra)
+
+
+def lr_for(args: argparse.Namespace, variant: str) -> float:
+    """The actor learning rate of ``variant``: ``--lr`` as given, or the paper's for that variant (``--lr paper``)."""
+    return PAPER_LR[variant] if args.lr == "paper" else float(args.lr)
 
 
 def _has_flash_attn() -> bool:
@@ -218,6 +270,40 @@ def base_bytes_held(log_text: str) -> list[int]:
     return [int(m.group(1)) for m in _BASE_BYTES_LINE.finditer(log_text)]
 
 
+#: vLLM 0.24's start-up lines on its KV cache (vllm/v1/core/kv_cache_utils.py, ``get_kv_cache_configs``:
+#: ``"GPU KV cache size: %s tokens"`` with ``f"{num_tokens:,}"``, ``"Maximum concurrency for %s tokens per request:
+#: %.2fx"`` with ``f"{max_model_len:,}"``), one pair per engine
+_KV_TOKENS_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # later vLLMs: "<device> KV cache size: ..."
+_CONCURRENCY_LINE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+
+def kv_cache_report(log_text: str) -> dict:
+    """What vLLM reported at start-up about its KV cache: ``kv_cache_tokens`` (the pool's capacity in tokens) and
+    ``max_concurrency`` (how many requests of ``max_model_len`` tokens fit at once), per engine in log order
+    (lists; one engine per GPU replica); empty lists when the log has no such lines."""
+    tokens = [int(m.group(1).replace(",", "")) for m in _KV_TOKENS_LINE.finditer(log_text)]
+    conc = [(int(m.group(1).replace(",", "")), float(m.group(2))) for m in _CONCURRENCY_LINE.finditer(log_text)]
+    return {"kv_cache_tokens": tokens, "max_concurrency": [c for _, c in conc],
+            "max_concurrency_len": [n for n, _ in conc]}
+
+
+def decode_histogram(stats_dir: Path, steps_logged: int, skip: int = 1) -> dict | None:
+    """The rollouts' decode-batch histogram from the per-step records of :mod:`verl_qerl.vllm.decode_stats`: one
+    rollout per GRPO step, the first ``skip`` (warm-up) left out of ``measured`` as in :func:`summarize_run`;
+    ``per_rollout`` keeps every rollout. None when nothing was recorded."""
+    rollouts = [decode_stats.summarize_rollout(r) for r in decode_stats.split_rollouts(
+        decode_stats.read_records(stats_dir))]
+    if not rollouts:
+        return None
+    use = rollouts[skip:] if len(rollouts) > skip else rollouts
+    out = {"measured": decode_stats.merge_histograms(use), "per_rollout": rollouts,
+           "buckets": decode_stats.bucket_table(decode_stats.merge_histograms(use))}
+    if len(rollouts) != steps_logged:
+        out["note"] = (f"{len(rollouts)} rollouts recorded for {steps_logged} GRPO steps logged: the pairing of "
+                       "rollouts with steps is uncertain")
+    return out
+
+
 def summarize_run(steps: list[dict], gpus: int, skip: int = 1) -> dict:
     """Means over steps after the first ``skip`` (warm-up) of the phase times, tokens/s and curves."""
     use = steps[skip:] if len(steps) > skip else steps
@@ -249,11 +335,13 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics, log = run_dir / "metrics.jsonl", run_dir / "main_ppo.log"
     metrics.unlink(missing_ok=True)
+    stats_dir = run_dir / "decode-steps"
+    shutil.rmtree(stats_dir, ignore_errors=True)
     model, train, val = inputs
     ov = main_ppo_overrides(args, variant, gpus, model, train, val)
     env = dict(os.environ)
     env.update({"VERL_FILE_LOGGER_PATH": str(metrics), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
+                "TOKENIZERS_PARALLELISM": "false", decode_stats.ENV: str(stats_dir),
                 # Ray's unix socket paths must stay under 107 bytes: a short folder per run
                 "RAY_TMPDIR": f"/tmp/rq-{os.getpid()}-{name[:12]}"})
     if args.tiny:
@@ -280,11 +368,23 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
            "overrides": ov, "log": str(log)}
     if mem.peak:
         row["gpu_peak_used_gb_max"] = max(mem.peak.values()) / 1024
-    held = base_bytes_held(log.read_text(errors="replace"))
+    log_text = log.read_text(errors="replace")
+    held = base_bytes_held(log_text)
     if held:
         row["actor_base_gb_per_rank"] = max(held) / 1e9
+    row.update(kv_cache_report(log_text))
+    if not row["kv_cache_tokens"]:  # vLLM's log did not reach main_ppo's: the engines' own record
+        engines = decode_stats.engine_kv(decode_stats.read_records(stats_dir))
+        if engines:
+            row.update(kv_cache_tokens=[e["kv_cache_tokens"] for e in engines],
+                       max_concurrency=[round(e["max_concurrency"], 2) for e in engines],
+                       max_concurrency_len=[e["max_model_len"] for e in engines],
+                       kv_cache_source="stat logger: num_gpu_blocks x block_size")
     if steps:
         row.update(summarize_run(steps, gpus))
+    hist = decode_histogram(stats_dir, len(steps))
+    if hist:
+        row["decode_batches"] = hist
     if rc != 0 or not steps:
         tail = log.read_text(errors="replace").splitlines()[-30:]
         row["error"] = f"rc={rc}, {len(steps)} steps logged"
@@ -292,7 +392,8 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
     else:
         print(f"[grpo_step] {name}: {len(steps)} steps, step {row['step_s']:.2f} s (gen {row['gen_s']:.2f}, "
               f"old_log_prob {row['old_log_prob_s'] or 0:.2f}, update {row['update_actor_s']:.2f}), "
-              f"{row['tokens_per_s'] or 0:.0f} tok/s, wall {wall:.0f} s", flush=True)
+              f"{row['tokens_per_s'] or 0:.0f} tok/s, wall {wall:.0f} s; vLLM KV cache {row['kv_cache_tokens']} "
+              f"tokens, max concurrency {row['max_concurrency']}", flush=True)
     return row
 
 
@@ -361,11 +462,14 @@ def paired_z(x: list[float | None], y: list[float | None]) -> tuple[float | None
     return mean / (sd / len(d) ** 0.5), info
 
 
-def compare(rows: list[dict], mode: str, concurrent: bool = False) -> tuple[dict, list[dict]]:
+def compare(rows: list[dict], mode: str, concurrent: bool = False,
+            phase_targets: dict[str, float] | None = None) -> tuple[dict, list[dict]]:
     """Ratios and the ``targets`` entries for ``mode`` ('variants' or 'gpus').
 
     ``concurrent`` (mode 'gpus'): the runs shared GPU 0, so their times are not comparable and no time target is set
-    (the learning-parity targets of mode 'gpus' still are)."""
+    (the learning-parity targets of mode 'gpus' still are). ``phase_targets`` (mode 'variants'): {phase: limit} of
+    the first variant's time over the second's per phase (a preset's, :data:`PRESET_TARGETS`), instead of issue 8's
+    step-only target."""
     ok = [r for r in rows if "error" not in r]
     ratios: dict = {}
     targets: list[dict] = []
@@ -374,8 +478,12 @@ def compare(rows: list[dict], mode: str, concurrent: bool = False) -> tuple[dict
         tag = f"{a['variant']}/{b['variant']}"
         for p in PHASES:
             ratios[f"{p}_time_ratio[{tag}]"] = _ratio(a.get(f"{p}_s"), b.get(f"{p}_s"))
-        targets.append({"name": f"grpo_step_time_ratio[{tag}]", "measured": ratios[f"step_time_ratio[{tag}]"],
-                        "op": "<=", "target": STEP_RATIO_TARGET})
+        for key in ("kv_cache_tokens", "max_concurrency"):  # first engine of each (one per GPU)
+            ratios[f"{key}_ratio[{tag}]"] = _ratio((a.get(key) or [None])[0], (b.get(key) or [None])[0])
+        for phase, limit in (phase_targets or {"step": STEP_RATIO_TARGET}).items():
+            name = "grpo_step_time_ratio" if phase == "step" else f"{phase}_time_ratio"
+            targets.append({"name": f"{name}[{tag}]", "measured": ratios[f"{phase}_time_ratio[{tag}]"], "op": "<=",
+                            "target": limit})
     if mode == "gpus" and len(ok) >= 2:
         one, many = ok[0], ok[1]
         n = many["gpus"]
@@ -419,14 +527,63 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kv_table(rows: list[dict]) -> str:
+    """Per run: what vLLM reported about its KV cache, and the decode batches of the measured rollouts."""
+    lines = ["| run | vLLM KV cache, tokens | max concurrency (x max_model_len) | decode steps | prefill steps | "
+             "preemptions | peak KV usage |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        h = (r.get("decode_batches") or {}).get("measured") or {}
+        kv = ", ".join(f"{t:,}" for t in r.get("kv_cache_tokens") or []) or "-"
+        conc = ", ".join(f"{c:.2f}" for c in r.get("max_concurrency") or []) or "-"
+        usage = f"{h['kv_usage_max']:.2f}" if h.get("kv_usage_max") is not None else "-"
+        lines.append(f"| {r['variant']}-{r['gpus']}gpu | {kv} | {conc} | {h.get('decode_steps', '-')} | "
+                     f"{h.get('prefill_steps', '-')} | {h.get('preemptions', '-')} | {usage} |")
+    return "\n".join(lines)
+
+
+def histogram_table(rows: list[dict]) -> str:
+    """The decode-batch (M) histogram of the measured rollouts, side by side: steps, seconds and ms per step in each
+    M range of :data:`verl_qerl.vllm.decode_stats.BUCKETS`."""
+    runs = [r for r in rows if (r.get("decode_batches") or {}).get("buckets")]
+    if not runs:
+        return "(no decode-batch records)"
+    head = "| M (sequences in the step) | " + " | ".join(
+        f"{r['variant']} steps | {r['variant']} s | {r['variant']} ms/step" for r in runs) + " |"
+    lines = [head, "|---|" + "---:|" * (3 * len(runs))]
+    labels = [f"{lo}" if lo == hi else (f">= {lo}" if hi >= 1 << 30 else f"{lo}-{hi}")
+              for lo, hi in decode_stats.BUCKETS]
+    for label in labels:
+        cells = []
+        for r in runs:
+            b = next((x for x in r["decode_batches"]["buckets"] if x["m"] == label), None)
+            cells.append(f"{b['decode_steps']} | {b['seconds']:.2f} | {b['ms_per_step']:.2f}" if b else "- | - | -")
+        if any(c != "- | - | -" for c in cells):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------
 # Main
 # ------------------------------------------------------------------------------------------------
 
 
+def _lr_arg(value: str) -> float | str:
+    if value == "paper":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number or 'paper'") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = GENERIC
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a workload: 'reasoning' = 32 prompts x 8 responses of exactly 2048 tokens over Qwen2.5's "
+                   "vocabulary, the paper's LoRA rank and learning rates, --steps 3 (module docstring); explicit "
+                   "flags override its values")
     p.add_argument("--model", default="7b", help="7b | 32b | 72b (random weights) | a local HF checkpoint folder")
     p.add_argument("--variants", default="qerl,lora", help=f"comma list of {','.join(VARIANTS)} (first = numerator)")
     p.add_argument("--compare", choices=("variants", "gpus"), default="variants")
@@ -434,18 +591,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent", action="store_true",
                    help="run at once: the variants one GPU each; with --compare gpus the 1-GPU run shares GPU 0 "
                         "with the N-GPU run (learning parity only: no time target)")
-    p.add_argument("--steps", type=int, default=4, help="GRPO steps per run (the first is dropped from means)")
-    p.add_argument("--batch", type=int, default=16, help="prompts per step (data.train_batch_size)")
-    p.add_argument("--n", type=int, default=8, help="responses per prompt")
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--response-length", type=int, default=512)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--lora-rank", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"GRPO steps per run (the first is dropped from means; default {g['steps']})")
+    p.add_argument("--batch", type=int, default=None, help=f"prompts per step (data.train_batch_size; {g['batch']})")
+    p.add_argument("--n", type=int, default=None, help=f"responses per prompt ({g['n']})")
+    p.add_argument("--prompt-length", type=int, default=None, help=f"({g['prompt_length']})")
+    p.add_argument("--response-length", type=int, default=None, help=f"({g['response_length']})")
+    p.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="every response runs --response-length tokens (vLLM ignore_eos)")
+    p.add_argument("--micro-batch", type=int, default=None, help=f"({g['micro_batch']})")
+    p.add_argument("--lora-rank", type=int, default=None, help=f"({g['lora_rank']})")
+    p.add_argument("--lr", type=_lr_arg, default=None,
+                   help=f"actor learning rate, or 'paper' for each variant's of the QeRL paper {PAPER_LR} "
+                   f"({g['lr']})")
     p.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size (1 = one replica per GPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help=f"({g['gpu_memory_utilization']})")
     p.add_argument("--gradient-checkpointing", default="True")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (faster start)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer folder for the random 7b/32b/72b checkpoints (default: a tiny 512-id BPE, "
+                   f"with which verl lets the model sample only 512 ids; --preset reasoning: {DEFAULT_TOKENIZER}, "
+                   f"written by `{TOKENIZER_COMMAND}`)")
     p.add_argument("--data", default=None, help="folder with train.parquet/test.parquet (default: generated "
                    "GSM8K-format problems, verl_qerl.testing.data)")
     p.add_argument("--reward", default=None, help="a reward .py with compute_score (default: verl's GSM8K scorer)")
@@ -453,7 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replay-poll-s", type=float, default=0.1,
                    help="qerl.replay_poll_s: seconds between the trainer's checks for finished rollouts (2.0 = "
                         "verl's own polling, as in results written before this option)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    p.add_argument("--timeout", type=float, default=None, help=f"seconds per run ({g['timeout']:.0f})")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="add targets: each run logs >= 1 step with its GPUs' nvidia-smi peak <= this (32B: 80)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, verl-qerl's CPU platform")
@@ -467,6 +633,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "not run again (repeatable)")
     p.add_argument("extra", nargs="*", help="more hydra overrides for every run")
     args = p.parse_args(argv)
+    preset = PRESETS.get(args.preset, {})
+    for key, default in GENERIC.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
@@ -474,18 +644,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch {args.batch} x --n {args.n} must be a multiple of --micro-batch {args.micro_batch}")
     if not 0 < args.replay_poll_s <= 10:
         p.error(f"--replay-poll-s {args.replay_poll_s}: must be seconds in (0, 10]")
+    if args.tokenizer and (args.tiny or args.model not in SHAPES):
+        p.error(f"--tokenizer is for the random {'/'.join(SHAPES)} checkpoints; --tiny and a local --model "
+                "folder bring their own tokenizer")
+    args.tokenizer_id = None  # what --baseline compares: the tokenizer's content, not its path
+    if args.tokenizer:
+        try:
+            args.tokenizer_id = tokenizer_identity(Path(args.tokenizer))
+        except BenchError as exc:
+            p.error(f"--tokenizer: {exc}")
     return args
+
+
+def plan_runs(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The (variant, GPUs) runs of the comparison, in the order that makes the first the numerator."""
+    variants = args.variants.split(",")
+    return [(variants[0], 1), (variants[0], args.gpus)] if args.compare == "gpus" else [(v, 1) for v in variants]
+
+
+def execute(args: argparse.Namespace, todo: list[tuple[str, int]], inputs: tuple[Path, Path, Path] | None,
+            work: Path) -> dict[tuple[str, int], dict]:
+    """Run the runs not taken from a baseline: one after another on GPU 0 (N-GPU runs on 0..N-1), or with
+    ``--concurrent`` at once, each 1-GPU run on its own GPU."""
+    concurrent = args.concurrent
+    plan = [(v, g, list(range(g)) if g > 1 else [i if concurrent else 0]) for i, (v, g) in enumerate(todo)]
+    if concurrent and plan:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(plan)) as pool:
+            ran = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
+    else:
+        ran = [run_one(args, *job, inputs, work) for job in plan]
+    return dict(zip(todo, ran, strict=True))
+
+
+def build_result(args: argparse.Namespace, argv: list[str] | None, device: str, rows: list[dict],
+                 concurrent_gpus: bool) -> dict:
+    """The results JSON: settings, rows, ratios and targets (a preset's per-phase targets in mode 'variants')."""
+    ratios, targets = compare(rows, args.compare, concurrent=concurrent_gpus,
+                              phase_targets=PRESET_TARGETS.get(args.preset))
+    if args.memory_limit_gb:
+        targets += memory_targets(rows, args.memory_limit_gb)
+    return {
+        "benchmark": "grpo_step", "compare": args.compare, "device": device, "versions": versions(),
+        "command": "python " + " ".join([str(Path(sys.argv[0]))] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "model": "tiny" if args.tiny else args.model, "settings": {k: v for k, v in vars(args).items() if k != "extra"},
+        "lr_per_variant": {v: lr_for(args, v) for v in args.variants.split(",")},
+        "rows": rows, "ratios": ratios, "targets": targets, "baselines": list(args.baseline),
+    }
+
+
+def write_result(args: argparse.Namespace, result: dict, out: Path) -> Path:
+    """``grpo_step-<tag>-<device>.json`` in ``out``."""
+    model_tag = "tiny" if args.tiny else (args.model if args.model in SHAPES else Path(args.model).name)
+    tag = args.tag or f"{model_tag}-{args.preset + '-' if args.preset else ''}{args.compare}"
+    dev = result["device"].lower().replace(" ", "-").split("(")[0].strip("-")
+    path = out / f"grpo_step-{tag}-{dev}.json"
+    path.write_text(json.dumps(result, indent=2, default=str))
+    return path
+
+
+def report(result: dict) -> None:
+    """The tables, ratios and targets on stdout."""
+    rows = result["rows"]
+    print(table(rows))
+    print(kv_table(rows))
+    print(histogram_table(rows))
+    for k, v in result["ratios"].items():
+        print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
+    for t in result["targets"]:
+        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    variants = args.variants.split(",")
     work = Path(args.work_dir)
     out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     device = "cpu (tiny smoke test)" if args.tiny else device_name()
-    wanted = [(variants[0], 1), (variants[0], args.gpus)] if args.compare == "gpus" else [(v, 1) for v in variants]
+    wanted = plan_runs(args)
     try:
         reused = load_baselines(args.baseline, args, device)
         todo = [job for job in wanted if job not in reused]
@@ -498,37 +737,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[grpo_step] {v}-{g}gpu: from baseline {reused[(v, g)]['from_baseline']}", flush=True)
     if inputs:
         print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
-    concurrent = args.concurrent
-    plan = [(v, g, list(range(g)) if g > 1 else [i if concurrent else 0]) for i, (v, g) in enumerate(todo)]
-    if concurrent and plan:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(plan)) as pool:
-            ran = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
-    else:
-        ran = [run_one(args, *job, inputs, work) for job in plan]
-    done = dict(zip(todo, ran, strict=True))
+    done = execute(args, todo, inputs, work)
     rows = [reused[job] if job in reused else done[job] for job in wanted]  # --variants order: first = numerator
-    ratios, targets = compare(rows, args.compare, concurrent=args.compare == "gpus" and concurrent and len(todo) > 1)
-    if args.memory_limit_gb:
-        targets += memory_targets(rows, args.memory_limit_gb)
-    result = {
-        "benchmark": "grpo_step", "compare": args.compare, "device": device, "versions": versions(),
-        "command": "python " + " ".join([str(Path(sys.argv[0]))] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "model": "tiny" if args.tiny else args.model, "settings": {k: v for k, v in vars(args).items() if k != "extra"},
-        "rows": rows, "ratios": ratios, "targets": targets, "baselines": list(args.baseline),
-    }
-    model_tag = "tiny" if args.tiny else (args.model if args.model in SHAPES else Path(args.model).name)
-    tag = args.tag or f"{model_tag}-{args.compare}"
-    dev = device.lower().replace(" ", "-").split("(")[0].strip("-")
-    path = out / f"grpo_step-{tag}-{dev}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
-    print(table(rows))
-    for k, v in ratios.items():
-        print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
-    for t in targets:
-        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}")
+    result = build_result(args, argv, device, rows,
+                          concurrent_gpus=args.compare == "gpus" and args.concurrent and len(todo) > 1)
+    path = write_result(args, result, out)
+    report(result)
     print(f"[grpo_step] wrote {path} ({time.perf_counter() - t0:.0f} s)")
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -197,20 +197,64 @@ def check_disk(folder: Path, needed: int, what: str) -> None:
                          f"(+5%), {free / 1e9:.1f} GB free; use --work-dir elsewhere, or --bf16-checkpoint never")
 
 
+#: what a random checkpoint written without ``tokenizer`` gets (and what every checkpoint written before the
+#: marker recorded its tokenizer got): the tiny byte-level BPE of ``verl_qerl.testing.tiny.build_tokenizer``
+TINY_TOKENIZER = "tiny-bpe-512"
+
+
+def tokenizer_identity(tokenizer: Path | None) -> str:
+    """A checkpoint's tokenizer as its ``DONE`` marker records it: :data:`TINY_TOKENIZER`, or the SHA-256 of the
+    folder's ``tokenizer.json`` (a path would differ between machines; the content does not)."""
+    if tokenizer is None:
+        return TINY_TOKENIZER
+    import hashlib
+
+    file = Path(tokenizer) / "tokenizer.json"
+    if not file.is_file():
+        raise BenchError(f"tokenizer folder {tokenizer}: no tokenizer.json (write one with `qerl-pretrained "
+                         f"qwen2.5-coder-0.5b --tokenizer-only --out {tokenizer}`)")
+    return "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def load_tokenizer(tokenizer: Path | None, vocab_size: int):
+    """The checkpoint's tokenizer: the tiny 512-id BPE when ``tokenizer`` is None, else the folder's; refused when
+    it has more ids than the model's ``vocab_size`` (the model could not embed them)."""
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    if tokenizer is None:
+        return build_tokenizer(512)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    if len(tok) > vocab_size:
+        raise BenchError(f"tokenizer {tokenizer} has {len(tok)} ids, more than the model's vocab_size {vocab_size}")
+    return tok
+
+
 def write_random_checkpoint(folder: Path, shape: dict, fmt: str, *, seed: int = 0, device: str | None = None,
-                            show_progress: bool = True) -> Path:
-    """Write a random Qwen2 checkpoint (``fmt`` 'bf16' or 'nvfp4') shard by shard; returns ``folder``."""
+                            show_progress: bool = True, tokenizer: Path | None = None) -> Path:
+    """Write a random Qwen2 checkpoint (``fmt`` 'bf16' or 'nvfp4') shard by shard; returns ``folder``.
+
+    ``tokenizer``: a tokenizer folder (e.g. Qwen2.5's, ``qerl-pretrained ... --tokenizer-only``) saved into the
+    checkpoint, its EOS / pad ids in ``config.json``; default the tiny 512-id BPE. Which one matters to a rollout:
+    verl masks every logit at or above ``len(tokenizer)``, so the tiny one lets the model sample only 512 ids.
+    A complete folder is reused when its marker names the same tokenizer, otherwise written again.
+    """
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     from verl_qerl.nvfp4 import fused_global_scale, quantize
     from verl_qerl.nvfp4.checkpoint import ct_quantization_config, ct_tensors
-    from verl_qerl.testing.tiny import build_tokenizer
 
+    want = tokenizer_identity(tokenizer)
     if (folder / DONE).is_file():
-        print(f"[rollout] reusing {folder}", flush=True)
-        return folder
+        done = json.loads((folder / DONE).read_text())
+        have = done.get("tokenizer", TINY_TOKENIZER)
+        if have == want:
+            print(f"[rollout] reusing {folder}", flush=True)
+            return folder
+        print(f"[rollout] {folder} was written with tokenizer {have}, {want} asked: writing it again", flush=True)
     if folder.exists():
         shutil.rmtree(folder)
     check_disk(folder.parent, checkpoint_bytes(shape, fmt), f"the {fmt} checkpoint")
@@ -218,7 +262,7 @@ def write_random_checkpoint(folder: Path, shape: dict, fmt: str, *, seed: int = 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tok = build_tokenizer(512)
+    tok = load_tokenizer(tokenizer, shape["vocab_size"])
     tok.save_pretrained(tmp)
     config = qwen2_config(shape, tok.eos_token_id, tok.pad_token_id)
     if fmt == "nvfp4":
@@ -255,7 +299,8 @@ def write_random_checkpoint(folder: Path, shape: dict, fmt: str, *, seed: int = 
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / DONE).write_text(json.dumps({"fmt": fmt, "seed": seed, "bytes": total}))
+    (tmp / DONE).write_text(json.dumps({"fmt": fmt, "seed": seed, "bytes": total, "tokenizer": want,
+                                        "tokenizer_len": len(tok)}))
     tmp.rename(folder)
     return folder
 

@@ -233,7 +233,7 @@ def test_the_polling_interval_reaches_main_ppo(tmp_path):
 
 def test_72b_preset_writes_an_nvfp4_checkpoint_of_the_qwen25_72b_shape(monkeypatch, tmp_path):
     written = []
-    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed: written.append(
+    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed, tokenizer: written.append(
         (folder, shape, fmt)) or folder)
     args = gs.parse_args(["--model", "72b", "--variants", "qerl", "--micro-batch", "1", "--ckpt-dir", str(tmp_path)])
     model, _, _ = gs.build_inputs(args, tmp_path / "work")
@@ -253,3 +253,166 @@ def test_per_rank_base_bytes_are_read_from_the_actor_log():
            "(gathered per layer); this rank holds 1836000512 of 3672000000 base bytes\n")
     assert gs.base_bytes_held(log) == [1836000000, 1836000512]
     assert gs.base_bytes_held("no sharding here") == []
+
+
+# --preset reasoning (issue 20)
+
+def _tok_dir(tmp_path: Path) -> Path:
+    """A tokenizer folder the preset accepts (the tiny BPE saved: only tokenizer.json's content matters here)."""
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    d = tmp_path / "tok"
+    if not (d / "tokenizer.json").is_file():
+        build_tokenizer(512).save_pretrained(d)
+    return d
+
+
+@pytest.mark.parametrize("variant", ["qerl", "lora"])
+def test_reasoning_preset_composes_in_verls_config(variant, tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from verl_qerl.verl.config import apply_qerl
+
+    args = gs.parse_args(["--preset", "reasoning", "--variants", variant, "--tokenizer", str(_tok_dir(tmp_path))])
+    ov = gs.main_ppo_overrides(args, variant, 1, tmp_path / "m", tmp_path / "t.parquet", tmp_path / "v.parquet")
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=ov)
+    r, a = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    assert cfg.data.train_batch_size * r.n == 256 and cfg.data.max_response_length == 2048 and r.ignore_eos
+    assert r.temperature == 1.0 and r.gpu_memory_utilization == 0.5 and r.max_model_len == 128 + 2048 + 8
+    assert cfg.actor_rollout_ref.model.lora_rank == 32 and a.ppo_mini_batch_size == 32
+    assert a.optim.lr == {"qerl": 1e-5, "lora": 5e-6}[variant]  # the paper's, per variant
+    assert cfg.trainer.total_training_steps == 3 and a.ppo_micro_batch_size_per_gpu == 4
+    apply_qerl(cfg)
+
+
+def test_preset_values_yield_to_explicit_flags_and_generic_defaults_stay(tmp_path):
+    args = gs.parse_args(["--preset", "reasoning", "--steps", "2", "--lr", "3e-5", "--tokenizer",
+                          str(_tok_dir(tmp_path))])
+    assert (args.steps, args.lr, args.batch, args.response_length) == (2, 3e-5, 32, 2048)
+    assert gs.lr_for(args, "lora") == 3e-5
+    plain = gs.parse_args([])
+    assert {k: getattr(plain, k) for k in gs.GENERIC} == gs.GENERIC and plain.preset is None
+    assert plain.tokenizer_id is None  # the random checkpoints' own (tiny) tokenizer, as before the preset
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--lr", "fast"])
+
+
+def test_preset_without_its_tokenizer_names_the_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(gs.PRESETS["reasoning"], "tokenizer", str(tmp_path / "absent"))
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--preset", "reasoning"])
+    err = capsys.readouterr().err
+    assert "--tokenizer" in err and "absent" in err and "qerl-pretrained qwen2.5-coder-0.5b --tokenizer-only" in err
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--tiny", "--tokenizer", str(_tok_dir(tmp_path))])
+    assert "--tokenizer is for the random" in capsys.readouterr().err
+
+
+def test_preset_checkpoint_gets_the_tokenizer(monkeypatch, tmp_path):
+    written = []
+    monkeypatch.setattr(gs, "write_random_checkpoint", lambda folder, shape, fmt, seed, tokenizer: written.append(
+        (folder, fmt, tokenizer)) or folder)
+    tok = _tok_dir(tmp_path)
+    args = gs.parse_args(["--preset", "reasoning", "--variants", "lora", "--tokenizer", str(tok), "--ckpt-dir",
+                          str(tmp_path / "ck")])
+    gs.build_inputs(args, tmp_path / "work")
+    assert written == [(tmp_path / "ck" / "7b" / "bf16", "bf16", tok)]
+
+
+# vLLM 0.24.0's own format strings (vllm/v1/core/kv_cache_utils.py, get_kv_cache_configs, lines 2146-2151):
+#   logger.info_once("GPU KV cache size: %s tokens", f"{num_tokens:,}")
+#   logger.info_once("Maximum concurrency for %s tokens per request: %.2fx", f"{max_model_len:,}", max_concurrency)
+VLLM_KV_FORMAT = "GPU KV cache size: %s tokens"
+VLLM_CONCURRENCY_FORMAT = "Maximum concurrency for %s tokens per request: %.2fx"
+
+
+def test_kv_cache_lines_are_read_in_vllms_own_wording():
+    prefix = "(vLLMHttpServer pid=4242) (EngineCore_DP0 pid=4300) INFO 11-24 03:12:44 [kv_cache_utils.py:2146] "
+    log = "\n".join([
+        "noise", prefix + VLLM_KV_FORMAT % f"{1_234_567:,}",
+        prefix + VLLM_CONCURRENCY_FORMAT % (f"{2184:,}", 565.2649),
+        prefix + VLLM_KV_FORMAT % f"{988:,}", prefix + VLLM_CONCURRENCY_FORMAT % (f"{96:,}", 10.29),
+    ])
+    assert gs.kv_cache_report(log) == {"kv_cache_tokens": [1234567, 988], "max_concurrency": [565.26, 10.29],
+                                       "max_concurrency_len": [2184, 96]}
+    assert gs.kv_cache_report("no engine here") == {"kv_cache_tokens": [], "max_concurrency": [],
+                                                    "max_concurrency_len": []}
+
+
+def _write_steps(folder: Path, rollouts: list[list[int]], t0: float = 1000.0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    lines, t = [], t0
+    for ms in rollouts:
+        lines.append({"t": t, "gen": ms[0], "prompt": 70 * ms[0], "run": ms[0], "wait": 0, "pre": 0, "kv": 0.2})
+        for m in ms[1:]:
+            t += 0.02
+            lines.append({"t": t, "gen": m, "prompt": 0, "run": m, "wait": 0, "pre": 0, "kv": 0.3})
+        t += 0.02
+        lines.append({"t": t, "event": "sleep", "level": 1})
+        t += 100.0  # training
+    (folder / "steps-1-0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_decode_histogram_leaves_the_warmup_rollout_out(tmp_path):
+    _write_steps(tmp_path / "d", [[256, 256, 9], [256] * 4 + [128] * 2, [256] * 3 + [1]])
+    h = gs.decode_histogram(tmp_path / "d", steps_logged=3)
+    assert [r["decode_steps_by_m"] for r in h["per_rollout"]] == [{9: 1, 256: 1}, {128: 2, 256: 3},
+                                                                 {1: 1, 256: 2}]
+    assert h["measured"]["decode_steps_by_m"] == {1: 1, 128: 2, 256: 5} and h["measured"]["rollouts"] == 2
+    assert [(b["m"], b["decode_steps"]) for b in h["buckets"]] == [("1", 1), ("65-128", 2), ("256", 5)]
+    assert "note" not in h
+    assert "uncertain" in gs.decode_histogram(tmp_path / "d", steps_logged=4)["note"]
+    assert gs.decode_histogram(tmp_path / "none", steps_logged=3) is None
+
+
+def _preset_row(variant: str, step_s: float, gen_s: float, train_s: float) -> dict:
+    steps = [{"training/global_step": i + 1, "timing_s/step": step_s, "timing_s/gen": gen_s,
+              "timing_s/old_log_prob": train_s / 4, "timing_s/update_actor": train_s, "timing_s/update_weights": 1.0,
+              "perf/total_num_tokens": 256 * 2114} for i in range(3)]
+    return {"variant": variant, "qerl": gs.VARIANTS[variant], "gpus": 1, "rc": 0, "kv_cache_tokens": [1000],
+            "max_concurrency": [2.0], **gs.summarize_run(steps, 1)}
+
+
+def test_preset_targets_cover_step_gen_and_training_phases():
+    rows = [_preset_row("qerl", 150.0, 28.0, 100.0), _preset_row("lora", 200.0, 50.0, 96.0)]
+    rows[1]["kv_cache_tokens"], rows[1]["max_concurrency"] = [500], [1.0]
+    ratios, targets = gs.compare(rows, "variants", phase_targets=gs.PRESET_TARGETS["reasoning"])
+    got = {t["name"]: (round(t["measured"], 4), t["op"], t["target"]) for t in targets}
+    assert got == {"grpo_step_time_ratio[qerl/lora]": (0.75, "<=", 0.80),
+                   "gen_time_ratio[qerl/lora]": (0.56, "<=", 0.70),
+                   "old_log_prob_time_ratio[qerl/lora]": (1.0417, "<=", 1.05),
+                   "update_actor_time_ratio[qerl/lora]": (1.0417, "<=", 1.05)}
+    assert [gs.target_status(t) for t in targets] == ["met"] * 4
+    assert ratios["kv_cache_tokens_ratio[qerl/lora]"] == 2.0 and ratios["max_concurrency_ratio[qerl/lora]"] == 2.0
+    rows[0]["update_actor_s"] = 96.0 * 1.06
+    _, targets = gs.compare(rows, "variants", phase_targets=gs.PRESET_TARGETS["reasoning"])
+    assert gs.target_status(next(t for t in targets if t["name"].startswith("update_actor"))) == "MISSED"
+
+
+def test_preset_baseline_merges_one_variant_per_call(fake_runs, tmp_path, monkeypatch):
+    """Call 1 runs BF16 LoRA, call 2 runs QeRL and merges it: preset targets over both rows. A baseline of another
+    preset, tokenizer or of the plain workload is refused."""
+    tok = str(_tok_dir(tmp_path))
+    monkeypatch.setattr(gs, "run_one", lambda args, variant, gpus, gpu_ids, inputs, work: fake_runs.append(
+        (variant, gpus, gpu_ids)) or _preset_row(variant, *((150.0, 28.0, 100.0) if variant == "qerl"
+                                                           else (200.0, 50.0, 96.0))))
+    rc, res1 = _main(tmp_path / "c1", ["--preset", "reasoning", "--variants", "lora", "--tokenizer", tok])
+    assert rc == 0 and fake_runs == [("lora", 1, [0])]
+    base = next((tmp_path / "c1" / "out").glob("grpo_step-7b-reasoning-variants-*.json"))
+    assert res1["settings"]["lr"] == "paper" and res1["lr_per_variant"] == {"lora": 5e-6}
+    rc, res = _main(tmp_path / "c2", ["--preset", "reasoning", "--variants", "qerl,lora", "--tokenizer", tok,
+                                      "--baseline", str(base)])
+    assert rc == 0 and fake_runs == [("lora", 1, [0]), ("qerl", 1, [0])]
+    assert [r["variant"] for r in res["rows"]] == ["qerl", "lora"] and res["rows"][1]["from_baseline"] == str(base)
+    assert {t["name"] for t in res["targets"]} == {"grpo_step_time_ratio[qerl/lora]", "gen_time_ratio[qerl/lora]",
+                                                  "old_log_prob_time_ratio[qerl/lora]",
+                                                  "update_actor_time_ratio[qerl/lora]"}
+    rc, _ = _main(tmp_path / "c3", ["--variants", "qerl,lora", "--baseline", str(base)])
+    assert rc == 2
+    other = tmp_path / "tok2"
+    other.mkdir()
+    (other / "tokenizer.json").write_text("{}")
+    rc, _ = _main(tmp_path / "c4", ["--preset", "reasoning", "--variants", "qerl,lora", "--tokenizer", str(other),
+                                    "--baseline", str(base)])
+    assert rc == 2

