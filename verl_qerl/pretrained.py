@@ -318,8 +318,8 @@ def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
                   build: Callable[[Path, Path], dict], progress: bool) -> Path:
     """Write ``out`` through a staging folder beside it: ``build(gguf_file, stage)`` fills the stage from the
     model's checked GGUF and returns the marker's extra fields; the marker is written last and the stage is
-    swapped into place (:func:`verl_qerl.checkpoint_conversion.replace_dir`) only when complete, so ``out`` never holds a
-    half-written folder. A non-empty ``out`` without a marker is refused unless ``force``."""
+    swapped into place (:func:`verl_qerl.checkpoint_conversion.replace_dir`) only when complete, so ``out`` never
+    holds a half-written folder. A non-empty ``out`` without a marker is refused unless ``force``."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out}: exists and is not a finished {what} of {model.title} "
                               f"(no matching {DONE_MARKER} marker); pass --force to replace it")
