@@ -13,14 +13,18 @@
 //      first NDQ warpgroups dequant: E2M1 -> bf16 and the per-16 scale (decode_raw / scale_two of the repacked
 //                           layout) from a raw ring slot, stored with stmatrix into a bf16 ring slot (256 rows x
 //                           64 K, wgmma's 128-byte-swizzled K-major layout: row n at n * 128 B, 16-byte chunk q at
-//                           (q ^ n % 8) * 16), then fence.proxy.async and an arrive on full_b. Warpgroup 0 also
-//                           loads: after dequantizing stage g it issues the cp.async of stage g + RAW - 1 (packed
-//                           weights 16 KB, scale bytes 2 KB, activations T x 256 B, same 128-byte swizzle) into
-//                           the slot of stage g - 1, with cp.async.mbarrier.arrive on full_raw;
+//                           (q ^ n % 8) * 16), then fence.proxy.async and an arrive on full_b;
 //      last NMMA warpgroups MMA: warpgroup w multiplies tokens 64 w .. 64 w + 63 (A, from the raw slot's
 //                           activations) by the 256 dequantized rows (B): 4 m64n256k16 per 64-K half stage, one
 //                           commit group per half, wait_group 1, then releases the previous half's bf16 slot
-//                           (empty_b) and, after a stage's second half, its raw slot (empty_raw).
+//                           (empty_b) and, after a stage's second half, its raw slot (empty_raw). They also load:
+//                           after the first half of stage g they issue the cp.async of stage g + RAW - 1 (packed
+//                           weights 16 KB, scale bytes 2 KB, activations T x 256 B, same 128-byte swizzle) into
+//                           the slot stage g - 1 used, with cp.async.mbarrier.arrive on full_raw.
+//    Why the MMA warps load and the dequant warps do not: fence.proxy.async compiles to MEMBAR.ALL.CTA, which
+//    waits for the thread's in-flight cp.async, so a dequant warp with loads in flight waits a DRAM latency at
+//    every fence (measured: ~2 us per stage). The MMA warps need no fence: the dequant warps waited for the
+//    activations on full_raw and fence before their full_b arrive, which the MMA warps wait on.
 //    T = 64: NDQ = 2, NMMA = 1; T = 128: NDQ = 1, NMMA = 2 (both MMA warpgroups read the same bf16 tile, so one
 //    decode serves 128 tokens). 384 threads: 168 registers each, enough for the 128 FP32 accumulators of
 //    m64n256 (ptxas allocates one register budget for the whole kernel, setmaxnreg or not, so a fourth warpgroup
@@ -30,8 +34,8 @@
 //    fill and fix-up dominate), one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first /
 //    last tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
-//    Only the MMA warpgroups take part in the fix-up (named barrier 1): the dequant (and loading) warpgroups run on
-//    into the next segment meanwhile. Tiles are ordered n-major (consecutive CTAs share a weight tile at large M,
+//    Only the MMA warpgroups take part in the fix-up (named barrier 1): the dequant warpgroups (and the loads in
+//    flight) run on into the next segment meanwhile. Tiles are ordered n-major (consecutive CTAs share a weight tile at large M,
 //    which L2 then serves once).
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
@@ -106,6 +110,12 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // Barrier of the MMA warpgroups only (named barrier 1).
+// threadIdx.x read afresh (volatile: not kept in a register across the code between uses)
+__device__ __forceinline__ int fresh_tid() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
 __device__ __forceinline__ void mma_sync(int threads) {
   asm volatile("bar.sync 1, %0;\n" ::"r"(threads) : "memory");
 }
@@ -188,7 +198,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < RAW; ++i) {
-      mbar_init(full_raw + 8 * i, 128);                    // warpgroup 0 (cp.async arrivals)
+      mbar_init(full_raw + 8 * i, 128 * NMMA);             // the MMA threads' cp.async arrivals
       mbar_init(empty_raw + 8 * i, 128 * (NDQ + NMMA));    // dequant done reading weights, MMA done with acts
     }
 #pragma unroll
@@ -202,8 +212,9 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
   // warp-uniform role (the shuffle tells the compiler so: the wgmmas must not sit on a possibly divergent path)
   const int role = __shfl_sync(0xffffffffu, tid >> 7, 0);
   if (role < NDQ) {
-    // ================= dequant (raw slot -> bf16 ring, two 64-K halves per stage); warpgroup 0 also loads: after
-    // dequantizing stage g it issues the cp.async of stage g + RAW - 1 into the slot stage g - 1 used
+    // ================= dequant (raw slot -> bf16 ring, two 64-K halves per stage). Its proxy fence after the
+    // stores also covers the slot's activations (cp.async writes it has seen land through full_raw), which the MMA
+    // warpgroups read only after full_b. These warps issue no cp.async: the fence (a MEMBAR) would wait for them.
     constexpr int NDQW = 4 * NDQ;      // dequant warps
     constexpr int BPW = 16 / NDQW;     // n16 blocks per warp per half (16 blocks: 2 tiles x 8)
     const int lane = tid & 31;
@@ -214,54 +225,6 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       lane_off[j] = uint32_t(ri + 8 * (mi & 1)) * 128 + ((uint32_t(2 * j + (mi >> 1)) ^ uint32_t(ri)) << 4);
-
-    // ---- the loader's cursor (warpgroup 0 only): the next stage it issues, as a position in the CTA's range
-    int lu = u_begin;  // unit of the next stage to load
-    int lg = 0;        // stages issued so far (slot lg % RAW, round lg / RAW)
-    // Issues the next stage of the range (if any) into slot lg % RAW, after that slot's previous stage was released.
-    auto load_next = [&]() {
-      if (lu >= u_end) return;
-      const int pt = tid;
-      const int tile = lu / S;
-      const int kk = lu - tile * S;  // k stage
-      const int ntile = tile / m_tiles;
-      const int m0 = (tile - ntile * m_tiles) * T;
-      const bool has_hi = 2 * ntile + 1 < tiles_128;
-      const int slot = lg % RAW;
-      mbar_wait(empty_raw + 8 * slot, ((lg / RAW) & 1) ^ 1);  // first round: passes at once
-      const uint32_t base = smem_base + slot * C::RAW_BYTES;
-      const uint4* w = qw + (size_t(2 * ntile) * S + kk) * (W_TILE_BYTES / 16) + pt;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) cp_async16_u32(base + (pt + 128 * i) * 16, w + 128 * i, 16);
-      // a missing second tile (N % 256 <= 128) is zero-filled (src-size 0 reads nothing; qw stands in)
-      const uint4* w1 = w + size_t(S) * (W_TILE_BYTES / 16);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        cp_async16_u32(base + W_TILE_BYTES + (pt + 128 * i) * 16, has_hi ? w1 + 128 * i : qw, has_hi ? 16 : 0);
-      const int s_h = pt >> 6;  // scale chunk pt: tile s_h, chunk pt % 64
-      const bool s_ok = s_h == 0 || has_hi;
-      const uint4* sc = qs + (size_t(2 * ntile + s_h) * S + kk) * (S_TILE_BYTES / 16) + (pt & 63);
-      cp_async16_u32(base + RAW_S_OFF + pt * 16, s_ok ? sc : qs, s_ok ? 16 : 0);
-      // activation chunk pt + 128 i: token row x_row0 + 8 i, k chunk x_kc; in shared memory k64 half x_kc / 8 at
-      // (x_kc / 8) T 128, row r at r 128, its chunk x_kc % 8 at ((x_kc % 8) ^ (r % 8)) 16 (r % 8 = x_row0 % 8)
-      const int x_row0 = pt >> 4;
-      const int x_kc = pt & 15;
-      const uint32_t x_dst = base + RAW_X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 +
-                             ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
-      const int x_rows_left = M - m0 - x_row0;
-      const __nv_bfloat16* xs = x + size_t(m0 + x_row0) * K + size_t(kk) * SS_BK + x_kc * 8;
-#pragma unroll
-      for (int i = 0; i < T / 8; ++i) {
-        const bool valid = 8 * i < x_rows_left;  // missing token rows are zero-filled
-        cp_async16_u32(x_dst + i * 8 * 128, valid ? xs + size_t(8 * i) * K : x, valid ? 16 : 0);
-      }
-      cp_async_mbar_arrive(full_raw + 8 * slot);  // arrives once this thread's copies above have landed
-      ++lg;
-      ++lu;
-    };
-    if (role == 0) {
-      for (int i = 0; i < RAW - 1; ++i) load_next();
-    }
 
     int g = 0;
     for (int u = u_begin; u < u_end;) {
@@ -302,36 +265,78 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           mbar_arrive(full_b + 8 * bs);
         }
         mbar_arrive(empty_raw + 8 * slot);  // this warpgroup is done reading the slot's weights and scales
-        // refill the slot of stage g - 1 (released once the MMA warpgroups are past this stage's first half,
-        // which this warpgroup has just produced: no cycle)
-        if (role == 0) load_next();
       }
       u = tile * S + ke;
     }
-    if (role == 0) asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing in flight when the warps retire
   } else {
     // ================= MMA: wgmma over the rings, partials, fix-up, epilogue
     const int mw = role - NDQ;       // MMA warpgroup: tokens 64 mw .. 64 mw + 63 of the tile
     const int mt = tid - 128 * NDQ;  // 0 .. 128 NMMA - 1
     const int ltid = mt & 127;
     const int lane = tid & 31;
-    const int wl = ltid >> 5;
     // descriptors, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 rows) at bits 32-45,
     // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
     const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
     int g = 0;
-    int pending = -1;  // the half-stage batch whose wgmmas may still run (its slots are released after them)
+    // releases the slots of half-stage batch hb once its wgmmas completed
     auto release = [&](int hb) {
       mbar_arrive(empty_b + 8 * (hb % BSLOTS));
       if (hb & 1) mbar_arrive(empty_raw + 8 * ((hb >> 1) % RAW));  // a stage's second half: its activations
     };
+
+    // ---- loads (the MMA warpgroups issue them: their wgmma waits need no memory fence, so in-flight cp.async
+    // cost them nothing). Stage lg of the CTA's range (unit u_begin + lg: the range is contiguous) goes to slot
+    // lg % RAW once that slot's previous stage was released; the loads run RAW - 1 stages ahead of the MMA loop,
+    // across segments.
+    constexpr int NL = 128 * NMMA;  // loading threads
+    auto load_stage = [&](int lg) {
+      const int lu = u_begin + lg;
+      if (lu >= u_end) return;
+      const int pt = mt;
+      const int tile = lu / S;
+      const int kk = lu - tile * S;  // k stage
+      const int ntile = tile / m_tiles;
+      const int m0 = (tile - ntile * m_tiles) * T;
+      const bool has_hi = 2 * ntile + 1 < tiles_128;
+      const int slot = lg % RAW;
+      mbar_wait(empty_raw + 8 * slot, ((lg / RAW) & 1) ^ 1);  // first round: passes at once
+      const uint32_t base = smem_base + slot * C::RAW_BYTES;
+      const uint4* w = qw + (size_t(2 * ntile) * S + kk) * (W_TILE_BYTES / 16) + pt;
+#pragma unroll
+      for (int i = 0; i < 512 / NL; ++i) cp_async16_u32(base + (pt + NL * i) * 16, w + NL * i, 16);
+      // a missing second tile (N % 256 <= 128) is zero-filled (src-size 0 reads nothing; qw stands in)
+      const uint4* w1 = w + size_t(S) * (W_TILE_BYTES / 16);
+#pragma unroll
+      for (int i = 0; i < 512 / NL; ++i)
+        cp_async16_u32(base + W_TILE_BYTES + (pt + NL * i) * 16, has_hi ? w1 + NL * i : qw, has_hi ? 16 : 0);
+      if (pt < 128) {
+        const int s_h = pt >> 6;  // scale chunk pt: tile s_h, chunk pt % 64
+        const bool s_ok = s_h == 0 || has_hi;
+        const uint4* sc = qs + (size_t(2 * ntile + s_h) * S + kk) * (S_TILE_BYTES / 16) + (pt & 63);
+        cp_async16_u32(base + RAW_S_OFF + pt * 16, s_ok ? sc : qs, s_ok ? 16 : 0);
+      }
+      // activation chunk pt + NL i: token row x_row0 + (NL / 16) i, k chunk x_kc; in shared memory k64 half
+      // x_kc / 8 at (x_kc / 8) T 128, row r at r 128, its chunk x_kc % 8 at ((x_kc % 8) ^ (r % 8)) 16 (r % 8 =
+      // x_row0 % 8)
+      const int x_row0 = pt >> 4;
+      const int x_kc = pt & 15;
+      const uint32_t x_dst = base + RAW_X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 +
+                             ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
+      const int x_rows_left = M - m0 - x_row0;
+      const __nv_bfloat16* xs = x + size_t(m0 + x_row0) * K + size_t(kk) * SS_BK + x_kc * 8;
+#pragma unroll 1
+      for (int i = 0; i < T * 16 / NL; ++i) {
+        const bool valid = (NL / 16) * i < x_rows_left;  // missing token rows are zero-filled
+        cp_async16_u32(x_dst + i * (NL / 16) * 128, valid ? xs + size_t((NL / 16) * i) * K : x, valid ? 16 : 0);
+      }
+      cp_async_mbar_arrive(full_raw + 8 * slot);  // arrives once this thread's copies above have landed
+    };
+    for (int i = 0; i < RAW - 1; ++i) load_stage(i);
     for (int u = u_begin; u < u_end;) {
       const int tile = u / S;
       const int kb = u - tile * S;
       const int ke = min(S, u_end - tile * S);
       const int count = ke - kb;
-      const int ntile = tile / m_tiles;
-      const int m0 = (tile - ntile * m_tiles) * T;
 
       float acc[128];
 #pragma unroll
@@ -339,8 +344,8 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 
       for (int it = 0; it < count; ++it, ++g) {
         const int slot = g % RAW;
-        mbar_wait(full_raw + 8 * slot, (g / RAW) & 1);
-        ss_fence_proxy_async();  // the cp.async (generic proxy) writes, visible here now, are read by the tensor core
+        // the activations of stage g: full_b of its halves implies they landed (the dequant warps waited for them
+        // on full_raw and fenced the async proxy before arriving)
         const uint32_t a_addr = smem_base + slot * C::RAW_BYTES + RAW_X_OFF + mw * 64 * 128;
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
@@ -354,19 +359,24 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           for (int j = 0; j < 4; ++j) wgmma_m64n256k16_ss(acc, da + uint64_t(2 * j), db + uint64_t(2 * j));
           ss_wgmma_commit();
           ss_wgmma_wait<1>();  // everything but this batch is done
-          if (pending >= 0) release(pending);
-          pending = hb;
+          if (it > 0 || t > 0) release(hb - 1);  // the segment's batches are consecutive
+          // after the first half's wait the previous stage's slot is released: refill it with stage g + RAW - 1
+          if (t == 0) load_stage(g + RAW - 1);
         }
       }
       ss_wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) ss_reg_fence(acc[i]);
-      if (pending >= 0) release(pending);
-      pending = -1;
+      release(2 * g - 1);  // the segment's last batch (g is past the segment now)
 
       // ---- partials and the fix-up (CTAs c_first .. c_last share this tile). acc[4 q + 2 rh + e] is token
       // row_g + 8 rh, weight row ntile 256 + 8 q + 2 (lane % 4) + e
-      const int row_g = m0 + 64 * mw + 16 * wl + (lane >> 2);
+      // (recomputed where used: the fix-up's loads need every register)
+      auto row_of = [&]() {  // m0 + 64 mw + 16 wl + lane / 4
+        const int t = fresh_tid() - 128 * NDQ;
+        return (tile % m_tiles) * T + 16 * (t >> 5) + ((t & 31) >> 2);
+      };
+      const int row_g = row_of();
       const int c_first = (tile * S) / L;
       const int c_last = (tile * S + S - 1) / L;
       bool do_store = true;
@@ -391,7 +401,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           __threadfence();
 #pragma unroll
           for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-          if (row_g < M) {
+          if (row_of() < M) {
 #pragma unroll 1
             for (int c = c_first; c <= c_last; ++c) {
               const int cslot = tile == (c * L) / S ? 0 : 1;
@@ -412,9 +422,9 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
       }
 
       // ---- epilogue: out[token, n] = acc * 128 / global_scale + bias[n], tokens < M and n < N only
-      if (do_store && row_g < M) {
+      if (do_store && row_of() < M) {
         const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-        const int n0 = ntile * SS_BN + 2 * (lane & 3);
+        const int n0 = (tile / m_tiles) * SS_BN + 2 * (lane & 3);
 #pragma unroll
         for (int q = 0; q < 32; ++q) {
           const int n = n0 + 8 * q;
@@ -423,7 +433,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           const float b1 = bias != nullptr ? __bfloat162float(bias[n + 1]) : 0.0f;
 #pragma unroll
           for (int rh = 0; rh < 2; ++rh) {
-            const int m = row_g + 8 * rh;
+            const int m = row_of() + 8 * rh;
             if (m < M)
               *reinterpret_cast<__nv_bfloat162*>(out + size_t(m) * N + n) =
                   __floats2bfloat162_rn(acc[4 * q + 2 * rh] * alpha + b0, acc[4 * q + 2 * rh + 1] * alpha + b1);
