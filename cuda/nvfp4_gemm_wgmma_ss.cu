@@ -35,8 +35,8 @@
 //    last tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
 //    Only the MMA warpgroups take part in the fix-up (named barrier 1): the dequant warpgroups (and the loads in
-//    flight) run on into the next segment meanwhile. Tiles are ordered n-major (consecutive CTAs share a weight tile at large M,
-//    which L2 then serves once).
+//    flight) run on into the next segment meanwhile. Tiles are ordered n-major (consecutive CTAs share a weight
+//    tile at large M, which L2 then serves once).
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
