@@ -40,8 +40,6 @@
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
-#include <cstdlib>
-
 namespace qerl {
 namespace {
 
@@ -164,7 +162,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 }
 #endif  // QERL_WGMMA_SS_DEVICE
 
-template <int T, int DBG = 0>
+template <int T>
 __global__ void __launch_bounds__(SS_THREADS, 1)
     nvfp4_gemm_wgmma_ss_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
                                const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -251,7 +249,6 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
             const uint2 sv =
                 *reinterpret_cast<const uint2*>(raw + RAW_S_OFF + h * S_TILE_BYTES + (b * 2 + t) * 64 + (lane >> 2) * 8);
             const uint32_t dst = bdst + uint32_t(h * 128 + b * 16) * 128;
-            if constexpr (DBG & 2) continue;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               uint32_t a[4];
@@ -264,7 +261,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
               stmatrix_x4(dst + lane_off[j], a);
             }
           }
-          if constexpr (!(DBG & 1)) ss_fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
+          ss_fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
           mbar_arrive(full_b + 8 * bs);
         }
         mbar_arrive(empty_raw + 8 * slot);  // this warpgroup is done reading the slot's weights and scales
@@ -305,7 +302,6 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
       mbar_wait(empty_raw + 8 * slot, ((lg / RAW) & 1) ^ 1);  // first round: passes at once
       const uint32_t base = smem_base + slot * C::RAW_BYTES;
       const uint4* w = qw + (size_t(2 * ntile) * S + kk) * (W_TILE_BYTES / 16) + pt;
-      if constexpr (!(DBG & 8)) {
 #pragma unroll
       for (int i = 0; i < 512 / NL; ++i) cp_async16_u32(base + (pt + NL * i) * 16, w + NL * i, 16);
       // a missing second tile (N % 256 <= 128) is zero-filled (src-size 0 reads nothing; qw stands in)
@@ -313,7 +309,6 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < 512 / NL; ++i)
         cp_async16_u32(base + W_TILE_BYTES + (pt + NL * i) * 16, has_hi ? w1 + NL * i : qw, has_hi ? 16 : 0);
-      }
       if (pt < 128) {
         const int s_h = pt >> 6;  // scale chunk pt: tile s_h, chunk pt % 64
         const bool s_ok = s_h == 0 || has_hi;
@@ -360,10 +355,8 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           const uint64_t da = desc_hi | uint64_t(((a_addr + t * T * 128) >> 4) & 0x3FFF);
           const uint64_t db = desc_hi | uint64_t(((b_base + bs * B_SLOT_BYTES) >> 4) & 0x3FFF);
           ss_wgmma_fence();
-          if constexpr (!(DBG & 4)) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) wgmma_m64n256k16_ss(acc, da + uint64_t(2 * j), db + uint64_t(2 * j));
-          }
+          for (int j = 0; j < 4; ++j) wgmma_m64n256k16_ss(acc, da + uint64_t(2 * j), db + uint64_t(2 * j));
           ss_wgmma_commit();
           ss_wgmma_wait<1>();  // everything but this batch is done
           if (it > 0 || t > 0) release(hb - 1);  // the segment's batches are consecutive
@@ -462,7 +455,7 @@ constexpr bool kSsBuilt = true;
 constexpr bool kSsBuilt = false;
 #endif
 
-template <int T, int DBG = 0>
+template <int T>
 cudaError_t prepare_ss() {
   if (!kSsBuilt) return cudaErrorNotSupported;
   static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
@@ -476,7 +469,7 @@ cudaError_t prepare_ss() {
     if (major != 9 || minor != 0) return cudaErrorNotSupported;  // sm_90a code runs on sm_90 only
     if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
     if (optin < SsCfg<T>::SMEM_BYTES) return cudaErrorNotSupported;
-    e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_ss_kernel<T, DBG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_ss_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              SsCfg<T>::SMEM_BYTES);
     if (e != cudaSuccess) return e;
     if (dev >= 0 && dev < 64) done[dev] = true;
@@ -506,42 +499,18 @@ SsSchedule ss_schedule(int M, int N, int K, int grid, int block_t) {
   return s;
 }
 
-template <int T, int DBG>
-cudaError_t launch_ss_dbg(const void* x, const void* qweight, const void* qscale, const float* gscale,
-                          const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int grid,
-                          cudaStream_t stream) {
-  cudaError_t e = prepare_ss<T, DBG>();
+template <int T>
+cudaError_t launch_ss(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
+                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
+  cudaError_t e = prepare_ss<T>();
   if (e != cudaSuccess) return e;
   const SsSchedule s = ss_schedule(M, N, K, grid, T);
   if (s.ctas <= 0) return cudaErrorInvalidValue;
-  nvfp4_gemm_wgmma_ss_kernel<T, DBG><<<s.ctas, SS_THREADS, SsCfg<T>::SMEM_BYTES, stream>>>(
+  nvfp4_gemm_wgmma_ss_kernel<T><<<s.ctas, SS_THREADS, SsCfg<T>::SMEM_BYTES, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
       gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
       s.units_per_cta);
   return cudaGetLastError();
-}
-
-// DIAGNOSTIC (temporary): QERL_SS_DEBUG = 1 no dequant fence, 2 no decode, 4 no wgmma, 8 no weight loads
-template <int T>
-cudaError_t launch_ss(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
-                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
-  const char* d = getenv("QERL_SS_DEBUG");
-  const int dbg = d ? atoi(d) : 0;
-#define QERL_SS_CASE(v) \
-  case v:               \
-    return launch_ss_dbg<T, v>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream);
-  switch (dbg) {
-    QERL_SS_CASE(1)
-    QERL_SS_CASE(2)
-    QERL_SS_CASE(3)
-    QERL_SS_CASE(4)
-    QERL_SS_CASE(6)
-    QERL_SS_CASE(8)
-    QERL_SS_CASE(12)
-    default:
-      return launch_ss_dbg<T, 0>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream);
-  }
-#undef QERL_SS_CASE
 }
 
 template <int T>
