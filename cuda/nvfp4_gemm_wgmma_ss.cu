@@ -60,8 +60,11 @@ struct SsCfg {
   static constexpr int NDQ = T == 64 ? 2 : 1;    // dequant warpgroups (the first also loads)
   static_assert(NDQ + NMMA == SS_THREADS / 128, "three warpgroups");
   static constexpr int RAW_BYTES = RAW_X_OFF + T * SS_BK * 2;
-  static constexpr int RAW = T == 64 ? 4 : 3;    // raw ring slots (128-K stages)
-  static constexpr int BSLOTS = 2;               // bf16 ring slots (64-K halves)
+  // ring slots: raw (128-K stages) and bf16 (64-K halves). Three bf16 slots let the dequant warps run two halves
+  // ahead of the MMA warps (with two, each half waited for the previous half's release: measured 40% of the
+  // dequant warps' samples on that wait); T = 128 has room for two only
+  static constexpr int RAW = 3;
+  static constexpr int BSLOTS = T == 64 ? 3 : 2;
   // + 1 KB: the ring starts at the first 1024-byte boundary (the 128-byte swizzle repeats every 1024 bytes and is
   // anchored to absolute shared addresses)
   static constexpr int SMEM_BYTES = RAW * RAW_BYTES + BSLOTS * B_SLOT_BYTES + 1024;
@@ -317,17 +320,18 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
       }
       // activation chunk pt + NL i: token row x_row0 + (NL / 16) i, k chunk x_kc; in shared memory k64 half
       // x_kc / 8 at (x_kc / 8) T 128, row r at r 128, its chunk x_kc % 8 at ((x_kc % 8) ^ (r % 8)) 16 (r % 8 =
-      // x_row0 % 8)
+      // x_row0 % 8). Token rows past M load row M - 1 instead (no branch): a token row of A only reaches the same
+      // row of the accumulators, which are neither stored nor summed for rows >= M.
       const int x_row0 = pt >> 4;
       const int x_kc = pt & 15;
       const uint32_t x_dst = base + RAW_X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 +
                              ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
-      const int x_rows_left = M - m0 - x_row0;
-      const __nv_bfloat16* xs = x + size_t(m0 + x_row0) * K + size_t(kk) * SS_BK + x_kc * 8;
-#pragma unroll 1
+      const __nv_bfloat16* xs = x + size_t(kk) * SS_BK + x_kc * 8;
+      const int r0 = m0 + x_row0;
+#pragma unroll
       for (int i = 0; i < T * 16 / NL; ++i) {
-        const bool valid = (NL / 16) * i < x_rows_left;  // missing token rows are zero-filled
-        cp_async16_u32(x_dst + i * (NL / 16) * 128, valid ? xs + size_t((NL / 16) * i) * K : x, valid ? 16 : 0);
+        const int r = min(r0 + (NL / 16) * i, M - 1);
+        cp_async16_u32(x_dst + i * (NL / 16) * 128, xs + size_t(r) * K, 16);
       }
       cp_async_mbar_arrive(full_raw + 8 * slot);  // arrives once this thread's copies above have landed
     };

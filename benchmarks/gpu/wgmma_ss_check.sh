@@ -29,7 +29,8 @@ if has build; then
 import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)" 2>&1 | tail -5 | tee -a "$LOG"
 fi
 if has tests; then
-  step tests "${TESTS_S:-75}" bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma_ss \
+  step tests "${TESTS_S:-75}" bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k \"${SS_TESTS_K:-wgmma_ss}\" \
     > '$OUT/ss_tests.log' 2>&1"
   tail -15 "$OUT/ss_tests.log" | tee -a "$LOG"
 fi
@@ -47,8 +48,11 @@ if has sanitizer; then
   SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   : > "$OUT/ss_sanitizer.log"
   for tool in memcheck racecheck synccheck; do
+    # memcheck on every mode-8 case; racecheck / synccheck (slow: every shared access) on the weights <= 1.4 M
+    lim=""; [ "$tool" = memcheck ] || lim="--sanitize-max-nk 1400000"
+    echo "### $tool" >> "$OUT/ss_sanitizer.log"
     step "sanitizer-$tool" "${SAN_S:-60}" bash -c "'$SAN' --tool $tool --error-exitcode 9 python3 benchmarks/kernel.py \
-      --sanitize --sanitize-modes 8 >> '$OUT/ss_sanitizer.log' 2>&1"
+      --sanitize --sanitize-modes 8 $lim >> '$OUT/ss_sanitizer.log' 2>&1"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE|Error|error" "$OUT/ss_sanitizer.log" | tail -3 | tee -a "$LOG"
   done
 fi
