@@ -455,8 +455,9 @@ def table_lines(rows: list[dict], device_name: str) -> list[str]:
     return lines
 
 
-def sanitize_run() -> int:
-    """Small shapes through every kernel and split path, checked; meant for compute-sanitizer."""
+def sanitize_run(modes: set[int] | None = None, max_nk: int | None = None) -> int:
+    """Small shapes through every kernel and split path, checked; meant for compute-sanitizer. ``modes``: only the
+    cases of these op modes, ``max_nk``: only weights with N x K <= max_nk (racecheck / synccheck are slow)."""
     kernels.load_extension()
     torch.manual_seed(0)
     bad = 0
@@ -468,7 +469,15 @@ def sanitize_run() -> int:
                           # the wgmma kernel (mode 7; stream-K / v5 where it is unavailable): both token tiles,
                           # half 256-row tiles, partial segments, M tails
                           (1, 272, 128, 7), (64, 1136, 640, 7), (65, 4352, 3584, 7), (300, 528, 896, 7),
-                          (129, 256, 1024, 7)]:
+                          (129, 256, 1024, 7),
+                          # the wgmma SS kernel (mode 8): the same, plus a tile split among several CTAs
+                          (1, 272, 128, 8), (64, 1136, 640, 8), (65, 4352, 3584, 8), (300, 528, 896, 8),
+                          (129, 256, 1024, 8), (64, 3584, 3584, 8),
+                          # small weights whose tiles are split among CTAs (two segments per CTA, ring wrap across
+                          # segments, fix-up), both token tiles: small enough for racecheck / synccheck
+                          (64, 1024, 1280, 8), (200, 512, 1280, 8)]:
+        if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
+            continue
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
@@ -747,6 +756,9 @@ def main() -> int:
     ap.add_argument("--profile-m", default=None, help="with --profile: comma list of M to keep (default all)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
+    ap.add_argument("--sanitize-modes", default=None,
+                    help="with --sanitize: comma list of op modes to run (default all)")
+    ap.add_argument("--sanitize-max-nk", type=int, default=None, help="with --sanitize: skip weights with N x K above")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--threshold", type=int, default=-1, help="force the dispatch threshold (M)")
     ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
@@ -771,7 +783,8 @@ def main() -> int:
     if args.sass:
         return sass_summary(args.sass)
     if args.sanitize:
-        return sanitize_run()
+        return sanitize_run({int(v) for v in args.sanitize_modes.split(",")} if args.sanitize_modes else None,
+                            args.sanitize_max_nk)
     if args.repro_throw:
         return repro_throw()
     if args.profile:

@@ -69,6 +69,17 @@ size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int
 int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t);
 int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t);
 
+// Hopper wgmma kernel with both operands in shared memory (cuda/nvfp4_gemm_wgmma_ss.cu, sm_90a builds only):
+// warp-specialized (producer, dequant and MMA warpgroups), persistent stream-K over 256-row x block_t token tiles,
+// block_t in {64, 128}. Same workspace / counter contract and availability rule as the wgmma launch above.
+cudaError_t qerl_nvfp4_gemm_wgmma_ss_launch(const void* x, const void* qweight, const void* qscale,
+                                            const float* global_scale, const void* bias, void* out, float* workspace,
+                                            int* counters, int M, int N, int K, int grid, int block_t,
+                                            cudaStream_t stream);
+size_t qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int M, int N, int K, int grid, int block_t);
+int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t);
+int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t);
+
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,
                                       const float* global_scale, void* out, int N, int K,

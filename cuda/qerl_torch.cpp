@@ -325,30 +325,41 @@ int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
 // device (SMs x resident CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
 int wgmma_block_t(int64_t m) { return m <= 64 ? 64 : 128; }
 
-int64_t wgmma_grid(int64_t m, int64_t n) {
+// Which Hopper wgmma kernel a route runs: none, register-A (cuda/nvfp4_gemm_wgmma.cu) or both operands in shared
+// memory (cuda/nvfp4_gemm_wgmma_ss.cu).
+enum class Wgmma { kNone, kRegA, kSS };
+
+int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
+  if (kind == Wgmma::kNone) return 0;
   const int block_t = wgmma_block_t(m);
-  static int cache[64][2];
-  static bool known[64][2] = {};
+  const int ki = kind == Wgmma::kSS ? 1 : 0;
+  auto per_sm_of = [&]() {
+    return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
+  };
+  static int cache[64][2][2];
+  static bool known[64][2][2] = {};
   const int dev = at::cuda::current_device();
   const int b = block_t == 128 ? 1 : 0;
   int per_sm = 0;
   if (dev < 0 || dev >= 64) {
-    per_sm = qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
+    per_sm = per_sm_of();
   } else {
     std::lock_guard<std::mutex> lk(g_mu);
-    if (!known[dev][b]) {
-      cache[dev][b] = qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
-      known[dev][b] = true;
+    if (!known[dev][ki][b]) {
+      cache[dev][ki][b] = per_sm_of();
+      known[dev][ki][b] = true;
     }
-    per_sm = cache[dev][b];
+    per_sm = cache[dev][ki][b];
   }
-  if (per_sm <= 0 || qerl_nvfp4_gemm_wgmma_tiles(int(m), int(n), block_t) > kCounterCap) return 0;
+  const int tiles = kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_tiles(int(m), int(n), block_t)
+                                       : qerl_nvfp4_gemm_wgmma_tiles(int(m), int(n), block_t);
+  if (per_sm <= 0 || tiles > kCounterCap) return 0;
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
-                            StreamK policy = StreamK::kNever, bool wgmma = false) {
+                            StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone) {
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -366,16 +377,18 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  if (const int64_t grid = wgmma ? wgmma_grid(m, n) : 0; grid > 0) {
+  if (const int64_t grid = wgmma_grid(m, n, wgmma); grid > 0) {
     const int block_t = wgmma_block_t(m);
-    const size_t wsf = qerl_nvfp4_gemm_wgmma_workspace_floats(int(m), int(n), int(k), int(grid), block_t);
+    const bool ss = wgmma == Wgmma::kSS;
+    const size_t wsf = ss ? qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int(m), int(n), int(k), int(grid), block_t)
+                          : qerl_nvfp4_gemm_wgmma_workspace_floats(int(m), int(n), int(k), int(grid), block_t);
     at::Tensor wws;
     if (wsf > 0) wws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
-    check_cuda(qerl_nvfp4_gemm_wgmma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
-                                            out.data_ptr(), wsf > 0 ? wws.data_ptr<float>() : nullptr,
-                                            counters_for(x.device()), int(m), int(n), int(k), int(grid), block_t,
-                                            at::cuda::getCurrentCUDAStream()),
-               "nvfp4_gemm (wgmma) launch");
+    auto* launch = ss ? qerl_nvfp4_gemm_wgmma_ss_launch : qerl_nvfp4_gemm_wgmma_launch;
+    check_cuda(launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr, out.data_ptr(),
+                      wsf > 0 ? wws.data_ptr<float>() : nullptr, counters_for(x.device()), int(m), int(n), int(k),
+                      int(grid), block_t, at::cuda::getCurrentCUDAStream()),
+               ss ? "nvfp4_gemm (wgmma SS) launch" : "nvfp4_gemm (wgmma) launch");
     return out;
   }
   const int block_m = pick_block_m(m);
@@ -415,9 +428,15 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
 //
 // The GEMMs the op can run, by role. Their names (gemm_kernel_names) are the one list Python reads, so the table
 // file, gemm_choice and the Python side share the spelling.
-enum GemmKernel : int64_t { kKernelV5 = 0, kKernelStreamK = 1, kKernelWgmma = 2, kKernelDequantCublas = 3 };
+enum GemmKernel : int64_t {
+  kKernelV5 = 0,
+  kKernelStreamK = 1,
+  kKernelWgmma = 2,
+  kKernelDequantCublas = 3,
+  kKernelWgmmaSS = 4
+};
 const std::vector<std::string>& gemm_kernel_names() {
-  static const std::vector<std::string> names = {"v5", "streamk", "wgmma", "dqmm"};
+  static const std::vector<std::string> names = {"v5", "streamk", "wgmma", "dqmm", "wgmma_ss"};
   return names;
 }
 
@@ -481,12 +500,12 @@ int64_t table_pick(int64_t m, int64_t n, int64_t k) {
 //       4 = as 0, 5 = as 1, but the fused kernel is stream-K wherever it applies (block_m 32 / 64 on a device
 //           with enough shared memory per CTA; v5 elsewhere), 6 = as 0 with v5 only,
 //       7 = the Hopper wgmma kernel at every M where it is available (sm_90a build on an sm_90 device), as 5
-//           elsewhere.
+//           elsewhere, 8 = as 7 with the shared-memory-operand wgmma kernel (cuda/nvfp4_gemm_wgmma_ss.cu).
 //       Python maps QERL_GEMM_KERNEL=auto|v5|streamk to 0|6|4 (verl_qerl/kernels/__init__.py).
 struct Route {
   bool kernel;     // fused kernel (else dequant + cuBLAS)
   StreamK policy;  // which mma.sync fused kernel may run
-  bool wgmma;      // the Hopper wgmma kernel, where it is available (else `policy` decides)
+  Wgmma wgmma;     // a Hopper wgmma kernel, where it is available (else `policy` decides)
 };
 
 Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, int64_t mode) {
@@ -495,25 +514,28 @@ Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, int64_t mode)
     // auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel
     switch (table_pick(m, n, k)) {
       case kKernelV5:
-        return {true, StreamK::kNever, false};
+        return {true, StreamK::kNever, Wgmma::kNone};
       case kKernelStreamK:
-        return {true, StreamK::kWhereItApplies, false};
+        return {true, StreamK::kWhereItApplies, Wgmma::kNone};
       case kKernelWgmma:
-        if (wgmma_grid(m, n) > 0) return {true, StreamK::kNever, true};
+        if (wgmma_grid(m, n, Wgmma::kRegA) > 0) return {true, StreamK::kNever, Wgmma::kRegA};
         break;  // not available in this build / device: the rule below
+      case kKernelWgmmaSS:
+        if (wgmma_grid(m, n, Wgmma::kSS) > 0) return {true, StreamK::kNever, Wgmma::kSS};
+        break;
       case kKernelDequantCublas:
-        return {false, StreamK::kNever, false};
+        return {false, StreamK::kNever, Wgmma::kNone};
       default:
         break;  // no table: the rule below
     }
   }
   const bool auto_m = mode == 0 || mode == 4 || mode == 6;
   const bool kernel =
-      mode == 1 || mode == 5 || mode == 7 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
+      mode == 1 || mode == 5 || mode == 7 || mode == 8 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
   const StreamK policy = mode == 0 ? StreamK::kWherePays
-                         : (mode == 4 || mode == 5 || mode == 7) ? StreamK::kWhereItApplies
+                         : (mode == 4 || mode == 5 || mode == 7 || mode == 8) ? StreamK::kWhereItApplies
                                                                  : StreamK::kNever;
-  return {kernel, policy, mode == 7};
+  return {kernel, policy, mode == 7 ? Wgmma::kRegA : mode == 8 ? Wgmma::kSS : Wgmma::kNone};
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -525,21 +547,21 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
-  QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
+  QCHECK(mode >= 0 && (mode <= 8 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
          " (0 auto, 1 v5 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 6 auto v5, "
-         "7 kernel wgmma, 16 + splits)");
+         "7 kernel wgmma, 8 kernel wgmma SS, 16 + splits)");
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
   if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy, r.wgmma);
   return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
 }
 
 // What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: "dqmm",
-// "v5" or "streamk" (benchmarks label their rows with it; no launch).
+// "v5", "streamk", "wgmma" or "wgmma_ss" (benchmarks label their rows with it; no launch).
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
-  QCHECK(mode >= 0 && (mode <= 7 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
+  QCHECK(mode >= 0 && (mode <= 8 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
   const Route r = route(m, n, k, at::kBFloat16, mode);
   if (!r.kernel) return "dqmm";
-  if (r.wgmma && wgmma_grid(m, n) > 0) return "wgmma";
+  if (wgmma_grid(m, n, r.wgmma) > 0) return r.wgmma == Wgmma::kSS ? "wgmma_ss" : "wgmma";
   return streamk_launch_grid(m, n, k, r.policy) > 0 ? "streamk" : "v5";
 }
 
@@ -575,7 +597,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
-  m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5 or streamk");
+  m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5, streamk, wgmma or wgmma_ss");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
   m.def("gemm_kernel_names", &gemm_kernel_names,

@@ -10,7 +10,7 @@ import pytest
 
 from verl_qerl.kernels import dispatch
 
-NAMES = ["v5", "streamk", "wgmma", "dqmm"]
+NAMES = ["v5", "streamk", "wgmma", "dqmm", "wgmma_ss"]
 
 
 class FakeExt:
@@ -28,12 +28,14 @@ def test_table_from_rows_picks_fastest_graph_time() -> None:
     rows = [
         {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 64, "kernel_graph_ms": 0.03,
          "kernel_streamk_graph_ms": 0.02, "kernel_wgmma_graph_ms": 0.01, "dqmm_graph_ms": 0.05},
+        {"model": "m", "layer": "o", "N": 3584, "K": 3584, "M": 64, "kernel_wgmma_graph_ms": 0.02,
+         "kernel_wgmma_ss_graph_ms": 0.015},
         {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 1024, "dqmm_graph_ms": 0.1,
          "kernel_wgmma_graph_ms": 0.2},  # the fused kernels are not timed at every M
         {"model": "m", "layer": "sum", "M": 64, "kernel_graph_ms": 1.0},
     ]
     t = dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")
-    assert t["points"] == [[4608, 3584, 64, "wgmma"], [4608, 3584, 1024, "dqmm"]]
+    assert t["points"] == [[4608, 3584, 64, "wgmma"], [3584, 3584, 64, "wgmma_ss"], [4608, 3584, 1024, "dqmm"]]
     assert t["capability"] == [9, 0]
 
 

@@ -337,4 +337,4 @@ def test_build_targets_sm90a_for_hopper() -> None:
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_89,code=sm_89"]
     assert build.arch_flags([(9, 0)], "9.0") == []
     assert build.arch_flags([(9, 0)], "8.0;9.0a") == [build.SM90A_DEFINE]
-    assert "nvfp4_gemm_wgmma.cu" in build.CU_SOURCES
+    assert "nvfp4_gemm_wgmma.cu" in build.CU_SOURCES and "nvfp4_gemm_wgmma_ss.cu" in build.CU_SOURCES

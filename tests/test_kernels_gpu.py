@@ -178,8 +178,9 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
     ref = reference.linear_f64(x, packed, scale, gs, bias)
     if variant == "streamk" and torch.cuda.get_device_capability()[0] == 9:
         assert kernels.extension().streamk_grid(m, n) > 0, "stream-K must apply on Hopper for block_m 32 / 64"
-    if variant == "wgmma" and torch.cuda.get_device_capability() == (9, 0):
-        assert kernels.extension().gemm_choice(m, n, k, VARIANT_MODES[variant]) == "wgmma", "wgmma must run on sm_90"
+    if variant.startswith("wgmma") and torch.cuda.get_device_capability() == (9, 0):
+        got = kernels.extension().gemm_choice(m, n, k, VARIANT_MODES[variant])
+        assert got == variant, f"{variant} must run on sm_90, runs {got}"
     mode = VARIANT_MODES[variant]
     outs = []
     for _ in range(3):
@@ -195,10 +196,15 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
         assert torch.equal(o, out), f"{variant}: not deterministic"
 
 
-def _needs_wgmma() -> None:
+#: the Hopper wgmma kernels: variant name -> forced op mode (register-A, both operands in shared memory)
+WGMMA_MODES = {"wgmma": 7, "wgmma_ss": 8}
+
+
+def _needs_wgmma(variant: str = "wgmma") -> None:
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel runs on sm_90 (Hopper) only")
-    assert kernels.extension().gemm_choice(64, 256, 128, 7) == "wgmma", "sm_90 device but no sm_90a wgmma build"
+        pytest.skip("the wgmma kernels run on sm_90 (Hopper) only")
+    got = kernels.extension().gemm_choice(64, 256, 128, WGMMA_MODES[variant])
+    assert got == variant, f"sm_90 device but no sm_90a {variant} build (runs {got})"
 
 
 WGMMA_SHAPES = [
@@ -212,11 +218,13 @@ WGMMA_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
-def test_wgmma_kernel_every_m(n: int, k: int) -> None:
-    """The Hopper wgmma kernel (mode 7) at M from 1 to 4096 (both token tiles, 64 and 128; tails in M; whole and
-    partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
-    _needs_wgmma()
+def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
+    """The Hopper wgmma kernels (modes 7, 8) at M from 1 to 4096 (both token tiles, 64 and 128; tails in M; whole
+    and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    _needs_wgmma(variant)
+    mode = WGMMA_MODES[variant]
     packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
     rw = kernels.repack(packed, scale)
     g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
@@ -231,7 +239,7 @@ def test_wgmma_kernel_every_m(n: int, k: int) -> None:
         outs = []
         for _ in range(2):
             poison((m, n), torch.bfloat16)
-            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, 7))
+            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode))
         torch.cuda.synchronize()
         assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
         err = rel(outs[0], ref)
@@ -239,16 +247,17 @@ def test_wgmma_kernel_every_m(n: int, k: int) -> None:
         assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
 
 
-def test_wgmma_graph_capture() -> None:
-    """The wgmma kernel with stream-K partials (workspace, shared semaphores) captures and replays in a CUDA graph."""
-    _needs_wgmma()
+@pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
+def test_wgmma_graph_capture(variant: str) -> None:
+    """The wgmma kernels with stream-K partials (workspace, shared semaphores) capture and replay in a CUDA graph."""
+    _needs_wgmma(variant)
     m, n, k = 96, 3584, 3584
     packed, scale, gs = rand_nvfp4(n, k, seed=41)
     rw = kernels.repack(packed, scale)
     x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 7)
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, WGMMA_MODES[variant])
 
     graph, y_static = capture_graph(f, x_static)
     for i, x_new in replay_with_fresh_inputs(graph, x_static):
@@ -256,7 +265,7 @@ def test_wgmma_graph_capture() -> None:
 
 
 #: gemm_choice's answer -> the op mode that forces that kernel
-CHOICE_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "dqmm": 2}
+CHOICE_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "dqmm": 2, "wgmma_ss": 8}
 
 
 @pytest.fixture()
@@ -278,15 +287,18 @@ def test_auto_follows_the_calibration_table() -> None:
 
     ext = kernels.extension()
     names = list(ext.gemm_kernel_names())
-    assert names == ["v5", "streamk", "wgmma", "dqmm"]
+    assert names == ["v5", "streamk", "wgmma", "dqmm", "wgmma_ss"]
     n, k = 1136, 640
     packed, scale, gs = rand_nvfp4(n, k, seed=5)
     rw = kernels.repack(packed, scale)
-    wg = "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "streamk"
-    table = [[n, k, 1, "v5"], [n, k, 64, wg], [n, k, 1024, "dqmm"], [99968, 99968, 64, "v5"]]
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    wg = "wgmma" if hopper else "streamk"
+    wg_ss = "wgmma_ss" if hopper else "streamk"
+    table = [[n, k, 1, "v5"], [n, k, 64, wg], [n, k, 256, wg_ss], [n, k, 1024, "dqmm"], [99968, 99968, 64, "v5"]]
     try:
         ext.set_dispatch_table([[a, b, c, names.index(d)] for a, b, c, d in table])
-        for m, want in ((1, "v5"), (5, "v5"), (40, wg), (64, wg), (200, wg), (500, "dqmm"), (3000, "dqmm")):
+        for m, want in ((1, "v5"), (5, "v5"), (40, wg), (64, wg), (200, wg_ss), (500, wg_ss), (800, "dqmm"),
+                        (3000, "dqmm")):
             assert ext.gemm_choice(m, n, k, 0) == want, m
             # another shape near this one (log distance) follows it, not the far-away point
             assert ext.gemm_choice(m, n + 16, k, 0) == want, m

@@ -22,9 +22,9 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("QERL_GEMM_KERNEL", raw)
         assert kernels.gemm_kernel_variant() == want
     # cuda/qerl_torch.cpp's mode table: 0 auto, 6 auto with v5 only, 4 auto with stream-K wherever it applies;
-    # forced fused kernels 1 (v5), 5 (stream-K) and 7 (wgmma, every M)
-    assert kernels.GEMM_KERNEL_MODES == {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7}
-    assert kernels.GEMM_KERNEL_FORCED_MODES == {"v5": 1, "streamk": 5, "wgmma": 7}
+    # forced fused kernels 1 (v5), 5 (stream-K), 7 (wgmma, every M) and 8 (wgmma SS, every M)
+    assert kernels.GEMM_KERNEL_MODES == {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7, "wgmma_ss": 8}
+    assert kernels.GEMM_KERNEL_FORCED_MODES == {"v5": 1, "streamk": 5, "wgmma": 7, "wgmma_ss": 8}
     for bad in ("stream-k", "v6", "marlin"):
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
         with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='[^']+' is not a GEMM kernel variant.*streamk"):

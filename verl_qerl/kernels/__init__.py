@@ -55,16 +55,19 @@ GEMM_K_MULTIPLE = K_STAGE
 #: cuda/nvfp4_gemm_streamk.cu, where it applies -- M >= 17, i.e. block_m 32 / 64 -- and the shape has
 #: enough 256-row tiles for the SMs or long K ranges per CTA; v5 elsewhere), ``v5`` (v5 only) or
 #: ``streamk`` (stream-K wherever it applies) or ``wgmma`` (the Hopper wgmma kernel, cuda/nvfp4_gemm_wgmma.cu, at
-#: every M where it runs; as ``streamk`` elsewhere). On a device with a calibration table ``auto`` follows the
+#: every M where it runs; as ``streamk`` elsewhere) or ``wgmma_ss`` (the same with both wgmma operands in shared
+#: memory, cuda/nvfp4_gemm_wgmma_ss.cu). On a device with a calibration table ``auto`` follows the
 #: table instead (verl_qerl/kernels/dispatch.py). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks
 #: ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
-#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies, 7 = wgmma.
-GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7}
+#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies, 7 = wgmma,
+#: 8 = wgmma SS.
+GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7, "wgmma_ss": 8}
 #: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
-#: it applies (block_m 32 / 64), v5 elsewhere, 7 = wgmma where it runs (sm_90a), as 5 elsewhere.
-GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5, "wgmma": 7}
+#: it applies (block_m 32 / 64), v5 elsewhere, 7 = wgmma where it runs (sm_90a), as 5 elsewhere, 8 = as 7 with
+#: the wgmma SS kernel.
+GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "wgmma_ss": 8}
 
 
 #: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.

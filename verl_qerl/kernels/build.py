@@ -21,7 +21,13 @@ from types import ModuleType
 from typing import Any
 
 #: Kernel sources, torch-free (compiled alone by .ci/compile_cuda.sh).
-CU_SOURCES = ("nvfp4_gemm.cu", "nvfp4_gemm_streamk.cu", "nvfp4_gemm_wgmma.cu", "nvfp4_dequant.cu")
+CU_SOURCES = (
+    "nvfp4_gemm.cu",
+    "nvfp4_gemm_streamk.cu",
+    "nvfp4_gemm_wgmma.cu",
+    "nvfp4_gemm_wgmma_ss.cu",
+    "nvfp4_dequant.cu",
+)
 #: The thin torch binding.
 CPP_SOURCES = ("qerl_torch.cpp",)
 JIT_NAME = "qerl_nvfp4_jit"
@@ -30,7 +36,7 @@ NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
 CXX_FLAGS = ("-O3",)
 
 
-#: Macro telling the host side of cuda/nvfp4_gemm_wgmma.cu that its kernel was compiled for sm_90a.
+#: Macro telling the host side of the wgmma kernels (cuda/nvfp4_gemm_wgmma*.cu) that they were compiled for sm_90a.
 SM90A_DEFINE = "-DQERL_HAVE_SM90A=1"
 
 

@@ -26,7 +26,7 @@ TABLE_ENV = "QERL_GEMM_DISPATCH_TABLE"
 DEFAULT_TABLE = Path(__file__).with_name("gemm_dispatch_h200.json")
 #: benchmark row key (CUDA-graph ms) -> kernel name, for the kernels each row forces.
 ROW_KEYS = {"kernel_graph_ms": "v5", "kernel_streamk_graph_ms": "streamk", "kernel_wgmma_graph_ms": "wgmma",
-            "dqmm_graph_ms": "dqmm"}
+            "kernel_wgmma_ss_graph_ms": "wgmma_ss", "dqmm_graph_ms": "dqmm"}
 
 
 class DispatchTableError(ValueError):

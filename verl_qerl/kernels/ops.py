@@ -18,7 +18,8 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
   (measured slower on the H100; experimental), 4 / 5 as 0 / 1 but stream-K wherever it applies
   (M >= 17, i.e. block_m 32 / 64; v5 for smaller M), 6 as 0 with v5 only (no table), 7 the Hopper wgmma
   kernel (``cuda/nvfp4_gemm_wgmma.cu``) at every M where it is built and runs (sm_90a), as 5 elsewhere,
-  16 + s v5 fused kernel with s K-splits.
+  8 as 7 with the shared-memory-operand wgmma kernel (``cuda/nvfp4_gemm_wgmma_ss.cu``), 16 + s v5 fused kernel
+  with s K-splits.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
