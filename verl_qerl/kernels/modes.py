@@ -23,7 +23,8 @@ from pathlib import Path
 #: The header, next to the kernel sources (see :func:`header_path`).
 HEADER_NAME = "gemm_modes.h"
 
-_ENTRY = re.compile(r'^(QERL_GEMM_MODE|QERL_GEMM_KERNEL_DEF)\(([A-Za-z][A-Za-z0-9]*), (\d+), "([a-z0-9_]+)", "([^"\\]*)"\)$')
+_ENTRY = re.compile(
+    r'^(QERL_GEMM_MODE|QERL_GEMM_KERNEL_DEF)\(([A-Za-z][A-Za-z0-9]*), (\d+), "([a-z0-9_]+)", "([^"\\]*)"\)$')
 
 
 class GemmModesError(ValueError):
