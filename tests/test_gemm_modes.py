@@ -120,3 +120,24 @@ def test_env_variant_names_and_former_names(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(kernels.GEMM_KERNEL_ENV, "dqmm")
     with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='dqmm' is not a GEMM kernel variant"):
         kernels.gemm_kernel_variant()
+
+
+def test_extension_from_another_mode_table_is_refused() -> None:
+    """A stale build (its modes or kernel names differ from the header Python parsed) is not used."""
+
+    class Built:
+        def __init__(self, modes: dict, names: tuple) -> None:
+            self.modes, self.names = modes, names
+
+        def gemm_modes(self) -> list:
+            return list(self.modes.items())
+
+        def gemm_kernel_names(self) -> list:
+            return list(self.names)
+
+    kernels._check_mode_table(Built(dict(kernels.GEMM_MODES), kernels.GEMM_KERNEL_NAMES))
+    stale_modes = {**kernels.GEMM_MODES, "sliced": 3}
+    with pytest.raises(RuntimeError, match="rebuild the extension"):
+        kernels._check_mode_table(Built(stale_modes, kernels.GEMM_KERNEL_NAMES))
+    with pytest.raises(RuntimeError, match="rebuild the extension"):
+        kernels._check_mode_table(Built(dict(kernels.GEMM_MODES), ("v5", "streamk", "wgmma", "dqmm", "wgmma_ss")))

@@ -111,6 +111,17 @@ def check_tuning_env() -> None:
             raise ValueError(f"{name}={raw!r} is not {kind} (unset it for the default)")
 
 
+def _check_mode_table(ext) -> None:  # noqa: ANN001 - the compiled module
+    """Refuse an extension built from another ``cuda/gemm_modes.h`` than the one Python parsed (a stale
+    ahead-of-time build): its mode integers and kernel ids would mean other things here."""
+    built_modes, built_names = dict(ext.gemm_modes()), tuple(ext.gemm_kernel_names())
+    if built_modes != GEMM_MODES or built_names != GEMM_KERNEL_NAMES:
+        raise RuntimeError(
+            f"the CUDA extension's GEMM modes {built_modes} / kernels {built_names} differ from "
+            f"cuda/gemm_modes.h's {GEMM_MODES} / {GEMM_KERNEL_NAMES}: rebuild the extension"
+        )
+
+
 class _State:
     lock = threading.Lock()
     tried = False
@@ -140,6 +151,7 @@ def load_extension(verbose: bool = False) -> bool:
             from . import build
 
             ext = build.load(verbose=verbose)
+            _check_mode_table(ext)
             ext.init_workspace(torch.cuda.current_device())
             from . import dispatch
 
