@@ -6,15 +6,16 @@ rule), times in one run:
 
 * ``bf16``   -- ``F.linear`` on a BF16 weight (cuBLAS);
 * ``nf4``    -- ``bitsandbytes.matmul_4bit`` (QLoRA's NF4, blocksize 64), if bitsandbytes imports;
-* ``ours``   -- ``qerl::nvfp4_gemm`` through its dispatch (the production path: by M, then v5 or stream-K
-  by shape; each row's ``ours_runs`` names what ran);
-* ``kernel`` / ``dqmm`` -- the two paths forced (v5 fused GEMM; dequantize + cuBLAS), to tune the
-  dispatch threshold;
-* ``kernel_streamk`` -- with ``--variants v5,streamk``: the stream-K fused kernel (v5.5-v5.7, which the
-  dispatch picks by shape) forced, where it applies (M >= 17), next to ``kernel`` (v5), with the
-  per-GEMM and per-layer ratio ``streamk/v5`` = v5 time / stream-K time (> 1: stream-K faster);
-* ``kernel_wgmma`` -- with ``--variants v5,streamk,wgmma``: the Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu,
-  mode 7) forced at every M <= 1024 on sm_90; the run also writes ``gemm_dispatch-<gpu>.json``, the fastest
+* ``ours``   -- ``qerl::nvfp4_gemm`` through its dispatch (the production path: the calibration table or by M,
+  then split-K or stream-K by shape; each row's ``ours_runs`` names what ran);
+* ``kernel_splitk`` / ``dequant_cublas`` -- the two paths forced (the split-K fused GEMM; dequantize + cuBLAS), to
+  tune the dispatch threshold;
+* ``kernel_streamk`` -- with ``--variants splitk,streamk``: the stream-K fused kernel (which the dispatch picks by
+  shape) forced, where it applies (M >= 17), next to ``kernel_splitk``, with the per-GEMM and per-layer ratio
+  ``streamk/splitk`` = split-K time / stream-K time (> 1: stream-K faster);
+* ``kernel_wgmma_rs`` / ``kernel_wgmma_ss`` -- with ``--variants splitk,streamk,wgmma_rs,wgmma_ss``: the Hopper
+  wgmma kernels (cuda/nvfp4_gemm_wgmma.cu, cuda/nvfp4_gemm_wgmma_ss.cu) forced at every M <= 1024 on sm_90;
+  the run also writes ``gemm_dispatch-<gpu>.json``, the fastest
   measured kernel per GEMM shape and M, which auto mode reads as its calibration (verl_qerl/kernels/dispatch.py;
   copy it to verl_qerl/kernels/gemm_dispatch_h200.json to ship it);
 * ``marlin`` -- vLLM's own Marlin FP4 GEMM (W4A16, ``torch.ops._C.marlin_gemm`` with the
@@ -30,6 +31,10 @@ CUDA-event medians) in two modes: ``eager`` (events around one call, launch over
 the anchors) and ``graph`` (a CUDA graph of ROT calls replayed; per-call time = replay / ROT, which
 is how vLLM runs decode steps). Targets are checked on the graph times; both are printed and saved.
 
+Kernel names are by role (cuda/gemm_modes.h); ``--variants`` also takes the former ``v5`` / ``wgmma`` (with a
+warning). Result files written before the names by role have ``kernel`` (split-K), ``dqmm``, ``kernel_wgmma`` and
+``<v>/v5`` keys instead.
+
 Writes ``benchmarks/results/kernel-<gpu>.json`` (``<gpu>`` from the device name: h100, h200, ...; into
 ``--out``/``$OUT`` when that is a folder) and prints the ratio table last.
 
@@ -37,8 +42,8 @@ Writes ``benchmarks/results/kernel-<gpu>.json`` (``<gpu>`` from the device name:
     python benchmarks/kernel.py --quick         # fewer shapes/iterations (smoke test)
     python benchmarks/kernel.py --sanitize      # tiny correctness run for compute-sanitizer
     python benchmarks/kernel.py --no-marlin     # without the vLLM Marlin column
-    python benchmarks/kernel.py --variants v5,streamk --models qwen2.5-7b --ms 16,64,128  # v5 vs stream-K
-    python benchmarks/kernel.py --profile --variants v5,streamk --profile-m 64  # both kernels, under ncu
+    python benchmarks/kernel.py --variants splitk,streamk --models qwen2.5-7b --ms 16,64,128  # split-K vs stream-K
+    python benchmarks/kernel.py --profile --variants splitk,streamk --profile-m 64  # both kernels, under ncu
 """
 
 from __future__ import annotations
@@ -92,65 +97,82 @@ MARLIN_TOL = 1e-2  # relative norm error vs the float64 reference, checked befor
 MARLIN_MIN_CAPABILITY = (7, 5)
 MARLIN_MODULE = "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4"
 MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_fp4_marlin_supported")
-#: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (1: v5; 5: stream-K where it applies)
+#: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (cuda/gemm_modes.h)
 VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
+#: the variant every other one is compared with (always timed, first)
+BASELINE = "splitk"
 
 
 def parse_variants(text: str | None) -> list[str]:
-    """``--variants`` ("v5,streamk") -> ordered, de-duplicated variant names; v5 always first (the baseline
-    the ratios divide by). Unknown names raise ValueError naming them and the known ones."""
-    names = [v.strip().lower() for v in (text or "v5").split(",") if v.strip()]
+    """``--variants`` ("splitk,streamk") -> ordered, de-duplicated variant names; split-K always first (the
+    baseline the ratios divide by). Former names (v5, wgmma) are accepted with a warning; unknown names raise
+    ValueError naming them and the known ones."""
+    names = [kernels.canonical_kernel_name(v, "--variants") for v in (text or BASELINE).split(",") if v.strip()]
     bad = [v for v in names if v not in VARIANT_KERNEL_MODES]
     if bad:
         raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(VARIANT_KERNEL_MODES)}")
-    return ["v5"] + [v for v in dict.fromkeys(names) if v != "v5"]
+    return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
 
 
 def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa: ANN001 - the extension module
-    """Whether timing ``variant`` at (M, N, K) measures anything but v5 again: the extension says which fused
+    """Whether timing ``variant`` at (M, N, K) measures anything but split-K again: the extension says which fused
     kernel the variant's forced mode runs on this device (stream-K: block_m 32 / 64 where the device grants its
-    ring, v5 elsewhere); the fused kernels are not timed above M = 1024."""
-    if variant == "v5":
+    ring, split-K elsewhere); the fused kernels are not timed above M = 1024."""
+    if variant == BASELINE:
         return True
-    return m <= 1024 and ext.gemm_choice(m, n, k, VARIANT_KERNEL_MODES[variant]) == variant
+    return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
     """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given (forced), else the one
-    ``$QERL_GEMM_KERNEL`` selects (forced; ``auto``, the default: the op's own choice, mode 0)."""
+    ``$QERL_GEMM_KERNEL`` selects (forced; ``auto``, the default: the op's own choice)."""
     names = variants if variants else [env_variant]
-    return [(v, VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v])) for v in names]
+    return [(v, int(VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v]))) for v in names]
 
 
 def add_variant_ratios(row: dict, variants: list[str]) -> dict:
-    """``row["<v>/v5"]`` = kernel_graph_ms / kernel_<v>_graph_ms (the variant's speedup over v5, CUDA-graph
-    timing; > 1 means the variant is faster), where both are present."""
+    """``row["<v>/splitk"]`` = kernel_splitk_graph_ms / kernel_<v>_graph_ms (the variant's speedup over split-K,
+    CUDA-graph timing; > 1 means the variant is faster), where both are present."""
+    base = row.get(f"kernel_{BASELINE}_graph_ms")
     for v in variants:
-        if v != "v5" and row.get("kernel_graph_ms") and row.get(f"kernel_{v}_graph_ms"):
-            row[f"{v}/v5"] = round(row["kernel_graph_ms"] / row[f"kernel_{v}_graph_ms"], 3)
+        if v != BASELINE and base and row.get(f"kernel_{v}_graph_ms"):
+            row[f"{v}/{BASELINE}"] = round(base / row[f"kernel_{v}_graph_ms"], 3)
     return row
 
 
 def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """Printed comparison of the fused-kernel variants: per GEMM and per layer, graph ms and ratio to v5."""
-    others = [v for v in variants if v != "v5"]
+    """Printed comparison of the fused-kernel variants: per GEMM and per layer, graph ms and ratio to split-K."""
+    others = [v for v in variants if v != BASELINE]
     if not others:
         return []
-    head = f"{'model':12s} {'layer':8s} {'M':>5s} | {'v5 g':>8s}"
+    head = f"{'model':12s} {'layer':8s} {'M':>5s} | {BASELINE + ' g':>8s}"
     for v in others:
-        head += f" {v + ' g':>10s} {v + '/v5':>10s}"
-    lines = ["# fused-kernel variants, CUDA graph ms; <v>/v5 = v5 / variant (> 1: variant faster)", head]
+        head += f" {v + ' g':>10s} {v + '/' + BASELINE:>15s}"
+    lines = [f"# fused-kernel variants, CUDA graph ms; <v>/{BASELINE} = {BASELINE} / variant (> 1: variant faster)",
+             head]
     for r in rows:
         if not any(r.get(f"kernel_{v}_graph_ms") for v in others):
             continue
-        v5 = r.get("kernel_graph_ms")
-        line = f"{r['model']:12s} {r['layer']:8s} {r['M']:5d} | " + (f"{v5:8.4f}" if v5 else f"{'-':>8s}")
+        base = r.get(f"kernel_{BASELINE}_graph_ms")
+        line = f"{r['model']:12s} {r['layer']:8s} {r['M']:5d} | " + (f"{base:8.4f}" if base else f"{'-':>8s}")
         for v in others:
-            t, q = r.get(f"kernel_{v}_graph_ms"), r.get(f"{v}/v5")
-            line += (f" {t:10.4f}" if t else f" {'-':>10s}") + (f" {q:10.3f}" if q else f" {'-':>10s}")
+            t, q = r.get(f"kernel_{v}_graph_ms"), r.get(f"{v}/{BASELINE}")
+            line += (f" {t:10.4f}" if t else f" {'-':>10s}") + (f" {q:15.3f}" if q else f" {'-':>15s}")
         lines.append(line)
     return lines
+
+
 MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
+
+
+def parse_modes(text: str) -> set[str]:
+    """``--sanitize-modes`` ("streamk,wgmma_ss") -> op mode names (cuda/gemm_modes.h); unknown names raise
+    ValueError naming them and the known ones."""
+    names = {v.strip().lower() for v in text.split(",") if v.strip()}
+    bad = sorted(names - set(kernels.GEMM_MODES))
+    if bad:
+        raise ValueError(f"--sanitize-modes: unknown mode(s) {bad}; known: {sorted(kernels.GEMM_MODES)}")
+    return names
 
 
 def select_models(text: str | None) -> dict:
@@ -430,7 +452,7 @@ def table_lines(rows: list[dict], device_name: str) -> list[str]:
         f"# {device_name}; per decoder layer (qkv+o+gate_up+down), ms; ratio = bf16 / method (higher is "
         "better); ours/marlin = marlin / ours (CUDA graph)",
         f"{'model':12s} {'M':>5s} | {'bf16 g':>8s} {'ours g':>8s} {'x':>5s} | {'bf16 e':>8s} {'ours e':>8s} "
-        f"{'x':>5s} | {'kern g':>8s} {'dqmm g':>8s} {'nf4 g':>8s} {'x nf4':>5s} | {'marlin g':>8s} "
+        f"{'x':>5s} | {'splitk g':>8s} {'dq+cubl g':>9s} {'nf4 g':>8s} {'x nf4':>5s} | {'marlin g':>8s} "
         f"{'o/mar':>5s} | {'fp4 floor':>9s}",
     ]
     for r in rows:
@@ -448,48 +470,54 @@ def table_lines(rows: list[dict], device_name: str) -> list[str]:
         lines.append(
             f"{r['model']:12s} {r['M']:5d} | {f('bf16_graph_ms')} {f('ours_graph_ms')} "
             f"{ratio('bf16_graph_ms', 'ours_graph_ms')} | {f('bf16_eager_ms')} {f('ours_eager_ms')} "
-            f"{ratio('bf16_eager_ms', 'ours_eager_ms')} | {f('kernel_graph_ms')} {f('dqmm_graph_ms')} "
+            f"{ratio('bf16_eager_ms', 'ours_eager_ms')} | {f('kernel_splitk_graph_ms')} "
+            f"{f('dequant_cublas_graph_ms')} "
             f"{f('nf4_graph_ms')} {ratio('bf16_graph_ms', 'nf4_graph_ms')} | {f('marlin_graph_ms')} "
             f"{ratio('marlin_graph_ms', 'ours_graph_ms')} | "
             + (f"{floor:9.4f}" if floor is not None else f"{'-':>9s}"))
     return lines
 
 
-def sanitize_run(modes: set[int] | None = None, max_nk: int | None = None) -> int:
+def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> int:
     """Small shapes through every kernel and split path, checked; meant for compute-sanitizer. ``modes``: only the
-    cases of these op modes, ``max_nk``: only weights with N x K <= max_nk (racecheck / synccheck are slow)."""
+    cases of these op modes (names, cuda/gemm_modes.h), ``max_nk``: only weights with N x K <= max_nk (racecheck /
+    synccheck are slow)."""
     kernels.load_extension()
     torch.manual_seed(0)
     bad = 0
-    for m, n, k, mode in [(1, 256, 256, 1), (5, 272, 512, 18), (16, 128, 384, 19), (40, 384, 256, 1),
-                          (70, 128, 256, 17), (3, 256, 512, 2), (300, 2048, 256, 2), (260, 1040, 384, 3),
-                          # the stream-K variant (mode 5): whole tiles, many partials, half tiles, M tails
-                          (17, 272, 128, 5), (33, 400, 640, 5), (100, 1040, 768, 5), (200, 528, 896, 5),
-                          (64, 4352, 3584, 5),
-                          # the wgmma kernel (mode 7; stream-K / v5 where it is unavailable): both token tiles,
-                          # half 256-row tiles, partial segments, M tails
-                          (1, 272, 128, 7), (64, 1136, 640, 7), (65, 4352, 3584, 7), (300, 528, 896, 7),
-                          (129, 256, 1024, 7),
-                          # the wgmma SS kernel (mode 8): the same, plus a tile split among several CTAs
-                          (1, 272, 128, 8), (64, 1136, 640, 8), (65, 4352, 3584, 8), (300, 528, 896, 8),
-                          (129, 256, 1024, 8), (64, 3584, 3584, 8),
-                          # small weights whose tiles are split among CTAs (two segments per CTA, ring wrap across
-                          # segments, fix-up), both token tiles: small enough for racecheck / synccheck
-                          (64, 1024, 1280, 8), (200, 512, 1280, 8)]:
+    # (M, N, K, mode, split-K splits (0: the heuristic))
+    for m, n, k, mode, splits in [
+            (1, 256, 256, "splitk", 0), (5, 272, 512, "splitk", 2), (16, 128, 384, "splitk", 3),
+            (40, 384, 256, "splitk", 0), (70, 128, 256, "splitk", 1), (3, 256, 512, "dequant_cublas", 0),
+            (300, 2048, 256, "dequant_cublas", 0),
+            # the stream-K kernel: whole tiles, many partials, half tiles, M tails
+            (17, 272, 128, "streamk", 0), (33, 400, 640, "streamk", 0), (100, 1040, 768, "streamk", 0),
+            (200, 528, 896, "streamk", 0), (64, 4352, 3584, "streamk", 0),
+            # the register-A wgmma kernel (stream-K / split-K where it is unavailable): both token tiles,
+            # half 256-row tiles, partial segments, M tails
+            (1, 272, 128, "wgmma_rs", 0), (64, 1136, 640, "wgmma_rs", 0), (65, 4352, 3584, "wgmma_rs", 0),
+            (300, 528, 896, "wgmma_rs", 0), (129, 256, 1024, "wgmma_rs", 0),
+            # the wgmma SS kernel: the same, plus a tile split among several CTAs
+            (1, 272, 128, "wgmma_ss", 0), (64, 1136, 640, "wgmma_ss", 0), (65, 4352, 3584, "wgmma_ss", 0),
+            (300, 528, 896, "wgmma_ss", 0), (129, 256, 1024, "wgmma_ss", 0), (64, 3584, 3584, "wgmma_ss", 0),
+            # small weights whose tiles are split among CTAs (two segments per CTA, ring wrap across
+            # segments, fix-up), both token tiles: small enough for racecheck / synccheck
+            (64, 1024, 1280, "wgmma_ss", 0), (200, 512, 1280, "wgmma_ss", 0)]:
         if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
             continue
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         b = torch.randn(n, device=DEV).to(torch.bfloat16)
-        out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode)
+        out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, kernels.GEMM_MODES[mode], splits)
         ref = reference.linear_f64(x, packed, scale, gs, b)
         err = float((out.double() - ref).norm() / ref.norm())
         w1 = kernels.dequantize(packed, scale, gs)
         w2 = kernels.dequantize_repacked(rw, gs, n)
         ok = err < 1e-2 and torch.equal(w1, w2)
         bad += not ok
-        print(f"sanitize M={m} N={n} K={k} mode={mode}: rel err {err:.2e} dequant equal {torch.equal(w1, w2)}")
+        print(f"sanitize M={m} N={n} K={k} mode={mode} splits={splits}: rel err {err:.2e} "
+              f"dequant equal {torch.equal(w1, w2)}")
     torch.cuda.synchronize()
     print("SANITIZE", "OK" if bad == 0 else f"{bad} FAILED")
     return 1 if bad else 0
@@ -509,7 +537,7 @@ def tune_splits(models: dict, ms: list[int]) -> dict:
                 for pen in penalties:
                     ext.set_tuning(-1, pen)
                     t = bench_graph(lambda r, x=x, ws=ws, n=n: torch.ops.qerl.nvfp4_gemm(
-                        x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, 1), reps=10)
+                        x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, kernels.GemmMode.SPLITK), reps=10)
                     totals[pen] += t or 0.0
             del ws
     for pen, tot in totals.items():
@@ -552,7 +580,8 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
     if minfo:
         print(f"# marlin {mname} {lname} {n}x{k}: {json.dumps(minfo)}", flush=True)
 
-    def ours(mode: int, x: torch.Tensor):  # noqa: ANN202
+    def ours(mode: str, x: torch.Tensor):  # noqa: ANN202
+        mode = kernels.GEMM_MODES[mode]
         return lambda r: torch.ops.qerl.nvfp4_gemm(
             x, rws[r % ROT].qweight, rws[r % ROT].qscale, gss[r % ROT], None, n, mode)
 
@@ -561,15 +590,13 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         x = xs[m]
         fns = {
             "bf16": lambda r, x=x: F.linear(x, w_bf16[r % ROT]),
-            "ours": ours(0, x),
-            "kernel": ours(1, x),
-            "dqmm": ours(2, x),
+            "ours": ours("auto", x),
+            f"kernel_{BASELINE}": ours(BASELINE, x),
+            "dequant_cublas": ours("dequant_cublas", x),
         }
-        if m >= 256:
-            fns["dqmm_sliced"] = ours(3, x)
         for v in variants or []:
-            if v != "v5" and variant_applies(ext, v, m, n, k):
-                fns[f"kernel_{v}"] = ours(VARIANT_KERNEL_MODES[v], x)
+            if v != BASELINE and variant_applies(ext, v, m, n, k):
+                fns[f"kernel_{v}"] = ours(v, x)
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(
@@ -577,7 +604,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         if mfns is not None:
             fns["marlin"] = lambda r, x=x: mfns[r % ROT](x)
         rec = {"model": mname, "layer": lname, "N": n, "K": k, "M": m, "splits": int(ext.splits_for(m, n, k)),
-               "ours_runs": ext.gemm_choice(m, n, k, 0), **minfo}
+               "ours_runs": ext.gemm_choice(m, n, k, int(kernels.GemmMode.AUTO)), **minfo}
         if "streamk" in (variants or []):
             rec["streamk_grid"] = int(ext.streamk_grid(m, n))
             rec["streamk_tiles"] = int(ext.streamk_tiles(m, n))
@@ -595,7 +622,7 @@ def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = floa
     """How well auto's rule -- stream-K when tiles >= ``rule`` x CTAs or each CTA's range has >= ``rule_stages``
     K stages (cuda/qerl_torch.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
 
-    Per GEMM row with both ``kernel_graph_ms`` (v5) and ``kernel_streamk_graph_ms``: its tiles per CTA
+    Per GEMM row with both ``kernel_splitk_graph_ms`` and ``kernel_streamk_graph_ms``: its tiles per CTA
     (``streamk_tiles`` / ``streamk_grid``, both recorded from the extension when the row was timed), stages per
     CTA (ceil(tiles x K stages / grid)) and which kernel is faster. Returns the points, how many the rule gets
     right, the summed time under the rule vs best-of-both, and the tiles threshold (among the observed values,
@@ -603,24 +630,25 @@ def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = floa
     """
     pts = []
     for r in rows:
-        v5, sk, grid = r.get("kernel_graph_ms"), r.get("kernel_streamk_graph_ms"), r.get("streamk_grid")
+        sp, sk, grid = r.get("kernel_splitk_graph_ms"), r.get("kernel_streamk_graph_ms"), r.get("streamk_grid")
         tiles = r.get("streamk_tiles")
-        if r.get("layer") == "sum" or not (v5 and sk and grid and tiles):
+        if r.get("layer") == "sum" or not (sp and sk and grid and tiles):
             continue
         pts.append({"model": r["model"], "layer": r["layer"], "M": r["M"], "tiles_per_cta": round(tiles / grid, 4),
-                    "stages_per_cta": -(-tiles * (r["K"] // kernels.K_STAGE) // grid), "v5_ms": v5, "streamk_ms": sk})
+                    "stages_per_cta": -(-tiles * (r["K"] // kernels.K_STAGE) // grid), "splitk_ms": sp,
+                    "streamk_ms": sk})
 
     def picks(p: dict, th: float) -> bool:
         return p["tiles_per_cta"] >= th or p["stages_per_cta"] >= rule_stages
 
     def total(th: float) -> float:
-        return sum(p["streamk_ms"] if picks(p, th) else p["v5_ms"] for p in pts)
+        return sum(p["streamk_ms"] if picks(p, th) else p["splitk_ms"] for p in pts)
 
     cands = sorted({0.0, float("inf"), *(p["tiles_per_cta"] for p in pts)})
     best = min(cands, key=lambda th: (total(th), th))
-    right = sum(picks(p, rule) == (p["streamk_ms"] < p["v5_ms"]) for p in pts)
+    right = sum(picks(p, rule) == (p["streamk_ms"] < p["splitk_ms"]) for p in pts)
     return {"rule": rule, "rule_stages": rule_stages, "rule_right": right, "rule_ms": round(total(rule), 5),
-            "oracle_ms": round(sum(min(p["v5_ms"], p["streamk_ms"]) for p in pts), 5),
+            "oracle_ms": round(sum(min(p["splitk_ms"], p["streamk_ms"]) for p in pts), 5),
             "best_threshold": best if best != float("inf") else None, "best_ms": round(total(best), 5),
             "points": sorted(pts, key=lambda p: p["tiles_per_cta"])}
 
@@ -632,11 +660,12 @@ def repro_throw() -> int:
     rw = kernels.repack(packed, scale)
     try:
         torch.ops.qerl.nvfp4_gemm(torch.randn(4, 128, device=DEV).to(torch.bfloat16), rw.qweight, rw.qscale,
-                                  gs, None, 64, 1)
+                                  gs, None, 64, kernels.GemmMode.SPLITK)
     except RuntimeError as ex:
         print("REPRO caught:", str(ex).splitlines()[0][:200])
     try:
-        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64, 1)
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64,
+                                  kernels.GemmMode.SPLITK)
     except RuntimeError as ex:
         print("REPRO caught:", str(ex).splitlines()[0][:200])
     print("REPRO done")
@@ -651,7 +680,7 @@ PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 3788
 def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list[str] | None = None) -> int:
     """One fused-kernel call per shape and variant (for ncu), after a warm-up call each; with ``marlin`` vLLM's
     Marlin FP4 GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the GEMMs:
-    v5 is ``nvfp4_gemm_kernel``, stream-K ``nvfp4_gemm_streamk_kernel``)."""
+    split-K is ``nvfp4_gemm_splitk_kernel``, stream-K ``nvfp4_gemm_streamk_kernel``)."""
     kernels.load_extension()
     modes = profile_modes(variants, kernels.gemm_kernel_variant())
     mod = None
@@ -757,13 +786,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--sanitize-modes", default=None,
-                    help="with --sanitize: comma list of op modes to run (default all)")
+                    help="with --sanitize: comma list of op mode names to run (default all; cuda/gemm_modes.h)")
     ap.add_argument("--sanitize-max-nk", type=int, default=None, help="with --sanitize: skip weights with N x K above")
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--threshold", type=int, default=-1, help="force the dispatch threshold (M)")
     ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
     ap.add_argument("--variants", default=None,
-                    help="fused-kernel variants to time side by side (v5,streamk); with --profile: to profile "
+                    help="fused-kernel variants to time side by side (splitk,streamk); with --profile: to profile "
                     "(default: the one $QERL_GEMM_KERNEL selects)")
     ap.add_argument("--models", default=None,
                     help=f"comma list of {sorted(MODELS)}, or all (default {','.join(DEFAULT_MODELS)})")
@@ -774,6 +803,7 @@ def main() -> int:
         variants = parse_variants(args.variants)
         models = select_models(args.models)
         ms_arg = [int(v) for v in args.ms.split(",")] if args.ms else None
+        sanitize_modes = parse_modes(args.sanitize_modes) if args.sanitize_modes else None
     except ValueError as ex:
         ap.error(str(ex))
     if args.ncu_summary:
@@ -783,8 +813,7 @@ def main() -> int:
     if args.sass:
         return sass_summary(args.sass)
     if args.sanitize:
-        return sanitize_run({int(v) for v in args.sanitize_modes.split(",")} if args.sanitize_modes else None,
-                            args.sanitize_max_nk)
+        return sanitize_run(sanitize_modes, args.sanitize_max_nk)
     if args.repro_throw:
         return repro_throw()
     if args.profile:
@@ -898,7 +927,8 @@ def main() -> int:
     rec_thr = {}
     for mname in models:
         faster = [r["M"] for r in rows if r["layer"] == "sum" and r["model"] == mname
-                  and r.get("kernel_graph_ms") and r.get("dqmm_graph_ms") and r["kernel_graph_ms"] < r["dqmm_graph_ms"]]
+                  and r.get("kernel_splitk_graph_ms") and r.get("dequant_cublas_graph_ms")
+                  and r["kernel_splitk_graph_ms"] < r["dequant_cublas_graph_ms"]]
         rec_thr[mname] = max(faster) if faster else 0
     out["recommended_gemm_max_m"] = rec_thr
     path.write_text(json.dumps(out, indent=1))

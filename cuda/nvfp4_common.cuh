@@ -205,7 +205,7 @@ __device__ __forceinline__ void store_partial(const float (&acc)[NB][MT][4], flo
 
 // After this CTA published its partial: counts its arrival and returns, in every thread, whether it is the last
 // of `arrivals` on counters[index]. `flag` is a __shared__ int. The last CTA must __threadfence() before it reads
-// the others' partials; the caller does it after its branch (so v5's code stays what was measured on the GPU).
+// the others' partials; the caller does it after its branch (so split-K's code stays what was measured on the GPU).
 __device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, int tid, int& flag) {
   __threadfence();
   __syncthreads();

@@ -46,7 +46,7 @@ struct Cfg {
 
 template <int BM>
 __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
-    nvfp4_gemm_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+    nvfp4_gemm_splitk_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
                       const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                       float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
@@ -224,7 +224,7 @@ cudaError_t prepare() {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64 || !done[dev]) {
-    e = cudaFuncSetAttribute(nvfp4_gemm_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(nvfp4_gemm_splitk_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Cfg<BM>::SMEM_BYTES);
     if (e != cudaSuccess) return e;
     if (dev >= 0 && dev < 64) done[dev] = true;
@@ -241,7 +241,7 @@ cudaError_t launch(const void* x, const void* qweight, const void* qscale, const
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
   dim3 grid(n_tiles, splits, m_tiles);
-  nvfp4_gemm_kernel<BM><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
+  nvfp4_gemm_splitk_kernel<BM><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight),
       static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
       static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K, splits);
@@ -252,7 +252,7 @@ template <int BM>
 int ctas_per_sm() {
   if (prepare<BM>() != cudaSuccess) return 0;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_kernel<BM>, THREADS, Cfg<BM>::SMEM_BYTES) !=
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_splitk_kernel<BM>, THREADS, Cfg<BM>::SMEM_BYTES) !=
       cudaSuccess)
     return 0;
   return n;

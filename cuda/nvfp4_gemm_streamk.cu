@@ -1,20 +1,20 @@
-// FP4 x BF16 GEMM (W4A16, NVFP4 weights), medium-M kernel (v5.5-v5.7): persistent stream-K, 256-row tiles.
+// FP4 x BF16 GEMM (W4A16, NVFP4 weights), medium-M kernel: persistent stream-K, 256-row tiles.
 // block_m 32 / 64 only. The op's auto mode (cuda/qerl_torch.cpp, streamk_pays) runs it where its tiles number
 // >= 0.25 x its CTAs or each CTA's range is >= 24 K stages (the H200 calibration in benchmarks/NOTES.md), and
-// nvfp4_gemm.cu (v5) elsewhere; QERL_GEMM_KERNEL=v5|streamk forces one.
+// nvfp4_gemm.cu (split-K) elsewhere; QERL_GEMM_KERNEL=splitk|streamk forces one.
 //
-// Why a second kernel (ncu numbers in benchmarks/NOTES.md, "v5.5"): at M = 64 v5 is bound by shared-memory
-// traffic and latency, not by the tensor pipe. Each v5 warp owns 32 weight rows, so per k16 step it issues
+// Why a second kernel (ncu numbers in benchmarks/NOTES.md, "v5.5"; v5 there is the split-K kernel): at M = 64
+// split-K is bound by shared-memory traffic and latency, not by the tensor pipe. Each split-K warp owns 32 weight rows, so per k16 step it issues
 // 4 ldmatrix.x4 of activations for only 16 MMAs, and its 296 N-tiles each re-read all activations from L2;
 // 4.5 waves of CTAs leave a partial last wave and every split-K CTA pays a fence. Here:
 //  * CTA tile = 256 weight rows x BM tokens, 8 warps: warp w owns rows [64 (w % 4), +64) (4 n16 blocks) and
-//    the k64 half w / 4 of every 128-wide stage (the two halves are summed through smem, as in v5). Per k16
-//    step a warp issues BM/16 ldmatrix.x4 for 4 * BM/8 MMAs: twice v5's MMAs per activation load, and half
+//    the k64 half w / 4 of every 128-wide stage (the two halves are summed through smem, as in split-K). Per k16
+//    step a warp issues BM/16 ldmatrix.x4 for 4 * BM/8 MMAs: twice split-K's MMAs per activation load, and half
 //    the tiles re-reading activations from L2.
 //  * The repacked layout is read unchanged: a 256-row tile is the two consecutive 128-row tiles 2t, 2t+1
 //    (per stage two 8 KB weight blocks and two 1 KB scale blocks). When 2t+1 does not exist (N % 256 in
 //    (0, 128]) its half is neither loaded nor computed; rows >= N are never stored.
-//  * A 6-deep (BM = 64) / 8-deep (BM = 32) cp.async ring of ~212 KB: one CTA per SM, twice v5's bytes in flight.
+//  * A 6-deep (BM = 64) / 8-deep (BM = 32) cp.async ring of ~212 KB: one CTA per SM, twice split-K's bytes in flight.
 //  * Persistent stream-K: the grid is (SMs x CTAs/SM); the flattened (m_tile, n_tile, k_stage) unit space is
 //    cut into equal contiguous ranges of `units_per_cta`, one per CTA, so every SM gets the same number of
 //    stages whatever the tile count (no partial wave). A CTA walks the tile segments of its range. A segment
@@ -23,7 +23,7 @@
 //    (atomic counter, re-zeroed by it) sums every partial of the tile in CTA order (deterministic whichever
 //    CTA arrives last) and runs the epilogue. A CTA writes at most 2 partials (its middle tiles are whole),
 //    so the workspace is 2 x CTAs x BM x 256 floats (qerl_nvfp4_gemm_streamk_workspace_floats, from schedule()).
-//  * Epilogue math identical to v5: acc * (128 / global_scale) + bias -> bf16, only rows < M and < N.
+//  * Epilogue math identical to split-K: acc * (128 / global_scale) + bias -> bf16, only rows < M and < N.
 // Known cost kept in this version: the ring drains at each segment boundary (about 2 segments per CTA at
 // the 7B gate_up shape), one pipeline refill each.
 #include "nvfp4_common.cuh"
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
 
-    // ---- epilogue (v5's math): scale by 128 / global_scale, add bias, store bf16
+    // ---- epilogue (split-K's math): scale by 128 / global_scale, add bias, store bf16
     if (do_store && active)
       store_bf16(own, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4 + own_nb0, m0, lane,
                  M, N);
@@ -299,7 +299,7 @@ cudaError_t prepare_sk() {
     int optin = 0;
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e != cudaSuccess) return e;
-    if (optin < SkCfg<BM>::SMEM_BYTES) return cudaErrorNotSupported;  // e.g. sm_89 (99 KB): use v5
+    if (optin < SkCfg<BM>::SMEM_BYTES) return cudaErrorNotSupported;  // e.g. sm_89 (99 KB): use split-K
     e = cudaFuncSetAttribute(nvfp4_gemm_streamk_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              SkCfg<BM>::SMEM_BYTES);
     if (e != cudaSuccess) return e;

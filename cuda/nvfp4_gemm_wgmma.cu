@@ -9,7 +9,7 @@
 //  * Roles: the weight rows (the GEMM's N, the wide side) are wgmma's M (m64), the tokens are wgmma's N (T = 64 or
 //    128). The repacked layout (verl_qerl/kernels/layout.py) is read unchanged: one warp's register-A fragment of
 //    wgmma m64nTk16 is the m16n8k16 A fragment (rows lane/4 (+8), K 2 (lane%4) (+1, +8)) of that warp's 16 rows,
-//    exactly what one 32-bit word of the layout decodes to with the v5 bit tricks (decode_raw, scale_two).
+//    exactly what one 32-bit word of the layout decodes to with the split-K bit tricks (decode_raw, scale_two).
 //  * CTA tile: 256 weight rows (the repacked 128-row tiles 2t, 2t+1) x T tokens, 2 warpgroups. Warpgroup g owns
 //    tile 2t+g and issues two m64 wgmmas per k16 step (its rows 0-63: warp w decodes n16 block w; rows 64-127:
 //    block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes nothing.

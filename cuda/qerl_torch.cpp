@@ -5,7 +5,6 @@
 // from the caching allocator (shape-determined sizes only); the split-K semaphores are a per-device
 // buffer allocated once outside capture (init_workspace) and left zeroed by every launch.
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -19,6 +18,16 @@
 #include <vector>
 
 #include "qerl_nvfp4.h"
+
+// The op's modes and the GEMM paths it runs, from their one definition (cuda/gemm_modes.h, also parsed by Python).
+enum class GemmMode : int64_t {
+#define QERL_GEMM_MODE(id, value, name, doc) id = value,
+#include "gemm_modes.h"
+};
+enum class GemmKernel : int64_t {
+#define QERL_GEMM_KERNEL_DEF(id, value, name, doc) id = value,
+#include "gemm_modes.h"
+};
 
 namespace {
 
@@ -79,7 +88,7 @@ double split_penalty() {
 // is cut among many CTAs of a few stages each, and the pipeline fill plus the serial partial-sum fix-up
 // dominate. Calibrated on the H200 over 80 GEMMs of five Qwen2.5 sizes, M = 33-128 (benchmarks/NOTES.md,
 // "v5.7 outcome"): stream-K wins or ties at every shape with >= 0.27 tiles per CTA or >= 32 stages per CTA
-// (1.0-1.7x v5) and loses at the shapes with <= 0.21 tiles and <= 17 stages per CTA (0.57-0.98x).
+// (1.0-1.7x split-K) and loses at the shapes with <= 0.21 tiles and <= 17 stages per CTA (0.57-0.98x).
 constexpr int64_t kStreamkMinStagesPerCta = 24;
 double streamk_min_tiles() {
   if (g_streamk_min_tiles < 0) {
@@ -189,54 +198,13 @@ at::Tensor dequant_repacked_cuda(const at::Tensor& qw, const at::Tensor& qs, con
   return out;
 }
 
-// Large M: dequantize to the activations' dtype and let cuBLAS do the (compute-bound) GEMM. With
-// `sliced`, N is cut into 128-row-aligned slices; slice i+1 is dequantized on a side stream while
-// cuBLAS multiplies slice i into its column range of the output (ld = N, no copy), so only the
-// first slice's dequant pass is exposed and the transient weight is two slices, not the layer.
-at::Tensor dqmm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
-                     const c10::optional<at::Tensor>& bias, int64_t n, bool sliced) {
-  const int64_t m = x.size(0), k = x.size(1), st = qw.size(1);
-  const int64_t ntl = (n + 127) / 128;
+// Large M: dequantize to the activations' dtype and let cuBLAS do the (compute-bound) GEMM.
+at::Tensor dequant_cublas_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                               const c10::optional<at::Tensor>& bias, int64_t n) {
   c10::optional<at::Tensor> b;
   if (bias.has_value() && bias->defined()) b = bias->to(x.scalar_type());
-  int64_t slices = 1;
-  if (sliced && m >= 256 && ntl >= 8) slices = std::min<int64_t>(4, ntl / 2);
-  if (slices <= 1) {
-    at::Tensor w = dequant_repacked_cuda(qw, qs, gs, n, x.scalar_type());
-    return at::linear(x, w, b);
-  }
-  const int64_t tl_per = (ntl + slices - 1) / slices;
-  slices = (ntl + tl_per - 1) / tl_per;
-  at::Tensor out = at::empty({m, n}, x.options());
-  at::Tensor buf[2] = {at::empty({tl_per * 128, k}, x.options()), at::empty({tl_per * 128, k}, x.options())};
-  const at::cuda::CUDAStream main = at::cuda::getCurrentCUDAStream();
-  const at::cuda::CUDAStream side = at::cuda::getStreamFromPool(false, x.device().index());
-  at::cuda::CUDAEvent fork;
-  fork.record(main);
-  fork.block(side);
-  std::vector<at::cuda::CUDAEvent> dq(slices), mm(slices);
-  const int dt = dtype_code(x.scalar_type());
-  const uint8_t* qwp = static_cast<const uint8_t*>(qw.data_ptr());
-  const uint8_t* qsp = static_cast<const uint8_t*>(qs.data_ptr());
-  for (int64_t i = 0; i < slices; ++i) {
-    const int64_t t0 = i * tl_per;
-    const int64_t n0 = t0 * 128;
-    const int64_t ns = std::min<int64_t>(n, n0 + tl_per * 128) - n0;
-    at::Tensor& bw = buf[i & 1];
-    if (i >= 2) mm[i - 2].block(side);  // slice i-2's GEMM must be done with this buffer
-    check_cuda(qerl_nvfp4_dequant_repacked_launch(qwp + size_t(t0) * st * 8192, qsp + size_t(t0) * st * 1024,
-                                                  gs.data_ptr<float>(), bw.data_ptr(), int(ns), int(k), dt, side),
-               "nvfp4_dequant_repacked launch (slice)");
-    dq[i].record(side);
-    dq[i].block(main);
-    at::Tensor o = out.narrow(1, n0, ns);
-    at::mm_out(o, x, bw.narrow(0, 0, ns).t());
-    mm[i].record(main);
-  }
-  buf[0].record_stream(side);
-  buf[1].record_stream(side);
-  if (b.has_value()) out.add_(*b);
-  return out;
+  at::Tensor w = dequant_repacked_cuda(qw, qs, gs, n, x.scalar_type());
+  return at::linear(x, w, b);
 }
 
 int pick_block_m(int64_t m) {
@@ -271,8 +239,8 @@ int pick_splits(int64_t tiles, int64_t stages, int block_m, int sms) {
   return best;
 }
 
-// Stream-K variant (opt-in, cuda/nvfp4_gemm_streamk.cu): resident CTAs per SM for block_m, cached per device
-// (0 where the variant does not apply: block_m other than 32 / 64, or too little shared memory per CTA).
+// Stream-K kernel (cuda/nvfp4_gemm_streamk.cu): resident CTAs per SM for block_m, cached per device
+// (0 where the kernel does not apply: block_m other than 32 / 64, or too little shared memory per CTA).
 int streamk_ctas_per_sm(int block_m) {
   if (block_m != 32 && block_m != 64) return 0;
   static int cache[64][2];
@@ -289,7 +257,7 @@ int streamk_ctas_per_sm(int block_m) {
 }
 
 // CTAs requested from the stream-K kernel for (M, N) on the current device: SMs x resident CTAs per SM, or 0
-// when the variant does not apply to this shape / device (then v5 runs).
+// when the kernel does not apply to this shape / device (then split-K runs).
 int64_t streamk_grid(int64_t m, int64_t n) {
   const int block_m = pick_block_m(m);
   const int per_sm = streamk_ctas_per_sm(block_m);
@@ -301,7 +269,7 @@ int64_t streamk_grid(int64_t m, int64_t n) {
 // the counters it uses (0 for block_m 8 / 16, where it never runs). Benchmarks record it next to streamk_grid.
 int64_t streamk_tiles(int64_t m, int64_t n) { return qerl_nvfp4_gemm_streamk_tiles(int(m), int(n), pick_block_m(m)); }
 
-// Which fused kernel a mode may run: v5 only, stream-K where it applies and pays (tile count, auto), or stream-K
+// Which mma.sync fused kernel a mode may run: split-K only, stream-K where it applies and pays (tile count, auto), or stream-K
 // wherever it applies (block_m 32 / 64 on a device that grants its ring).
 enum class StreamK { kNever, kWherePays, kWhereItApplies };
 
@@ -313,7 +281,7 @@ bool streamk_pays(int64_t m, int64_t n, int64_t k, int64_t grid) {
   return double(tiles) >= streamk_min_tiles() * double(grid) || stages_per_cta >= kStreamkMinStagesPerCta;
 }
 
-// The stream-K grid for (M, N, K) under `policy`, or 0: v5 runs.
+// The stream-K grid for (M, N, K) under `policy`, or 0: split-K runs.
 int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
   if (policy == StreamK::kNever) return 0;
   const int64_t grid = streamk_grid(m, n);
@@ -364,7 +332,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
   QCHECK(k % QERL_GEMM_BK == 0, "qerl::nvfp4_gemm (kernel): K=", k, " must be a multiple of ", QERL_GEMM_BK,
-              " (shape x [", m, ", ", k, "], W [", n, ", ", k, "]); use mode 0 or 2 for other shapes");
+              " (shape x [", m, ", ", k, "], W [", n, ", ", k, "]); use mode auto or dequant_cublas for other shapes");
   at::Tensor x = x_in.contiguous();
   if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 != 0) x = x.clone();
   at::Tensor out = at::empty({m, n}, x.options());
@@ -426,18 +394,46 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
 
 // ---- measured dispatch (auto mode on devices with a calibration table; benchmarks/kernel.py writes it)
 //
-// The GEMMs the op can run, by role. Their names (gemm_kernel_names) are the one list Python reads, so the table
-// file, gemm_choice and the Python side share the spelling.
-enum GemmKernel : int64_t {
-  kKernelV5 = 0,
-  kKernelStreamK = 1,
-  kKernelWgmma = 2,
-  kKernelDequantCublas = 3,
-  kKernelWgmmaSS = 4
-};
+// The GEMMs the op can run, by role (cuda/gemm_modes.h). Their names are the one list the table file, gemm_choice
+// and the Python side share; ids are dense from 0 in the header's order, so a name's index is its id.
 const std::vector<std::string>& gemm_kernel_names() {
-  static const std::vector<std::string> names = {"v5", "streamk", "wgmma", "dqmm", "wgmma_ss"};
+  static const std::vector<std::string> names = {
+#define QERL_GEMM_KERNEL_DEF(id, value, name, doc) name,
+#include "gemm_modes.h"
+  };
   return names;
+}
+constexpr bool kernel_ids_dense() {
+  int64_t expect = 0;
+  bool dense = true;
+#define QERL_GEMM_KERNEL_DEF(id, value, name, doc) dense = dense && (value) == expect++;
+#include "gemm_modes.h"
+  return dense;
+}
+static_assert(kernel_ids_dense(), "cuda/gemm_modes.h: kernel ids must be 0, 1, 2, ... in order");
+const std::string& kernel_name(GemmKernel k) { return gemm_kernel_names()[static_cast<size_t>(k)]; }
+
+// (name, value) of every mode, in the header's order (the binding exports it; tests compare it with Python's parse).
+std::vector<std::pair<std::string, int64_t>> gemm_modes() {
+  return {
+#define QERL_GEMM_MODE(id, value, name, doc) {name, value},
+#include "gemm_modes.h"
+  };
+}
+
+// The mode named by `mode`, or an error listing the valid ones.
+GemmMode checked_mode(int64_t mode, const char* who) {
+  switch (mode) {
+#define QERL_GEMM_MODE(id, value, name, doc) case value:
+#include "gemm_modes.h"
+    return static_cast<GemmMode>(mode);
+    default:
+      break;
+  }
+  std::string known;
+  for (const auto& [name, value] : gemm_modes()) known += msg(known.empty() ? "" : ", ", value, " ", name);
+  QCHECK(false, who, ": unknown mode ", mode, " (", known, "; cuda/gemm_modes.h)");
+  return GemmMode::Auto;
 }
 
 // One measured point: for an [n, k] weight at m tokens, `kernel` was the fastest (CUDA-graph time).
@@ -492,54 +488,66 @@ int64_t table_pick(int64_t m, int64_t n, int64_t k) {
   return kernel;
 }
 
-// mode: 0 = auto: fused kernel for M <= threshold and supported shapes, else dequant + cuBLAS; the fused kernel
-//           is stream-K where it applies and pays (streamk_pays: enough 256-row tiles or long ranges), v5 elsewhere,
-//       1 = v5 kernel (errors on unsupported shapes), 2 = dequant + cuBLAS,
-//       3 = N-sliced dequant + cuBLAS with the next slice's dequant on a side stream (measured
-//           slower than 2 on the H100: kept for experiments), >= 16: v5 kernel with splits = mode - 16,
-//       4 = as 0, 5 = as 1, but the fused kernel is stream-K wherever it applies (block_m 32 / 64 on a device
-//           with enough shared memory per CTA; v5 elsewhere), 6 = as 0 with v5 only,
-//       7 = the Hopper wgmma kernel at every M where it is available (sm_90a build on an sm_90 device), as 5
-//           elsewhere, 8 = as 7 with the shared-memory-operand wgmma kernel (cuda/nvfp4_gemm_wgmma_ss.cu).
-//       Python maps QERL_GEMM_KERNEL=auto|v5|streamk to 0|6|4 (verl_qerl/kernels/__init__.py).
+// What a mode runs (cuda/gemm_modes.h): the fused kernel or dequantize + cuBLAS, and which fused kernel may run.
 struct Route {
   bool kernel;     // fused kernel (else dequant + cuBLAS)
   StreamK policy;  // which mma.sync fused kernel may run
   Wgmma wgmma;     // a Hopper wgmma kernel, where it is available (else `policy` decides)
 };
 
-Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, int64_t mode) {
-  const bool kernel_ok = dtype == at::kBFloat16 && k % QERL_GEMM_BK == 0;
-  if (mode == 0 && kernel_ok) {
-    // auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel
-    switch (table_pick(m, n, k)) {
-      case kKernelV5:
-        return {true, StreamK::kNever, Wgmma::kNone};
-      case kKernelStreamK:
-        return {true, StreamK::kWhereItApplies, Wgmma::kNone};
-      case kKernelWgmma:
-        if (wgmma_grid(m, n, Wgmma::kRegA) > 0) return {true, StreamK::kNever, Wgmma::kRegA};
-        break;  // not available in this build / device: the rule below
-      case kKernelWgmmaSS:
-        if (wgmma_grid(m, n, Wgmma::kSS) > 0) return {true, StreamK::kNever, Wgmma::kSS};
-        break;
-      case kKernelDequantCublas:
-        return {false, StreamK::kNever, Wgmma::kNone};
-      default:
-        break;  // no table: the rule below
-    }
+// Auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel, when it
+// is available here; false when there is no table or the kernel does not run on this build / device.
+bool table_route(int64_t m, int64_t n, int64_t k, Route* r) {
+  const int64_t id = table_pick(m, n, k);
+  if (id < 0) return false;
+  switch (static_cast<GemmKernel>(id)) {
+    case GemmKernel::SplitK:
+      *r = {true, StreamK::kNever, Wgmma::kNone};
+      return true;
+    case GemmKernel::StreamK:
+      *r = {true, StreamK::kWhereItApplies, Wgmma::kNone};
+      return true;
+    case GemmKernel::WgmmaRS:
+      *r = {true, StreamK::kNever, Wgmma::kRegA};
+      return wgmma_grid(m, n, Wgmma::kRegA) > 0;
+    case GemmKernel::WgmmaSS:
+      *r = {true, StreamK::kNever, Wgmma::kSS};
+      return wgmma_grid(m, n, Wgmma::kSS) > 0;
+    case GemmKernel::DequantCublas:
+      *r = {false, StreamK::kNever, Wgmma::kNone};
+      return true;
   }
-  const bool auto_m = mode == 0 || mode == 4 || mode == 6;
-  const bool kernel =
-      mode == 1 || mode == 5 || mode == 7 || mode == 8 || mode >= 16 || (auto_m && kernel_ok && m <= gemm_max_m());
-  const StreamK policy = mode == 0 ? StreamK::kWherePays
-                         : (mode == 4 || mode == 5 || mode == 7 || mode == 8) ? StreamK::kWhereItApplies
-                                                                 : StreamK::kNever;
-  return {kernel, policy, mode == 7 ? Wgmma::kRegA : mode == 8 ? Wgmma::kSS : Wgmma::kNone};
+  return false;
+}
+
+Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, GemmMode mode) {
+  const bool kernel_ok = dtype == at::kBFloat16 && k % QERL_GEMM_BK == 0;
+  Route r{};
+  if (mode == GemmMode::Auto && kernel_ok && table_route(m, n, k, &r)) return r;
+  const bool by_m = kernel_ok && m <= gemm_max_m();  // the auto modes' fused-kernel range
+  switch (mode) {
+    case GemmMode::Auto:
+      return {by_m, StreamK::kWherePays, Wgmma::kNone};
+    case GemmMode::AutoStreamK:
+      return {by_m, StreamK::kWhereItApplies, Wgmma::kNone};
+    case GemmMode::AutoSplitK:
+      return {by_m, StreamK::kNever, Wgmma::kNone};
+    case GemmMode::SplitK:
+      return {true, StreamK::kNever, Wgmma::kNone};
+    case GemmMode::StreamK:
+      return {true, StreamK::kWhereItApplies, Wgmma::kNone};
+    case GemmMode::WgmmaRS:
+      return {true, StreamK::kWhereItApplies, Wgmma::kRegA};
+    case GemmMode::WgmmaSS:
+      return {true, StreamK::kWhereItApplies, Wgmma::kSS};
+    case GemmMode::DequantCublas:
+      return {false, StreamK::kNever, Wgmma::kNone};
+  }
+  return {false, StreamK::kNever, Wgmma::kNone};
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
-                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode) {
+                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode_value, int64_t splits) {
   QCHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
   check_repacked(qw, qs, n);
   check_gscale(gs, x);
@@ -547,22 +555,22 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
               qw.size(1) * 128);
   c10::cuda::CUDAGuard g(x.device());
-  QCHECK(mode >= 0 && (mode <= 8 || mode >= 16), "qerl::nvfp4_gemm: unknown mode ", mode,
-         " (0 auto, 1 v5 kernel, 2 dequant + cuBLAS, 3 sliced, 4 auto stream-K, 5 kernel stream-K, 6 auto v5, "
-         "7 kernel wgmma, 8 kernel wgmma SS, 16 + splits)");
+  const GemmMode mode = checked_mode(mode_value, "qerl::nvfp4_gemm");
+  QCHECK(splits >= 0 && (splits == 0 || mode == GemmMode::SplitK), "qerl::nvfp4_gemm: splits=", splits,
+         " (K-splits of the split-K kernel) needs mode ", static_cast<int64_t>(GemmMode::SplitK),
+         " (splitk) and must be >= 0");
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
-  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, mode >= 16 ? mode - 16 : 0, r.policy, r.wgmma);
-  return dqmm_cuda(x, qw, qs, gs, bias, n, mode == 3);
+  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma);
+  return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
 }
 
-// What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: "dqmm",
-// "v5", "streamk", "wgmma" or "wgmma_ss" (benchmarks label their rows with it; no launch).
+// What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: one of
+// gemm_kernel_names() (benchmarks label their rows with it; no launch).
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
-  QCHECK(mode >= 0 && (mode <= 8 || mode >= 16), "qerl gemm_choice: unknown mode ", mode);
-  const Route r = route(m, n, k, at::kBFloat16, mode);
-  if (!r.kernel) return "dqmm";
-  if (wgmma_grid(m, n, r.wgmma) > 0) return r.wgmma == Wgmma::kSS ? "wgmma_ss" : "wgmma";
-  return streamk_launch_grid(m, n, k, r.policy) > 0 ? "streamk" : "v5";
+  const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl gemm_choice"));
+  if (!r.kernel) return kernel_name(GemmKernel::DequantCublas);
+  if (wgmma_grid(m, n, r.wgmma) > 0) return kernel_name(r.wgmma == Wgmma::kSS ? GemmKernel::WgmmaSS : GemmKernel::WgmmaRS);
+  return kernel_name(streamk_launch_grid(m, n, k, r.policy) > 0 ? GemmKernel::StreamK : GemmKernel::SplitK);
 }
 
 void set_tuning(int64_t gemm_max_m_value, double penalty, double streamk_min_tiles_value) {
@@ -597,15 +605,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
-  m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): dqmm, v5, streamk, wgmma or wgmma_ss");
+  m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");
+  m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
-        "CTAs the stream-K variant requests for (M, N) on the current device (0: v5 runs instead)");
+        "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");
   m.def("gemm_kernel_names", &gemm_kernel_names,
         "the GEMM kernels by id (the calibration table's kernel ids; gemm_choice's names)");
   m.def("set_dispatch_table", &set_dispatch_table,
         "auto mode's calibration: [[n, k, m, kernel id], ...] measured points (empty list: the rule-based dispatch)");
   m.def("table_pick", &table_pick, "the calibration table's kernel id for (M, N, K), -1 without a table");
   m.def("streamk_tiles", &streamk_tiles,
-        "stream-K output tiles (256 rows x block_m tokens) for (M, N); 0 where block_m is 8 / 16 (v5 runs)");
+        "stream-K output tiles (256 rows x block_m tokens) for (M, N); 0 where block_m is 8 / 16 (split-K runs)");
   m.def("splits_for", &splits_for, "split-K count the heuristic picks for (M, N, K) on the current device");
 }

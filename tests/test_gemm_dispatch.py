@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_qerl.kernels import dispatch
+from verl_qerl.kernels import dispatch, modes
 
-NAMES = ["v5", "streamk", "wgmma", "dqmm", "wgmma_ss"]
+NAMES = list(modes.GEMM_KERNEL_NAMES)
 
 
 class FakeExt:
@@ -26,26 +26,46 @@ class FakeExt:
 
 def test_table_from_rows_picks_fastest_graph_time() -> None:
     rows = [
-        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 64, "kernel_graph_ms": 0.03,
-         "kernel_streamk_graph_ms": 0.02, "kernel_wgmma_graph_ms": 0.01, "dqmm_graph_ms": 0.05},
-        {"model": "m", "layer": "o", "N": 3584, "K": 3584, "M": 64, "kernel_wgmma_graph_ms": 0.02,
+        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 64, "kernel_splitk_graph_ms": 0.03,
+         "kernel_streamk_graph_ms": 0.02, "kernel_wgmma_rs_graph_ms": 0.01, "dequant_cublas_graph_ms": 0.05},
+        {"model": "m", "layer": "o", "N": 3584, "K": 3584, "M": 64, "kernel_wgmma_rs_graph_ms": 0.02,
          "kernel_wgmma_ss_graph_ms": 0.015},
-        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 1024, "dqmm_graph_ms": 0.1,
-         "kernel_wgmma_graph_ms": 0.2},  # the fused kernels are not timed at every M
-        {"model": "m", "layer": "sum", "M": 64, "kernel_graph_ms": 1.0},
+        {"model": "m", "layer": "qkv", "N": 4608, "K": 3584, "M": 1024, "dequant_cublas_graph_ms": 0.1,
+         "kernel_wgmma_rs_graph_ms": 0.2},  # the fused kernels are not timed at every M
+        {"model": "m", "layer": "sum", "M": 64, "kernel_splitk_graph_ms": 1.0},
     ]
     t = dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")
-    assert t["points"] == [[4608, 3584, 64, "wgmma"], [3584, 3584, 64, "wgmma_ss"], [4608, 3584, 1024, "dqmm"]]
+    assert t["points"] == [[4608, 3584, 64, "wgmma_rs"], [3584, 3584, 64, "wgmma_ss"],
+                           [4608, 3584, 1024, "dequant_cublas"]]
     assert t["capability"] == [9, 0]
+
+
+def test_table_from_rows_reads_former_row_keys() -> None:
+    """Result files written before the names by role (kernel = v5, kernel_wgmma, dqmm) give current names."""
+    rows = [{"layer": "qkv", "N": 1, "K": 128, "M": 1, "kernel_graph_ms": 0.01, "dqmm_graph_ms": 0.02},
+            {"layer": "qkv", "N": 1, "K": 128, "M": 64, "kernel_graph_ms": 0.03, "kernel_wgmma_graph_ms": 0.02},
+            {"layer": "qkv", "N": 1, "K": 128, "M": 999, "kernel_graph_ms": 0.03, "dqmm_graph_ms": 0.02}]
+    assert [p[3] for p in dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")["points"]] == [
+        "splitk", "wgmma_rs", "dequant_cublas"]
+
+
+def test_former_kernel_names_in_a_table_load_as_current(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({"capability": [9, 0], "points": [[8, 128, 1, "v5"], [8, 128, 64, "wgmma"],
+                                                              [8, 128, 999, "dqmm"], [8, 128, 32, "streamk"]]}))
+    monkeypatch.setenv(dispatch.TABLE_ENV, str(f))
+    ext = FakeExt()
+    dispatch.install(ext, (9, 0))
+    assert [NAMES[p[3]] for p in ext.table] == ["splitk", "wgmma_rs", "dequant_cublas", "streamk"]
 
 
 def test_install_only_for_the_measured_capability(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"device": "H200", "capability": [9, 0], "points": [[4608, 3584, 64, "wgmma"]]}))
+    f.write_text(json.dumps({"device": "H200", "capability": [9, 0], "points": [[4608, 3584, 64, "wgmma_rs"]]}))
     monkeypatch.setenv(dispatch.TABLE_ENV, str(f))
     ext = FakeExt()
     dispatch.install(ext, (9, 0))
-    assert ext.table == [[4608, 3584, 64, 2]]
+    assert ext.table == [[4608, 3584, 64, NAMES.index("wgmma_rs")]]
     dispatch.install(ext, (8, 9))  # another GPU: the rules, not another GPU's measurements
     assert ext.table == []
     monkeypatch.setenv(dispatch.TABLE_ENV, "off")
@@ -56,7 +76,7 @@ def test_install_only_for_the_measured_capability(tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("content", ['{"capability": [9, 0], "points": []}', "not json",
                                      '{"capability": [9, 0], "points": [[1, 2, 3, "marlin"]]}',
-                                     '{"capability": [9, 0], "points": [[0, 2, 3, "v5"]]}'])
+                                     '{"capability": [9, 0], "points": [[0, 2, 3, "splitk"]]}'])
 def test_bad_table_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str) -> None:
     f = tmp_path / "bad.json"
     f.write_text(content)
@@ -68,5 +88,7 @@ def test_bad_table_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_shipped_table_is_valid() -> None:
     if not dispatch.DEFAULT_TABLE.is_file():
         pytest.skip("no shipped table yet")
+    raw = json.loads(dispatch.DEFAULT_TABLE.read_text())
+    assert {p[3] for p in raw["points"]} <= set(NAMES)  # written with the current names, not the former ones
     t = dispatch.load_table(dispatch.DEFAULT_TABLE, NAMES)
-    assert tuple(t["capability"]) == (9, 0)
+    assert tuple(t["capability"]) == (9, 0) and len(t["points"]) == 48

@@ -236,9 +236,9 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
 
     header = ('"ID","Process ID","Kernel Name","Block Size","Grid Size","Section Name","Metric Name","Metric Unit",'
               '"Metric Value"')
-    recs = [(0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Duration", "ns", "35,072"),
-            (0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Registers Per Thread", "register/thread", "90"),
-            (0, "void qerl::nvfp4_gemm_kernel<8>(x)", "Block Limit SM", "block", "32"),  # not a quoted metric
+    recs = [(0, "void qerl::nvfp4_gemm_splitk_kernel<8>(x)", "Duration", "ns", "35,072"),
+            (0, "void qerl::nvfp4_gemm_splitk_kernel<8>(x)", "Registers Per Thread", "register/thread", "90"),
+            (0, "void qerl::nvfp4_gemm_splitk_kernel<8>(x)", "Block Limit SM", "block", "32"),  # not a quoted metric
             (1, "void marlin::Marlin<1>(y)", "Duration", "ns", "36,672")]
     body = [f'"{i}","1","{k}","(256, 1, 1)","(132, 1, 1)","S","{m}","{u}","{v}"' for i, k, m, u, v in recs]
     text = "==PROF== Connected to process 1\n" + "\n".join([header, *body]) + "\n"
@@ -247,7 +247,7 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
     packed.write_bytes(gzip.compress(text.encode()))
     for path in (plain, packed):
         rows = kb.ncu_summary(str(path))
-        assert [r["kernel"] for r in rows] == ["void qerl::nvfp4_gemm_kernel<8>", "void marlin::Marlin<1>"]
+        assert [r["kernel"] for r in rows] == ["void qerl::nvfp4_gemm_splitk_kernel<8>", "void marlin::Marlin<1>"]
         assert rows[0]["Duration"] == "35,072 ns" and rows[0]["Registers Per Thread"] == "90 register/thread"
         assert "Block Limit SM" not in rows[0] and rows[1]["grid"] == "(132, 1, 1)"
     (tmp_path / "bad.csv").write_text("no header here\n")
@@ -255,14 +255,24 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
         kb.ncu_summary(str(tmp_path / "bad.csv"))
 
 
-# --- fused-kernel variants (v5 vs the stream-K kernel) -------------------------------------------------
+# --- fused-kernel variants (split-K vs the stream-K and wgmma kernels) ------------------------------------
 
-def test_parse_variants_and_models(kb):
-    assert kb.parse_variants(None) == ["v5"]
-    assert kb.parse_variants("streamk") == ["v5", "streamk"]  # v5 is always the baseline, first
-    assert kb.parse_variants(" StreamK,v5,streamk ") == ["v5", "streamk"]
+def test_parse_variants_and_models(kb, monkeypatch):
+    from verl_qerl import kernels
+
+    assert kb.parse_variants(None) == ["splitk"]
+    assert kb.parse_variants("streamk") == ["splitk", "streamk"]  # split-K is always the baseline, first
+    assert kb.parse_variants(" StreamK,splitk,streamk ") == ["splitk", "streamk"]
     with pytest.raises(ValueError, match=r"unknown kernel variant\(s\) \['v6'\]"):
-        kb.parse_variants("v5,v6")
+        kb.parse_variants("splitk,v6")
+    monkeypatch.setattr(kernels, "_warned_aliases", set())
+    with pytest.warns(FutureWarning) as caught:
+        assert kb.parse_variants("v5,wgmma") == ["splitk", "wgmma_rs"]  # former names still work
+    assert sorted(str(w.message) for w in caught) == ["--variants: 'v5' is a deprecated name; use 'splitk'",
+                                                      "--variants: 'wgmma' is a deprecated name; use 'wgmma_rs'"]
+    assert kb.parse_modes("streamk, WGMMA_SS") == {"streamk", "wgmma_ss"}
+    with pytest.raises(ValueError, match=r"--sanitize-modes: unknown mode\(s\) \['8'\]"):
+        kb.parse_modes("8")
     assert list(kb.select_models(None)) == ["qwen2.5-7b", "qwen2.5-32b"] == list(kb.DEFAULT_MODELS)
     assert list(kb.select_models("all")) == list(kb.MODELS) and len(kb.MODELS) == 5
     assert list(kb.select_models("qwen2.5-7b")) == ["qwen2.5-7b"]
@@ -271,27 +281,31 @@ def test_parse_variants_and_models(kb):
 
 
 class FakeExt:
-    """The extension's ``gemm_choice`` as this test states it: forced stream-K (mode 5) runs for M >= 17."""
+    """The extension's ``gemm_choice`` as this test states it: forced stream-K runs for M >= 17."""
 
     def __init__(self):
         self.asked = []
 
     def gemm_choice(self, m, n, k, mode):
+        from verl_qerl.kernels import GemmMode
+
         self.asked.append((m, n, k, mode))
-        return "streamk" if mode == 5 and m >= 17 else "v5"
+        return "streamk" if mode == GemmMode.STREAMK and m >= 17 else "splitk"
 
 
 def test_variant_applies_and_profile_modes(kb):
+    from verl_qerl.kernels import GEMM_MODES as M
+
     ext = FakeExt()
-    assert kb.variant_applies(ext, "v5", 1, 512, 256) and kb.variant_applies(ext, "v5", 4096, 512, 256)
+    assert kb.variant_applies(ext, "splitk", 1, 512, 256) and kb.variant_applies(ext, "splitk", 4096, 512, 256)
     ms = (1, 4, 16, 17, 64, 256, 1024, 4096)
     assert [m for m in ms if kb.variant_applies(ext, "streamk", m, 512, 256)] == [17, 64, 256, 1024]
-    assert {a[3] for a in ext.asked} == {5} and (64, 512, 256, 5) in ext.asked  # asks the forced mode's choice
+    assert {a[3] for a in ext.asked} == {M["streamk"]} and (64, 512, 256, M["streamk"]) in ext.asked
     # --profile follows $QERL_GEMM_KERNEL unless --variants is given
-    assert kb.profile_modes(None, "v5") == [("v5", 1)]
-    assert kb.profile_modes(None, "streamk") == [("streamk", 5)]
-    assert kb.profile_modes(["v5", "streamk"], "v5") == [("v5", 1), ("streamk", 5)]
-    assert kb.profile_modes(None, "auto") == [("auto", 0)]  # the default: the op's own choice
+    assert kb.profile_modes(None, "splitk") == [("splitk", M["splitk"])]
+    assert kb.profile_modes(None, "streamk") == [("streamk", M["streamk"])]
+    assert kb.profile_modes(["splitk", "wgmma_rs"], "splitk") == [("splitk", M["splitk"]), ("wgmma_rs", M["wgmma_rs"])]
+    assert kb.profile_modes(None, "auto") == [("auto", M["auto"])]  # the default: the op's own choice
 
 
 def test_build_targets_only_for_the_issue_models(kb):
@@ -303,16 +317,17 @@ def test_build_targets_only_for_the_issue_models(kb):
 
 def test_streamk_calibration(kb):
     """Tiles per CTA from the row's shape and grid; the rule's hits, summed times and the best threshold."""
-    def row(layer, n, m, v5, sk):  # tiles as the extension reports them: ceil(N / 256) x ceil(M / 64) here
+    def row(layer, n, m, sp, sk):  # tiles as the extension reports them: ceil(N / 256) x ceil(M / 64) here
         return {"model": "x", "layer": layer, "N": n, "K": 3584, "M": m, "streamk_grid": 132,
-                "streamk_tiles": -(-n // 256) * -(-m // 64), "kernel_graph_ms": v5, "kernel_streamk_graph_ms": sk}
+                "streamk_tiles": -(-n // 256) * -(-m // 64), "kernel_splitk_graph_ms": sp,
+                "kernel_streamk_graph_ms": sk}
 
-    rows = [row("qkv", 4608, 64, 0.020, 0.030),  # 18 tiles: 0.1364 per CTA, v5 faster
+    rows = [row("qkv", 4608, 64, 0.020, 0.030),  # 18 tiles: 0.1364 per CTA, split-K faster
             row("gate_up", 17920, 64, 0.050, 0.045),  # 70 tiles: 0.5303, stream-K faster
             row("gate_up", 37888, 64, 0.100, 0.080),  # 148 tiles: 1.1212
             row("gate_up", 37888, 128, 0.180, 0.140),  # 296 tiles (2 M tiles): 2.2424
-            row("down", 3584, 128, 0.084, 0.085),  # 28 tiles: 0.2121, v5 faster
-            {"model": "x", "layer": "sum", "M": 64, "kernel_graph_ms": 1.0, "kernel_streamk_graph_ms": 0.5},
+            row("down", 3584, 128, 0.084, 0.085),  # 28 tiles: 0.2121, split-K faster
+            {"model": "x", "layer": "sum", "M": 64, "kernel_splitk_graph_ms": 1.0, "kernel_streamk_graph_ms": 0.5},
             row("o", 3584, 1, 0.008, None)]  # stream-K not timed: ignored
     cal = kb.streamk_calibration(rows, 0.5)
     assert [p["tiles_per_cta"] for p in cal["points"]] == [0.1364, 0.2121, 0.5303, 1.1212, 2.2424]
@@ -321,32 +336,32 @@ def test_streamk_calibration(kb):
     assert [p["stages_per_cta"] for p in cal["points"]] == [4, 6, 15, 32, 63]  # ceil(tiles x 28 / 132)
     cal = kb.streamk_calibration(rows, 0.1)  # too low: qkv and down go to stream-K
     assert cal["rule_right"] == 3 and cal["rule_ms"] == pytest.approx(0.030 + 0.085 + 0.045 + 0.080 + 0.140)
-    assert kb.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # v5 everywhere: never stream-K
+    assert kb.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # split-K everywhere: never stream-K
     # the stages part of the rule: a 0.2-tiles-per-CTA shape with long K ranges goes to stream-K
     long_k = {**row("down", 5120, 64, 0.083, 0.074), "K": 27648}  # 20 tiles x 216 stages: 33 per CTA
     cal = kb.streamk_calibration([*rows, long_k], 0.25, 24)
     assert cal["rule_stages"] == 24 and cal["rule_right"] == 6 and cal["rule_ms"] == pytest.approx(cal["oracle_ms"])
-    assert kb.streamk_calibration([*rows, long_k], 0.25)["rule_right"] == 5  # tiles alone: v5, the slower
+    assert kb.streamk_calibration([*rows, long_k], 0.25)["rule_right"] == 5  # tiles alone: split-K, the slower
 
 
 def test_variant_ratios_sums_and_lines(kb):
     recs = []
     for lname in ("qkv", "o", "gate_up", "down"):
         for m in (1, 64):
-            rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 128, "M": m, "kernel_graph_ms": 0.02}
+            rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 128, "M": m, "kernel_splitk_graph_ms": 0.02}
             if kb.variant_applies(FakeExt(), "streamk", m, 64, 128):
                 rec["kernel_streamk_graph_ms"] = 0.016
-            recs.append(kb.add_variant_ratios(rec, ["v5", "streamk"]))
-    assert recs[1]["streamk/v5"] == 1.25 and "streamk/v5" not in recs[0]
+            recs.append(kb.add_variant_ratios(rec, ["splitk", "streamk"]))
+    assert recs[1]["streamk/splitk"] == 1.25 and "streamk/splitk" not in recs[0]
     sums = kb.sum_layers(recs, 4)
     assert sums[64]["kernel_streamk_graph_ms"] == pytest.approx(0.064) and "kernel_streamk_graph_ms" not in sums[1]
-    rows = recs + [kb.add_variant_ratios({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}, ["v5", "streamk"])
+    rows = recs + [kb.add_variant_ratios({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}, ["splitk", "streamk"])
                    for m, s in sums.items()]
-    lines = kb.variant_lines(rows, ["v5", "streamk"])
-    assert "streamk g" in lines[1] and "streamk/v5" in lines[1]
+    lines = kb.variant_lines(rows, ["splitk", "streamk"])
+    assert "streamk g" in lines[1] and "streamk/splitk" in lines[1]
     assert len(lines) == 2 + 4 + 1  # four GEMMs and the layer sum at M = 64; nothing at M = 1
     assert lines[-1].split()[:3] == ["qwen2.5-7b", "sum", "64"] and lines[-1].endswith("1.250")
-    assert kb.variant_lines(rows, ["v5"]) == []
+    assert kb.variant_lines(rows, ["splitk"]) == []
 
 
 def test_gpu_kernel_check_script_uses_real_options(kb):
@@ -365,7 +380,30 @@ def test_gpu_kernel_check_script_uses_real_options(kb):
         used |= set(re.findall(r"(--[a-z0-9-]+)", cmd))
     assert used and used <= known, sorted(used - known)
     assert {"--variants", "--sanitize", "--profile", "--ms"} <= used
-    assert kb.parse_variants("v5,streamk") == ["v5", "streamk"]
+    assert kb.parse_variants("splitk,streamk") == ["splitk", "streamk"]
     models = re.search(r"--models ([a-z0-9.,-]+)", text).group(1)
     assert set(kb.select_models(models)) == (set(kb.MODELS) if models == "all" else set(models.split(",")))
     assert "tests/test_kernels_gpu.py" in text and (REPO / "tests" / "test_kernels_gpu.py").is_file()
+
+
+def test_gpu_scripts_use_current_kernel_and_mode_names(kb):
+    """Every ``--variants`` / ``--sanitize-modes`` value in benchmarks/gpu/*.sh is a current name (a former one
+    would warn, an unknown one would cost a device call), and the ncu kernel regexes name kernels in cuda/."""
+    import re
+    import warnings
+
+    cuda = "\n".join(p.read_text() for p in (REPO / "cuda").glob("*.cu"))
+    seen = 0
+    for script in sorted((REPO / "benchmarks" / "gpu").glob("*.sh")):
+        text = script.read_text()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for value in re.findall(r'--variants "?(?:\$\{[A-Z_]+:-)?([a-z0-9_,]+)', text):
+                kb.parse_variants(value)
+                seen += 1
+            for value in re.findall(r"--sanitize-modes ([a-z0-9_,]+)", text):
+                kb.parse_modes(value)
+                seen += 1
+        for rx in re.findall(r"regex:(nvfp4_gemm_[a-z0-9_]+)", text):
+            assert re.search(rf"\b{rx}\w*\s*\(", cuda), (script.name, rx)
+    assert seen >= 6

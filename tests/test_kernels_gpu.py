@@ -7,10 +7,13 @@ block of the same size is what the op's output gets), so unwritten elements cann
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from verl_qerl import kernels
+from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 
 pytestmark = [
@@ -113,7 +116,7 @@ GEMM_SHAPES = [
     (64, 7168, 5120),
     (100, 1040, 768),
     (257, 256, 1024),
-    (300, 2048, 512),  # large enough M for the sliced, two-stream dequant + cuBLAS path
+    (300, 2048, 512),  # M above the auto threshold: dequantize + cuBLAS
 ]
 
 
@@ -128,29 +131,28 @@ def test_gemm_kernel_vs_f64(m: int, n: int, k: int, with_bias: bool) -> None:
     bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16) if with_bias else None
     ref = reference.linear_f64(x, packed, scale, gs, bias)
     poison((m, n), torch.bfloat16)
-    out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 1)
+    out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.SPLITK)
     torch.cuda.synchronize()
     assert out.shape == (m, n) and out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN outputs"
     err = rel(out, ref)
     assert err <= TOL, f"rel err {err:.3e}"
     # deterministic, and every split count gives the same kind of answer
-    out2 = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 1)
+    out2 = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.SPLITK)
     assert torch.equal(out, out2)
     for s in (1, 2, 3, 7):
         if s <= k // 128:
             poison((m, n), torch.bfloat16)
-            o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 16 + s)
+            o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.SPLITK, s)
             assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"splits={s}"
-    # the dispatching public API and the dequant + cuBLAS paths (sliced, unsliced) agree too
+    # the dispatching public API and the dequant + cuBLAS path agree too
     assert rel(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), ref) <= TOL
-    for mode in (2, 3):
-        poison((m, n), torch.bfloat16)
-        o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, mode)
-        assert not torch.isnan(o).any() and rel(o, ref) <= TOL, f"mode={mode}"
+    poison((m, n), torch.bfloat16)
+    o = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.DEQUANT_CUBLAS)
+    assert not torch.isnan(o).any() and rel(o, ref) <= TOL, "dequant_cublas"
 
 
-#: fused-GEMM op mode per variant: 1 = v5, 5 = the stream-K kernel (v5.5-v5.7) where it applies
+#: fused kernel -> the op mode that forces it (split-K, stream-K where it applies, the two wgmma kernels)
 VARIANT_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 STREAMK_SHAPES = [
     # (M, N, K), block_m 32 / 64 (where stream-K applies); with the CTAs = SMs schedule these give
@@ -197,10 +199,10 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
 
 
 #: the Hopper wgmma kernels: variant name -> forced op mode (register-A, both operands in shared memory)
-WGMMA_MODES = {"wgmma": 7, "wgmma_ss": 8}
+WGMMA_MODES = {"wgmma_rs": Mode.WGMMA_RS, "wgmma_ss": Mode.WGMMA_SS}
 
 
-def _needs_wgmma(variant: str = "wgmma") -> None:
+def _needs_wgmma(variant: str = "wgmma_rs") -> None:
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernels run on sm_90 (Hopper) only")
     got = kernels.extension().gemm_choice(64, 256, 128, WGMMA_MODES[variant])
@@ -221,8 +223,8 @@ WGMMA_SHAPES = [
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
 def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
-    """The Hopper wgmma kernels (modes 7, 8) at M from 1 to 4096 (both token tiles, 64 and 128; tails in M; whole
-    and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    """The Hopper wgmma kernels (modes wgmma_rs, wgmma_ss) at M from 1 to 4096 (both token tiles, 64 and 128; tails
+    in M; whole and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
     _needs_wgmma(variant)
     mode = WGMMA_MODES[variant]
     packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
@@ -265,7 +267,8 @@ def test_wgmma_graph_capture(variant: str) -> None:
 
 
 #: gemm_choice's answer -> the op mode that forces that kernel
-CHOICE_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "dqmm": 2, "wgmma_ss": 8}
+CHOICE_MODES = {"splitk": Mode.SPLITK, "streamk": Mode.STREAMK, "wgmma_rs": Mode.WGMMA_RS,
+                "dequant_cublas": Mode.DEQUANT_CUBLAS, "wgmma_ss": Mode.WGMMA_SS}
 
 
 @pytest.fixture()
@@ -287,23 +290,26 @@ def test_auto_follows_the_calibration_table() -> None:
 
     ext = kernels.extension()
     names = list(ext.gemm_kernel_names())
-    assert names == ["v5", "streamk", "wgmma", "dqmm", "wgmma_ss"]
+    assert names == list(kernels.GEMM_KERNEL_NAMES) == ["splitk", "streamk", "wgmma_rs", "dequant_cublas", "wgmma_ss"]
+    # the binding's mode table is the one Python parsed from cuda/gemm_modes.h
+    assert dict(ext.gemm_modes()) == kernels.GEMM_MODES and set(CHOICE_MODES) == set(names)
     n, k = 1136, 640
     packed, scale, gs = rand_nvfp4(n, k, seed=5)
     rw = kernels.repack(packed, scale)
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    wg = "wgmma" if hopper else "streamk"
+    wg = "wgmma_rs" if hopper else "streamk"
     wg_ss = "wgmma_ss" if hopper else "streamk"
-    table = [[n, k, 1, "v5"], [n, k, 64, wg], [n, k, 256, wg_ss], [n, k, 1024, "dqmm"], [99968, 99968, 64, "v5"]]
+    table = [[n, k, 1, "splitk"], [n, k, 64, wg], [n, k, 256, wg_ss], [n, k, 1024, "dequant_cublas"],
+             [99968, 99968, 64, "splitk"]]
     try:
         ext.set_dispatch_table([[a, b, c, names.index(d)] for a, b, c, d in table])
-        for m, want in ((1, "v5"), (5, "v5"), (40, wg), (64, wg), (200, wg_ss), (500, wg_ss), (800, "dqmm"),
-                        (3000, "dqmm")):
-            assert ext.gemm_choice(m, n, k, 0) == want, m
+        for m, want in ((1, "splitk"), (5, "splitk"), (40, wg), (64, wg), (200, wg_ss), (500, wg_ss),
+                        (800, "dequant_cublas"), (3000, "dequant_cublas")):
+            assert ext.gemm_choice(m, n, k, Mode.AUTO) == want, m
             # another shape near this one (log distance) follows it, not the far-away point
-            assert ext.gemm_choice(m, n + 16, k, 0) == want, m
+            assert ext.gemm_choice(m, n + 16, k, Mode.AUTO) == want, m
             x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-            auto = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 0)
+            auto = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, Mode.AUTO)
             forced = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, CHOICE_MODES[want])
             assert torch.equal(auto, forced), m
         with pytest.raises(RuntimeError, match="unknown kernel id"):
@@ -315,13 +321,13 @@ def test_auto_follows_the_calibration_table() -> None:
     if torch.cuda.get_device_capability() == (9, 0) and dispatch.DEFAULT_TABLE.is_file():
         shipped = dispatch.load_table(dispatch.DEFAULT_TABLE, names)
         for pn, pk, pm, kern in shipped["points"]:
-            assert ext.gemm_choice(pm, pn, pk, 0) == kern, (pn, pk, pm)
+            assert ext.gemm_choice(pm, pn, pk, Mode.AUTO) == kern, (pn, pk, pm)
 
 
 def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode 5), =v5 runs v5
-    (bit-equal to mode 1), the default (auto) runs what ``gemm_choice`` reports for the shape, M <= 16 keeps v5
-    either way, and the stream-K path captures in a graph."""
+    """QERL_GEMM_KERNEL=streamk makes linear() run the stream-K kernel (bit-equal to mode streamk), =splitk (and its
+    former name v5) runs split-K (bit-equal to mode splitk), the default (auto) runs what ``gemm_choice`` reports
+    for the shape, M <= 16 keeps split-K either way, and the stream-K path captures in a graph."""
     n, k = 2320, 1408  # 10 N-tiles (last one half), 11 stages
     packed, scale, gs = rand_nvfp4(n, k, seed=77)
     rw = kernels.repack(packed, scale)
@@ -329,18 +335,21 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
     ext = kernels.extension()
     for m in (8, 24, 64, 120):
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        v5 = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 1)
-        sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, 5)
+        sp = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.SPLITK)
+        sk = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, Mode.STREAMK)
         monkeypatch.delenv("QERL_GEMM_KERNEL", raising=False)
         auto = kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw)
-        forced_mode = CHOICE_MODES[ext.gemm_choice(m, n, k, 0)]
+        forced_mode = CHOICE_MODES[ext.gemm_choice(m, n, k, Mode.AUTO)]
         assert torch.equal(auto, torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, forced_mode))
-        monkeypatch.setenv("QERL_GEMM_KERNEL", "v5")
-        assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), v5)
+        for name in ("splitk", "v5"):
+            monkeypatch.setenv("QERL_GEMM_KERNEL", name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # the former name's warning (tested on CPU)
+                assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), sp), name
         monkeypatch.setenv("QERL_GEMM_KERNEL", "streamk")
         assert torch.equal(kernels.linear(x, packed, scale, gs, bias, kernel_weight=rw), sk)
         if m <= 16:
-            assert torch.equal(sk, v5)  # stream-K does not apply: v5 ran
+            assert torch.equal(sk, sp)  # stream-K does not apply: split-K ran
         assert rel(sk, reference.linear_f64(x, packed, scale, gs, bias)) <= TOL
     monkeypatch.setenv("QERL_GEMM_KERNEL", "nope")
     with pytest.raises(ValueError, match="QERL_GEMM_KERNEL"):
@@ -359,14 +368,15 @@ def test_streamk_env_switch_dispatch_and_graph(monkeypatch: pytest.MonkeyPatch) 
 
     graph, y_static = capture_graph(f, x_static)
     for i, x_new in replay_with_fresh_inputs(graph, x_static):
-        assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n, 5)), i
+        assert torch.equal(y_static, torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, bias, n,
+                                                               Mode.STREAMK)), i
 
 
 def test_auto_picks_streamk_by_shape(rule_dispatch) -> None:  # noqa: ANN001
-    """Auto (mode 0) runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
+    """Auto runs stream-K exactly where its 256-row tiles number >= the tuned fraction of its CTAs or
     each CTA's range has >= 24 K stages: the 7B gate_up shape (148 tiles at M = 64) and the 32B down shape
     (20 tiles, 33 stages per CTA) take stream-K, 7B qkv (18 tiles, 4 stages per CTA) and 7B down (14 tiles, 16
-    stages) v5, M <= 16 v5 and M above the threshold dequant + cuBLAS; moving the tunable flips the choice,
+    stages) split-K, M <= 16 split-K and M above the threshold dequant + cuBLAS; moving the tunable flips the choice,
     and the result is bit-equal to the forced kernel the choice names."""
     ext = rule_dispatch
     gemm_max_m, penalty, min_tiles, min_stages = ext.get_tuning()
@@ -378,25 +388,28 @@ def test_auto_picks_streamk_by_shape(rule_dispatch) -> None:  # noqa: ANN001
     # tiles of 256 rows x block_m tokens, as the kernel's schedule counts them (block_m 8 / 16: never stream-K)
     assert [ext.streamk_tiles(m, 37888) for m in (64, 128, 33, 32, 17, 16, 1)] == [148, 296, 148, 148, 148, 0, 0]
     assert ext.streamk_tiles(64, 4608) == 18 and ext.streamk_tiles(40, 1040) == 5
-    assert ext.gemm_choice(64, 37888, 3584, 0) == "streamk"
-    assert ext.gemm_choice(64, 4608, 3584, 0) == "v5"
+    assert ext.gemm_choice(64, 37888, 3584, Mode.AUTO) == "streamk"
+    assert ext.gemm_choice(64, 4608, 3584, Mode.AUTO) == "splitk"
     assert min_stages == 24
     if sms == 132:  # H100 / H200 SXM: 20 x 216 / 132 = 33 and 14 x 148 / 132 = 16 stages per CTA
-        assert ext.gemm_choice(64, 5120, 27648, 0) == "streamk" and ext.gemm_choice(64, 3584, 18944, 0) == "v5"
-    assert ext.gemm_choice(16, 37888, 3584, 0) == "v5"
-    assert ext.gemm_choice(int(gemm_max_m) + 1, 37888, 3584, 0) == "dqmm"
-    assert ext.gemm_choice(64, 37888, 3584, 6) == "v5" and ext.gemm_choice(64, 4608, 3584, 4) == "streamk"
+        assert ext.gemm_choice(64, 5120, 27648, Mode.AUTO) == "streamk"
+        assert ext.gemm_choice(64, 3584, 18944, Mode.AUTO) == "splitk"
+    assert ext.gemm_choice(16, 37888, 3584, Mode.AUTO) == "splitk"
+    assert ext.gemm_choice(int(gemm_max_m) + 1, 37888, 3584, 0) == "dequant_cublas"
+    assert ext.gemm_choice(64, 37888, 3584, Mode.AUTO_SPLITK) == "splitk"
+    assert ext.gemm_choice(64, 4608, 3584, Mode.AUTO_STREAMK) == "streamk"
     m, n, k = 40, 1040, 768  # 5 tiles of 256 rows
     packed, scale, gs = rand_nvfp4(n, k, seed=91)
     rw = kernels.repack(packed, scale)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     forced = {c: torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode)
-              for c, mode in (("v5", 1), ("streamk", 5))}
+              for c, mode in (("splitk", Mode.SPLITK), ("streamk", Mode.STREAMK))}
     try:
-        for value, want in ((0.0, "streamk"), (5 / grid, "streamk"), (5 / grid + 1e-6, "v5"), (1e9, "v5")):
+        for value, want in ((0.0, "streamk"), (5 / grid, "streamk"), (5 / grid + 1e-6, "splitk"), (1e9, "splitk")):
             ext.set_tuning(-1, -1, value)
-            assert ext.gemm_choice(m, n, k, 0) == want, value
-            assert torch.equal(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 0), forced[want])
+            assert ext.gemm_choice(m, n, k, Mode.AUTO) == want, value
+            assert torch.equal(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, Mode.AUTO),
+                               forced[want])
     finally:
         ext.set_tuning(-1, -1, min_tiles)
     assert ext.get_tuning()[2] == min_tiles
@@ -407,7 +420,7 @@ def test_gemm_large_values_finite() -> None:
     packed, scale, gs = rand_nvfp4(n, k, seed=5, big=True)
     rw = kernels.repack(packed, scale)
     x = (torch.randn(m, k, device=DEV) * 30).to(torch.bfloat16)
-    out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, 1)
+    out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, Mode.SPLITK)
     ref = reference.linear_f64(x, packed, scale, gs)
     assert torch.isfinite(out).all() and rel(out, ref) <= TOL
 
@@ -449,15 +462,15 @@ def test_cuda_graph_capture_and_compile() -> None:
         ref = 2.0 * reference.linear_f64(x_new, packed, scale, gs, bias)
         assert rel(y_static, ref) <= TOL, f"replay {i}"
 
-    # the sliced two-stream dequant + cuBLAS path (M >= 256) captures too (fork/join of streams)
+    # the dequant + cuBLAS path (M >= 256) captures too
     mb, nb, kb = 320, 2048, 512
     pb, sb, gb = rand_nvfp4(nb, kb, seed=32)
     rwb = kernels.repack(pb, sb)
     xb_static = torch.randn(mb, kb, device=DEV).to(torch.bfloat16)
-    torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, 2)
+    torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, Mode.DEQUANT_CUBLAS)
     gb_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gb_graph):
-        yb_static = torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, 2)
+        yb_static = torch.ops.qerl.nvfp4_gemm(xb_static, rwb.qweight, rwb.qscale, gb, None, nb, Mode.DEQUANT_CUBLAS)
     xb_new = torch.randn(mb, kb, device=DEV).to(torch.bfloat16)
     xb_static.copy_(xb_new)
     gb_graph.replay()
@@ -490,6 +503,17 @@ def test_zz_refusals_and_other_shapes() -> None:
     rw = kernels.repack(packed, scale)
     with pytest.raises(RuntimeError, match="K="):
         torch.ops.qerl.nvfp4_gemm(torch.randn(4, 128, device=DEV).to(torch.bfloat16), rw.qweight, rw.qscale,
-                                  gs, None, 64, 1)
+                                  gs, None, 64, Mode.SPLITK)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64, 1)
+        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64,
+                                  Mode.SPLITK)
+    # modes and split counts outside cuda/gemm_modes.h are refused by name
+    x = torch.randn(4, 256, device=DEV).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"unknown mode 3 \(0 auto, 1 splitk"):
+        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, 3)
+    with pytest.raises(RuntimeError, match="unknown mode 18"):  # the former 16 + splits encoding
+        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, 18)
+    with pytest.raises(RuntimeError, match="splits=2 .* needs mode 1 \\(splitk\\)"):
+        torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, Mode.STREAMK, 2)
+    with pytest.raises(RuntimeError, match="unknown mode 9"):
+        kernels.extension().gemm_choice(4, 64, 256, 9)

@@ -1,4 +1,4 @@
-"""CPU tests of the stream-K GEMM variant's host switches: ``QERL_GEMM_KERNEL``, the tuning variables the
+"""CPU tests of the fused GEMM kernels' host switches: ``QERL_GEMM_KERNEL``, the tuning variables the
 extension reads, and the torch fallbacks' indifference to both. The kernel's schedule (tiles, CTAs, partial-sum
 slots, workspace) has one definition, in cuda/nvfp4_gemm_streamk.cu; the host asks the extension for it
 (``gemm_choice``, ``streamk_grid``, ``streamk_tiles``), and tests/test_kernels_gpu.py checks those answers and the
@@ -18,14 +18,18 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(kernels.GEMM_KERNEL_ENV, raising=False)
     assert kernels.GEMM_KERNEL_ENV == "QERL_GEMM_KERNEL"
     assert kernels.gemm_kernel_variant() == "auto"
-    for raw, want in (("", "auto"), ("auto", "auto"), ("v5", "v5"), ("streamk", "streamk"), (" StreamK ", "streamk")):
+    for raw, want in (("", "auto"), ("auto", "auto"), ("splitk", "splitk"), ("streamk", "streamk"),
+                      (" StreamK ", "streamk")):
         monkeypatch.setenv("QERL_GEMM_KERNEL", raw)
         assert kernels.gemm_kernel_variant() == want
-    # cuda/qerl_torch.cpp's mode table: 0 auto, 6 auto with v5 only, 4 auto with stream-K wherever it applies;
-    # forced fused kernels 1 (v5), 5 (stream-K), 7 (wgmma, every M) and 8 (wgmma SS, every M)
-    assert kernels.GEMM_KERNEL_MODES == {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7, "wgmma_ss": 8}
-    assert kernels.GEMM_KERNEL_FORCED_MODES == {"v5": 1, "streamk": 5, "wgmma": 7, "wgmma_ss": 8}
-    for bad in ("stream-k", "v6", "marlin"):
+    # cuda/gemm_modes.h: the auto modes dispatch by M (auto, auto_splitk, auto_streamk); the wgmma variants run
+    # their kernel at every M; the forced modes run one fused kernel at every M
+    m = kernels.GEMM_MODES
+    assert kernels.GEMM_KERNEL_MODES == {"auto": m["auto"], "splitk": m["auto_splitk"], "streamk": m["auto_streamk"],
+                                         "wgmma_rs": m["wgmma_rs"], "wgmma_ss": m["wgmma_ss"]}
+    assert kernels.GEMM_KERNEL_FORCED_MODES == {"splitk": m["splitk"], "streamk": m["streamk"],
+                                                "wgmma_rs": m["wgmma_rs"], "wgmma_ss": m["wgmma_ss"]}
+    for bad in ("stream-k", "v6", "marlin", "dqmm"):
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
         with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='[^']+' is not a GEMM kernel variant.*streamk"):
             kernels.gemm_kernel_variant()
@@ -52,7 +56,7 @@ def test_tuning_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cpu_paths_ignore_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch fallbacks are unaffected: a bad value is only refused where the CUDA GEMM dispatches,
-    and the op's CPU impl gives the same answer for the stream-K and v5-only modes (4, 5, 6) as for 0 / 1."""
+    and the op's CPU impl gives the same answer in every mode (and with a split count) as in auto."""
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 256
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
@@ -62,7 +66,9 @@ def test_cpu_paths_ignore_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(20, k, generator=gen).to(torch.bfloat16)
     monkeypatch.setenv("QERL_GEMM_KERNEL", "bogus")
     ref = kernels.linear(x, packed, scale, gs, kernel_weight=rw)
-    outs = [torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode) for mode in (0, 1, 4, 5, 6)]
+    outs = [torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode)
+            for mode in kernels.GEMM_MODES.values()]
+    outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, kernels.GemmMode.SPLITK, 3))
     for o in outs:
         assert torch.equal(o, outs[0])
     assert torch.allclose(ref.float(), outs[0].float(), rtol=2e-2, atol=2e-2)

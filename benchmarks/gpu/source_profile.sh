@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Instruction-level profile of one fused-GEMM launch (ON the GPU machine, repository root):
-#   OUT=$OUT [VARIANT=streamk|v5|wgmma|wgmma_ss] [M=64] bash benchmarks/gpu/source_profile.sh     # ~1 min
+#   OUT=$OUT [VARIANT=streamk|splitk|wgmma_rs|wgmma_ss] [M=64] bash benchmarks/gpu/source_profile.sh     # ~1 min
 # Why: the section-level stall counters (kernel_check.sh) say *which* stall grows, not *where*. This keeps
 # ncu's warp-state samples per SASS instruction (SourceCounters) for the 7B gate_up GEMM at M, prints them
 # with the SASS (--page source), and dumps the kernels' SASS with cuobjdump, so the hot instructions can be
@@ -16,9 +16,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
-case "$VARIANT" in streamk) KREGEX='regex:nvfp4_gemm_streamk';; v5) KREGEX='regex:nvfp4_gemm_kernel';;
-  wgmma) KREGEX='regex:nvfp4_gemm_wgmma_kernel';; wgmma_ss) KREGEX='regex:nvfp4_gemm_wgmma_ss';;
-  *) echo "VARIANT must be v5, streamk, wgmma or wgmma_ss, got $VARIANT" >&2; exit 2;; esac
+case "$VARIANT" in streamk) KREGEX='regex:nvfp4_gemm_streamk';; splitk) KREGEX='regex:nvfp4_gemm_splitk';;
+  wgmma_rs) KREGEX='regex:nvfp4_gemm_wgmma_kernel';; wgmma_ss) KREGEX='regex:nvfp4_gemm_wgmma_ss';;
+  *) echo "VARIANT must be splitk, streamk, wgmma_rs or wgmma_ss, got $VARIANT" >&2; exit 2;; esac
 tag="src-$VARIANT-m$M"
 # the second launch of the kernel (the first is the warm-up call of kernel.py --profile)
 "$NCU" --clock-control none -k "$KREGEX" --launch-skip 1 --launch-count 1 --set full \

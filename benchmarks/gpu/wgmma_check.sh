@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU call that validates and times the Hopper wgmma GEMM (cuda/nvfp4_gemm_wgmma.cu) next to v5 and stream-K
+# One GPU call that validates and times the Hopper wgmma GEMM (cuda/nvfp4_gemm_wgmma.cu) next to split-K and stream-K
 # (ON the GPU machine, repository root; bare image: torch, nvcc, ninja, ncu, compute-sanitizer).
 #   OUT=$OUT bash benchmarks/gpu/wgmma_check.sh            # ~6-8 min on one H200
 # Order: correctness first (the wgmma GPU tests, stopping at the first failure, then the whole GPU test file and
@@ -35,7 +35,7 @@ if ! step wgmma_tests 100 bash -c "python3 -m pytest -x -q -p no:cacheprovider t
     tests/test_kernels_gpu.py -k 'wgmma_kernel_every_m and 4608' 2>&1 | tail -5" | tee -a "$LOG"
 fi
 tail -3 "$OUT/wgmma_tests.log" | tee -a "$LOG"
-step timing 150 python3 benchmarks/kernel.py --no-tune --no-marlin --variants v5,streamk,wgmma \
+step timing 150 python3 benchmarks/kernel.py --no-tune --no-marlin --variants splitk,streamk,wgmma_rs \
   --models qwen2.5-7b,qwen2.5-32b --ms "${WGMMA_MS:-1,16,64,128,256,1024}" --out "$OUT"
 step gpu_tests 200 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py > '$OUT/gpu_tests.log' 2>&1"
 tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
@@ -46,6 +46,6 @@ grep -E "ERROR SUMMARY|SANITIZE|error" "$OUT/sanitizer.log" | tail -3 | tee -a "
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 step ncu 120 bash -c "'$NCU' --clock-control none -k 'regex:nvfp4_gemm' --section SpeedOfLight \
   --section WarpStateStats --section ComputeWorkloadAnalysis --section LaunchStats --csv --page details \
-  python3 benchmarks/kernel.py --profile --variants wgmma,streamk --profile-m 64 > '$OUT/ncu-wgmma-m64.csv' 2>&1"
+  python3 benchmarks/kernel.py --profile --variants wgmma_rs,streamk --profile-m 64 > '$OUT/ncu-wgmma-m64.csv' 2>&1"
 echo "[wgmma_check] done, failed steps: $fail" | tee -a "$LOG"
 exit $fail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks of the wgmma SS kernel (cuda/nvfp4_gemm_wgmma_ss.cu, op mode 8) next to v6.1 (mode 7), ON the GPU
+# GPU checks of the wgmma SS kernel (cuda/nvfp4_gemm_wgmma_ss.cu, op mode wgmma_ss) next to the register-A wgmma kernel (wgmma_rs), ON the GPU
 # machine from the repository root. Phases (STEPS, comma list, default all): build, tests (the wgmma_ss GPU tests,
-# -x), timing (CUDA-graph, 7B + 32B, M = 64/128/256/1024, stream-K / wgmma / wgmma_ss), alltests (the whole
-# wgmma test subset), sanitizer (memcheck, racecheck, synccheck on the mode-8 cases).
+# -x), timing (CUDA-graph, 7B + 32B, M = 64/128/256/1024, stream-K / wgmma_rs / wgmma_ss), alltests (the whole
+# wgmma test subset), sanitizer (memcheck, racecheck, synccheck on the wgmma_ss cases).
 #   OUT=$OUT STEPS=build,tests,timing bash benchmarks/gpu/wgmma_ss_check.sh
 # Writes to $OUT: ss_check.log, ss_tests.log, kernel-<gpu>.json (+ gemm_dispatch), ss_alltests.log, ss_sanitizer.log
 set -uo pipefail
@@ -35,7 +35,7 @@ if has tests; then
   tail -15 "$OUT/ss_tests.log" | tee -a "$LOG"
 fi
 if has timing; then
-  step timing "${TIMING_S:-110}" python3 benchmarks/kernel.py --no-tune --no-marlin --variants "${SS_VARIANTS:-wgmma,wgmma_ss}" \
+  step timing "${TIMING_S:-110}" python3 benchmarks/kernel.py --no-tune --no-marlin --variants "${SS_VARIANTS:-wgmma_rs,wgmma_ss}" \
     --models "${SS_MODELS:-qwen2.5-7b,qwen2.5-32b}" --ms "${SS_MS:-64,128,256,1024}" --out "$OUT" > "$OUT/ss_timing.log" 2>&1
   grep -A60 "fused-kernel variants" "$OUT/ss_timing.log" | tee -a "$LOG" | tail -80
 fi
@@ -52,7 +52,7 @@ if has sanitizer; then
     lim=""; [ "$tool" = memcheck ] || lim="--sanitize-max-nk 1400000"
     echo "### $tool" >> "$OUT/ss_sanitizer.log"
     step "sanitizer-$tool" "${SAN_S:-60}" bash -c "'$SAN' --tool $tool --error-exitcode 9 python3 benchmarks/kernel.py \
-      --sanitize --sanitize-modes 8 $lim >> '$OUT/ss_sanitizer.log' 2>&1"
+      --sanitize --sanitize-modes wgmma_ss $lim >> '$OUT/ss_sanitizer.log' 2>&1"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SANITIZE|Error|error" "$OUT/ss_sanitizer.log" | tail -3 | tee -a "$LOG"
   done
 fi

@@ -20,17 +20,22 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from . import layout, ops, reference
 from .layout import K_STAGE, K_TILE, N_PAD, LayoutError, RepackedWeight
+from .modes import GEMM_KERNEL_NAMES, GEMM_MODES, GemmMode
 
 __all__ = [
+    "GEMM_KERNEL_NAMES",
+    "GEMM_MODES",
     "K_STAGE",
     "K_TILE",
     "N_PAD",
+    "GemmMode",
     "LayoutError",
     "RepackedWeight",
     "cuda_available",
@@ -51,23 +56,37 @@ log = logging.getLogger(__name__)
 #: The GEMM kernel (and the repacked layout) need K to be a multiple of its pipeline stage.
 GEMM_K_MULTIPLE = K_STAGE
 
-#: Environment variable choosing the fused GEMM kernel: ``auto`` (default: the stream-K kernel v5.5,
-#: cuda/nvfp4_gemm_streamk.cu, where it applies -- M >= 17, i.e. block_m 32 / 64 -- and the shape has
-#: enough 256-row tiles for the SMs or long K ranges per CTA; v5 elsewhere), ``v5`` (v5 only) or
-#: ``streamk`` (stream-K wherever it applies) or ``wgmma`` (the Hopper wgmma kernel, cuda/nvfp4_gemm_wgmma.cu, at
-#: every M where it runs; as ``streamk`` elsewhere) or ``wgmma_ss`` (the same with both wgmma operands in shared
-#: memory, cuda/nvfp4_gemm_wgmma_ss.cu). On a device with a calibration table ``auto`` follows the
-#: table instead (verl_qerl/kernels/dispatch.py). Only the CUDA fused-GEMM dispatch reads it; the torch fallbacks
-#: ignore it.
+#: Environment variable choosing the fused GEMM kernel (names: :mod:`verl_qerl.kernels.modes`): ``auto`` (default:
+#: the calibration table's measured kernel on a device it was measured for, verl_qerl/kernels/dispatch.py; else by
+#: M, the stream-K kernel where it applies and pays, split-K elsewhere), ``splitk`` (the split-K kernel only),
+#: ``streamk`` (stream-K wherever it applies), ``wgmma_rs`` (the register-A Hopper wgmma kernel at every M where it
+#: runs; as ``streamk`` elsewhere) or ``wgmma_ss`` (the same with both wgmma operands in shared memory). Only the
+#: CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
-#: variant -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (all dispatch by M first;
-#: cuda/qerl_torch.cpp's mode table): 0 = auto, 6 = v5 only, 4 = stream-K wherever it applies, 7 = wgmma,
-#: 8 = wgmma SS.
-GEMM_KERNEL_MODES = {"auto": 0, "v5": 6, "streamk": 4, "wgmma": 7, "wgmma_ss": 8}
-#: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests): 1 = v5, 5 = stream-K where
-#: it applies (block_m 32 / 64), v5 elsewhere, 7 = wgmma where it runs (sm_90a), as 5 elsewhere, 8 = as 7 with
-#: the wgmma SS kernel.
-GEMM_KERNEL_FORCED_MODES = {"v5": 1, "streamk": 5, "wgmma": 7, "wgmma_ss": 8}
+#: ``$QERL_GEMM_KERNEL`` value -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (the auto modes still
+#: dispatch by M; the wgmma ones run the kernel at every M).
+GEMM_KERNEL_MODES = {"auto": GemmMode.AUTO, "splitk": GemmMode.AUTO_SPLITK, "streamk": GemmMode.AUTO_STREAMK,
+                     "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_ss": GemmMode.WGMMA_SS}
+#: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests); the names are the
+#: kernels' own (:data:`GEMM_KERNEL_NAMES`).
+GEMM_KERNEL_FORCED_MODES = {"splitk": GemmMode.SPLITK, "streamk": GemmMode.STREAMK,
+                            "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_ss": GemmMode.WGMMA_SS}
+#: Former names still accepted in ``$QERL_GEMM_KERNEL`` (and benchmark ``--variants``), with a warning.
+GEMM_KERNEL_ALIASES = {"v5": "splitk", "wgmma": "wgmma_rs"}
+_warned_aliases: set[str] = set()
+
+
+def canonical_kernel_name(name: str, what: str = GEMM_KERNEL_ENV) -> str:
+    """``name`` lower-cased and stripped, with a former name (:data:`GEMM_KERNEL_ALIASES`) replaced by the current
+    one; a former name warns once per process (``FutureWarning`` naming ``what`` and the new name)."""
+    v = name.strip().lower()
+    new = GEMM_KERNEL_ALIASES.get(v)
+    if new is None:
+        return v
+    if v not in _warned_aliases:
+        _warned_aliases.add(v)
+        warnings.warn(f"{what}: {v!r} is a deprecated name; use {new!r}", FutureWarning, stacklevel=3)
+    return new
 
 
 #: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
@@ -90,6 +109,17 @@ def check_tuning_env() -> None:
         if not value >= 0:  # also refuses nan
             kind = "a non-negative integer" if parse is int else "a non-negative number"
             raise ValueError(f"{name}={raw!r} is not {kind} (unset it for the default)")
+
+
+def _check_mode_table(ext) -> None:  # noqa: ANN001 - the compiled module
+    """Refuse an extension built from another ``cuda/gemm_modes.h`` than the one Python parsed (a stale
+    ahead-of-time build): its mode integers and kernel ids would mean other things here."""
+    built_modes, built_names = dict(ext.gemm_modes()), tuple(ext.gemm_kernel_names())
+    if built_modes != GEMM_MODES or built_names != GEMM_KERNEL_NAMES:
+        raise RuntimeError(
+            f"the CUDA extension's GEMM modes {built_modes} / kernels {built_names} differ from "
+            f"cuda/gemm_modes.h's {GEMM_MODES} / {GEMM_KERNEL_NAMES}: rebuild the extension"
+        )
 
 
 class _State:
@@ -121,6 +151,7 @@ def load_extension(verbose: bool = False) -> bool:
             from . import build
 
             ext = build.load(verbose=verbose)
+            _check_mode_table(ext)
             ext.init_workspace(torch.cuda.current_device())
             from . import dispatch
 
@@ -158,11 +189,12 @@ def gemm_kernel_variant() -> str:
     """The fused GEMM variant named by ``$QERL_GEMM_KERNEL`` (``auto`` when unset or empty).
 
     Read at every dispatch in eager mode (so a benchmark can switch it between calls); under
-    ``torch.compile`` it is read once at trace time and baked into the graph. An unknown value raises
-    ``ValueError`` naming the variable, rather than silently running the default.
+    ``torch.compile`` it is read once at trace time and baked into the graph. A former name (``v5``, ``wgmma``)
+    is accepted with a one-line ``FutureWarning`` naming the new one; an unknown value raises ``ValueError``
+    naming the variable, rather than silently running the default.
     """
     raw = os.environ.get(GEMM_KERNEL_ENV, "")
-    v = raw.strip().lower() or "auto"
+    v = canonical_kernel_name(raw) or "auto"
     if v not in GEMM_KERNEL_MODES:
         raise ValueError(
             f"{GEMM_KERNEL_ENV}={raw!r} is not a GEMM kernel variant; expected one of {sorted(GEMM_KERNEL_MODES)}"
@@ -246,7 +278,7 @@ def linear(
     1. CUDA, extension loaded, ``kernel_weight`` given, x bf16, K % 128 == 0: the
        ``qerl::nvfp4_gemm`` op, which picks the fused GEMM (M <= its tuned threshold) or
        dequantize + cuBLAS inside the op (no Python branch on M, so no torch.compile guard);
-       the fused GEMM is the stream-K variant where it applies and pays, v5 elsewhere (see
+       the fused GEMM is the table's measured kernel, or stream-K where it applies and pays, split-K elsewhere (see
        :func:`gemm_kernel_variant` for ``QERL_GEMM_KERNEL``);
     2. CUDA, extension loaded: ``qerl::nvfp4_dequant`` to x's dtype, then ``F.linear``;
     3. anywhere else: the torch reference (dequantize, ``F.linear``).
@@ -265,7 +297,7 @@ def linear(
         bias = bias.to(x.dtype)
     ready = _ext_ready(x.device)
     if ready and kernel_weight is not None and gemm_supported(k, x.dtype):
-        mode = GEMM_KERNEL_MODES[gemm_kernel_variant()]
+        mode = int(GEMM_KERNEL_MODES[gemm_kernel_variant()])
         check_tuning_env()
         x2 = x.reshape(-1, k)
         out = torch.ops.qerl.nvfp4_gemm(

@@ -1,16 +1,18 @@
 """Auto mode's calibration table: which GEMM kernel is fastest for a weight shape and token count.
 
-Why a table: the four GEMMs the op can run (the split-K decode kernel ``v5``, the mma.sync ``streamk`` kernel, the
-Hopper ``wgmma`` kernel, dequantize + cuBLAS ``dqmm``) cross over at M and shape points that depend on the GPU;
-hand-set thresholds drift every time a kernel changes. ``benchmarks/kernel.py`` times all of them per GEMM shape and
-M (CUDA-graph timing) and writes the winners as a table (:func:`table_from_rows`); the package ships the table
-measured on an H200 (``gemm_dispatch_h200.json``) and :func:`install` hands it to the extension for devices of
-the capability it was measured on. The C++ side (``table_pick`` in cuda/qerl_torch.cpp) takes the nearest measured
-weight shape (log N, log K) and then its nearest measured M (log M). Without a table (other GPUs), the op keeps its
-rule-based dispatch.
+Why a table: the GEMMs the op can run (the split-K decode kernel ``splitk``, the mma.sync ``streamk`` kernel, the
+Hopper wgmma kernels ``wgmma_rs`` / ``wgmma_ss``, dequantize + cuBLAS ``dequant_cublas``) cross over at M and
+shape points that depend on the GPU; hand-set thresholds drift every time a kernel changes. ``benchmarks/kernel.py``
+times all of them per GEMM shape and M (CUDA-graph timing) and writes the winners as a table
+(:func:`table_from_rows`); the package ships the table measured on an H200 (``gemm_dispatch_h200.json``) and
+:func:`install` hands it to the extension for devices of the capability it was measured on. The C++ side
+(``table_pick`` in cuda/qerl_torch.cpp) takes the nearest measured weight shape (log N, log K) and then its
+nearest measured M (log M). Without a table (other GPUs), the op keeps its rule-based dispatch.
 
 File format (JSON): ``{"device": str, "capability": [major, minor], "command": str, "points": [[n, k, m, kernel],
-...]}`` with ``kernel`` one of the extension's ``gemm_kernel_names()``.
+...]}`` with ``kernel`` one of :data:`verl_qerl.kernels.modes.GEMM_KERNEL_NAMES` (the extension's
+``gemm_kernel_names()``, both from cuda/gemm_modes.h). Tables written before the kernels were named by role
+(``v5``, ``wgmma``, ``dqmm``) still load: :data:`FORMER_NAMES` maps those names to the current ones.
 """
 
 from __future__ import annotations
@@ -24,9 +26,14 @@ from typing import Any
 TABLE_ENV = "QERL_GEMM_DISPATCH_TABLE"
 #: The table measured on one H200 (benchmarks/NOTES.md, "v6 wgmma").
 DEFAULT_TABLE = Path(__file__).with_name("gemm_dispatch_h200.json")
-#: benchmark row key (CUDA-graph ms) -> kernel name, for the kernels each row forces.
-ROW_KEYS = {"kernel_graph_ms": "v5", "kernel_streamk_graph_ms": "streamk", "kernel_wgmma_graph_ms": "wgmma",
-            "kernel_wgmma_ss_graph_ms": "wgmma_ss", "dqmm_graph_ms": "dqmm"}
+#: Kernel names in tables and benchmark rows written before the names by role -> the current names.
+FORMER_NAMES = {"v5": "splitk", "wgmma": "wgmma_rs", "dqmm": "dequant_cublas"}
+#: benchmark row key (CUDA-graph ms) -> kernel name, for the kernels each row forces (``benchmarks/kernel.py``
+#: writes ``kernel_<name>_graph_ms`` and ``dequant_cublas_graph_ms``; the former keys are read too).
+ROW_KEYS = {"kernel_splitk_graph_ms": "splitk", "kernel_streamk_graph_ms": "streamk",
+            "kernel_wgmma_rs_graph_ms": "wgmma_rs", "kernel_wgmma_ss_graph_ms": "wgmma_ss",
+            "dequant_cublas_graph_ms": "dequant_cublas",
+            "kernel_graph_ms": "splitk", "kernel_wgmma_graph_ms": "wgmma_rs", "dqmm_graph_ms": "dequant_cublas"}
 
 
 class DispatchTableError(ValueError):
@@ -40,14 +47,18 @@ def table_from_rows(rows: list[dict[str, Any]], device: str, capability: tuple[i
     for r in rows:
         if r.get("layer") == "sum" or "N" not in r:
             continue
-        timed = {name: r[key] for key, name in ROW_KEYS.items() if r.get(key)}
+        timed: dict[str, float] = {}
+        for key, name in ROW_KEYS.items():  # a current key wins over a former one for the same kernel
+            if r.get(key) and name not in timed:
+                timed[name] = r[key]
         if timed:
             points.append([int(r["N"]), int(r["K"]), int(r["M"]), min(timed, key=timed.get)])
     return {"device": device, "capability": list(capability), "command": command, "points": points}
 
 
 def load_table(path: Path, names: list[str]) -> dict:
-    """Read and validate a table file; raises :class:`DispatchTableError` naming the file."""
+    """Read and validate a table file, former kernel names (:data:`FORMER_NAMES`) replaced by the current ones;
+    raises :class:`DispatchTableError` naming the file."""
     try:
         table = json.loads(Path(path).read_text())
     except (OSError, ValueError) as ex:
@@ -57,6 +68,8 @@ def load_table(path: Path, names: list[str]) -> dict:
     if not isinstance(pts, list) or not pts or not (isinstance(cap, list) and len(cap) == 2):
         raise DispatchTableError(f"GEMM dispatch table {path}: needs a non-empty 'points' list and 'capability'")
     for p in pts:
+        if isinstance(p, list) and len(p) == 4 and isinstance(p[3], str):
+            p[3] = FORMER_NAMES.get(p[3], p[3])
         ok = isinstance(p, list) and len(p) == 4 and all(isinstance(v, int) and v > 0 for v in p[:3])
         if not ok or p[3] not in names:
             raise DispatchTableError(f"GEMM dispatch table {path}: bad point {p!r} (want [n, k, m, one of {names}])")

@@ -7,19 +7,13 @@ allocates only shape-determined outputs, so it can be captured.
 
 Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 
-* ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0) -> [M, n]``: ``x @ W.T + bias``
+* ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0) -> [M, n]``: ``x @ W.T + bias``
   on the repacked layout. On CUDA the kernel itself dispatches by M and shape: on a device with a
-  calibration table (``verl_qerl/kernels/dispatch.py``; an H200 one ships) the measured fastest of v5,
+  calibration table (``verl_qerl/kernels/dispatch.py``; an H200 one ships) the measured fastest of split-K,
   stream-K, the Hopper wgmma kernel and dequantize + cuBLAS for the nearest measured shape and M; elsewhere
-  the fused FP4xBF16 GEMM up to a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests): 0 auto
-  (without a table the fused kernel is the stream-K variant, ``cuda/nvfp4_gemm_streamk.cu``, where it applies
-  and the shape has enough 256-row tiles for the SMs or long K ranges per CTA, v5 elsewhere), 1 v5 fused kernel,
-  2 dequant + cuBLAS, 3 dequant + cuBLAS N-sliced with the next slice's dequant overlapped on a side stream
-  (measured slower on the H100; experimental), 4 / 5 as 0 / 1 but stream-K wherever it applies
-  (M >= 17, i.e. block_m 32 / 64; v5 for smaller M), 6 as 0 with v5 only (no table), 7 the Hopper wgmma
-  kernel (``cuda/nvfp4_gemm_wgmma.cu``) at every M where it is built and runs (sm_90a), as 5 elsewhere,
-  8 as 7 with the shared-memory-operand wgmma kernel (``cuda/nvfp4_gemm_wgmma_ss.cu``), 16 + s v5 fused kernel
-  with s K-splits.
+  the fused FP4xBF16 GEMM up to a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests) is one
+  of :data:`verl_qerl.kernels.modes.GEMM_MODES`, defined once in ``cuda/gemm_modes.h`` with what each runs;
+  ``splits`` (mode ``splitk`` only) fixes the split-K kernel's K-split count (0: its heuristic).
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
@@ -37,7 +31,7 @@ LIB_NAME = "qerl"
 _lib = torch.library.Library(LIB_NAME, "FRAGMENT")
 _lib.define(
     "nvfp4_gemm(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
-    "int mode=0) -> Tensor"
+    "int mode=0, int splits=0) -> Tensor"
 )
 _lib.define("nvfp4_dequant(Tensor packed, Tensor scale, Tensor global_scale, ScalarType dtype) -> Tensor")
 _lib.define(
@@ -52,7 +46,7 @@ _lib.define("nvfp4_repack(Tensor packed, Tensor scale) -> (Tensor, Tensor)")
 
 def _gemm_cpu(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
-    bias: torch.Tensor | None, n: int, mode: int = 0,
+    bias: torch.Tensor | None, n: int, mode: int = 0, splits: int = 0,
 ) -> torch.Tensor:
     w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
     out = x.to(torch.float32) @ w.T
@@ -99,7 +93,7 @@ def register_cuda_fallbacks() -> None:
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm")
-def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0):  # noqa: ANN001, ANN202
+def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0):  # noqa: ANN001, ANN202
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm: x must be 2-D [M, K]")
     torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm: K mismatch")
     return x.new_empty((x.shape[0], n))
@@ -131,7 +125,7 @@ def _repack_fake(packed, scale):  # noqa: ANN001, ANN202
 
 
 def _gemm_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    x, qweight, qscale, global_scale, bias, n, _mode = inputs
+    x, qweight, qscale, global_scale, bias, n, _mode, _splits = inputs
     ctx.save_for_backward(qweight, qscale, global_scale)
     ctx.n = n
     ctx.x_dtype = x.dtype
@@ -146,7 +140,7 @@ def _gemm_backward(ctx, grad):  # noqa: ANN001, ANN202
         grad_x = grad.matmul(w).to(ctx.x_dtype)
     if ctx.has_bias and ctx.needs_input_grad[4]:
         grad_bias = grad.sum(0)
-    return grad_x, None, None, None, grad_bias, None, None
+    return grad_x, None, None, None, grad_bias, None, None, None
 
 
 torch.library.register_autograd(
