@@ -17,13 +17,8 @@ if [ -f /tmp/site/qerl_env.sh ]; then source /tmp/site/qerl_env.sh; STAGED=1; el
 export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 LOG="$OUT/kernel_check.log"; : > "$LOG"
 fail=0
-step() {  # step NAME TIMEOUT_S CMD...: run, log its rc and seconds, keep going
-  local name=$1 limit=$2; shift 2
-  local t=$(date +%s)
-  timeout "$limit" "$@"; local rc=$?
-  echo "[kernel_check] $name rc=$rc in $(( $(date +%s) - t )) s" | tee -a "$LOG"
-  [ $rc -eq 0 ] || fail=1
-}
+STEP_TAG=kernel_check
+source benchmarks/gpu/steps.sh  # the script has cd-ed to the repository root
 echo "[kernel_check] staged vLLM: $STAGED; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
 step build 240 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
 import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"

@@ -15,14 +15,8 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/qerl-ext-$$}"
 LOG="$OUT/ss_check.log"; : > "$LOG"
 fail=0
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-step() {  # step NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2; shift 2
-  local t=$(date +%s)
-  timeout "$limit" "$@"; local rc=$?
-  echo "[ss_check] $name rc=$rc in $(( $(date +%s) - t )) s" | tee -a "$LOG"
-  [ $rc -eq 0 ] || fail=1
-  return $rc
-}
+STEP_TAG=ss_check
+source benchmarks/gpu/steps.sh  # the script has cd-ed to the repository root
 echo "[ss_check] $(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | head -1)" | tee -a "$LOG"
 if has build; then
   step build "${BUILD_S:-150}" python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \

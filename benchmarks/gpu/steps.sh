@@ -1,0 +1,12 @@
+# Sourced by the GPU check scripts (kernel_check.sh, wgmma_check.sh, wgmma_ss_check.sh): one way to run a step.
+#   STEP_TAG=kernel_check LOG=$OUT/x.log; fail=0; source benchmarks/gpu/steps.sh
+#   step NAME TIMEOUT_S CMD...   run CMD under a time limit, log "[TAG] NAME rc=.. in .. s", set fail=1 on a
+#                                non-zero exit, return CMD's status, and keep going (later steps still run)
+step() {
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s)
+  timeout "$limit" "$@"; local rc=$?
+  echo "[${STEP_TAG:?set STEP_TAG}] $name rc=$rc in $(( $(date +%s) - t )) s" | tee -a "${LOG:?set LOG}"
+  [ $rc -eq 0 ] || fail=1
+  return $rc
+}
