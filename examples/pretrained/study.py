@@ -251,11 +251,12 @@ def cmd_data(argv: list[str]) -> int:
     ap.add_argument("--level", default="L3", choices=sorted(LEVELS))
     ap.add_argument("--n-train", type=int, default=4096)
     ap.add_argument("--n-test", type=int, default=256)
+    ap.add_argument("--n-dev", type=int, default=256, help="dev.jsonl problems with gold solutions (entropy_probe.py)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.n_train < 1 or args.n_test < 1:
-        ap.error("--n-train and --n-test must be >= 1")
-    paths = write_splits(args.out, n_sft=1, n_train=args.n_train, n_dev=1, n_test=args.n_test, seed=args.seed,
+    if min(args.n_train, args.n_test, args.n_dev) < 1:
+        ap.error("--n-train, --n-test and --n-dev must be >= 1")
+    paths = write_splits(args.out, n_sft=1, n_train=args.n_train, n_dev=args.n_dev, n_test=args.n_test, seed=args.seed,
                          difficulty=LEVELS[args.level])
     meta = json.loads(paths["meta"].read_text())
     paths["meta"].write_text(json.dumps({**meta, "level": args.level}, indent=1))
