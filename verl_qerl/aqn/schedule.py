@@ -1,7 +1,9 @@
 """The AQN settings and the noise schedule: which sigma each training step uses.
 
 Stage 0 is noise-free; stages 1..K-1 decay sigma from ``sigma_start`` to ``sigma_end``
-(exponential by default, the paper's Table 4). Pure arithmetic on the config; no tensors.
+(exponential by default, the paper's Table 4). ``noise_from_start`` instead gives stage 0
+``sigma_start`` and decays over stages 0..K-1, so the noise is on from the first step (for studies
+whose question is early exploration). Pure arithmetic on the config; no tensors.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from ._checks import bad, check_step, check_total_steps, is_int, is_real
 from .rounding import ROUNDINGS
 from .targets import DEFAULT_TARGETS
 
-#: Decay shapes over stages 1..K-1 (stage 0 is always noise-free). "exponential" is the paper's.
+#: Decay shapes over stages 1..K-1 (0..K-1 with ``noise_from_start``). "exponential" is the paper's.
 SCHEDULES = ("exponential", "linear", "cosine", "constant", "none")
 #: The schedules that go from sigma_start to sigma_end (the others ignore sigma_end).
 DECAYING_SCHEDULES = ("exponential", "linear", "cosine")
@@ -32,6 +34,7 @@ class AQNConfig:
     Defaults are the paper's Table 4 (sigma 1e-2 -> 5e-4 over K = 10 stages, exponential).
     ``total_steps`` may stay ``None`` when the trainer supplies it (verl's
     ``total_training_steps``); the schedule functions then need it as an argument.
+    ``noise_from_start=True`` puts ``sigma_start`` on stage 0 too (see :func:`stage_sigma`).
     """
 
     enable: bool = True
@@ -45,6 +48,7 @@ class AQNConfig:
     include_final_norm: bool = False
     rounding: str = "stochastic"
     total_steps: int | None = None
+    noise_from_start: bool = False
 
     def __post_init__(self) -> None:
         targets = self.targets
@@ -73,13 +77,15 @@ class AQNConfig:
         if self.schedule in DECAYING_SCHEDULES and self.sigma_end > self.sigma_start:
             raise bad("sigma_end", f"{self.sigma_end!r} is above sigma_start={self.sigma_start!r}: the noise would "
                        "rise during training, where AQN decays it (swap the two, or use schedule=constant)")
+        if not isinstance(self.noise_from_start, bool):
+            raise bad("noise_from_start", f"must be true or false, got {self.noise_from_start!r}")
+        least = min_stages(self.noise_from_start)
         if not is_int(self.num_stages):
-            raise bad("num_stages", f"must be an int >= 3, got {self.num_stages!r}")
-        if self.num_stages < 3:
-            raise bad(
-                "num_stages",
-                f"must be >= 3 (stage 0 is noise-free and the decay needs two more), got {self.num_stages}",
-            )
+            raise bad("num_stages", f"must be an int >= {least}, got {self.num_stages!r}")
+        if self.num_stages < least:
+            why = ("the decay needs a first and a last stage" if self.noise_from_start
+                   else "stage 0 is noise-free and the decay needs two more; or set noise_from_start=true")
+            raise bad("num_stages", f"must be >= {least} ({why}), got {self.num_stages}")
         if not is_int(self.seed):
             raise bad("seed", f"must be an int, got {self.seed!r}")
         if self.apply_to not in APPLY_TO:
@@ -96,7 +102,8 @@ class AQNConfig:
             short = short_run(self.total_steps, self)
             if short:
                 raise bad("total_steps", f"{self.total_steps} is fewer than num_stages={self.num_stages}: {short}; "
-                           f"run at least {self.num_stages} steps, lower num_stages (>= 3) or disable AQN")
+                           f"run at least {self.num_stages} steps, lower num_stages "
+                           f"(>= {min_stages(self.noise_from_start)}) or disable AQN")
         if total_steps is not None:
             check_total_steps(total_steps)
         return self
@@ -127,15 +134,24 @@ class AQNConfig:
 
 
 
+def min_stages(noise_from_start: bool) -> int:
+    """The fewest stages a schedule can have: a decay needs a first and a last noisy stage, plus the
+    noise-free stage 0 unless ``noise_from_start``."""
+    return 2 if noise_from_start else 3
+
+
 def short_run(total_steps: int, cfg: AQNConfig) -> str | None:
     """What goes wrong when a run of ``total_steps`` is shorter than ``cfg.num_stages``, or None.
 
     Step ``s`` of ``T < K`` lands in stage ``(s - 1) K // T``, so only ``T`` of the ``K`` stages get
     a step, one of them the noise-free stage 0: most of the decay is skipped, and a one-step run
-    gets no noise at all.
+    gets no noise at all (with ``noise_from_start`` it gets ``sigma_start`` only).
     """
     if not cfg.enable or cfg.schedule == "none" or total_steps >= cfg.num_stages:
         return None
+    if cfg.noise_from_start:
+        return (f"only {total_steps} of the {cfg.num_stages} stages get a step, so most of the noise decay is "
+                "skipped")
     if total_steps <= 1:
         return "the only step is in stage 0, which is noise-free, so the run gets no noise at all"
     return (f"only {total_steps} of the {cfg.num_stages} stages get a step (stage 0 noise-free), so most of the "
@@ -198,20 +214,24 @@ def stage_sigma(stage: int, cfg: AQNConfig) -> float:
     ``sigma_end`` (it stops one ratio step short); we follow the code so that ``sigma_end``
     means what it says. ``linear`` and ``cosine`` interpolate between the same end points with
     the same ``t = (k - 1) / (K - 2)``; ``constant`` holds ``sigma_start``; ``none`` is zero.
+
+    ``noise_from_start`` shifts the decay one stage earlier: stage 0 gets ``sigma_start`` and stage
+    ``k`` uses ``t = k / (K - 1)``, reaching ``sigma_end`` in the last stage as before.
     """
     num_stages = cfg.num_stages
     if not is_int(stage) or not 0 <= stage < num_stages:
         raise bad("stage", f"must be an int in [0, {num_stages}), got {stage!r}")
-    if not cfg.enable or cfg.schedule == "none" or stage == 0:
+    if not cfg.enable or cfg.schedule == "none" or (stage == 0 and not cfg.noise_from_start):
         return 0.0
     start, end = float(cfg.sigma_start), float(cfg.sigma_end)
     if cfg.schedule == "constant":
         return start
-    if stage == 1:  # exact end points, free of pow/cos rounding
+    first = 0 if cfg.noise_from_start else 1
+    if stage == first:  # exact end points, free of pow/cos rounding
         return start
     if stage == num_stages - 1:
         return end
-    t = (stage - 1) / (num_stages - 2)
+    t = (stage - first) / (num_stages - 1 - first)
     if cfg.schedule == "exponential":
         return start * (end / start) ** t
     if cfg.schedule == "linear":

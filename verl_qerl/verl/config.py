@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..aqn import AQNConfig, short_run
+from ..aqn.schedule import min_stages
 from ..modeling.model_conversion import MODES
 from ..nvfp4.arch import DEFAULT_IGNORE
 from ..nvfp4.checkpoint import PatternError, check_patterns
@@ -237,7 +238,8 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
         stages = qerl.aqn.num_stages
         raise QeRLConfigError(
             f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
-            f"{stages} steps, lower qerl.aqn.num_stages (>= 3), or turn AQN off (qerl.aqn.enable=false)")
+            f"{stages} steps, lower qerl.aqn.num_stages (>= {min_stages(qerl.aqn.noise_from_start)}), or turn AQN off "
+            "(qerl.aqn.enable=false)")
 def _check_twin_scale_rule(config: Any, qerl: QeRLConfig) -> None:
     """A BF16 ``model.path``'s NVFP4 twin must be what vLLM makes of ``model.path`` under ``qerl.scale_rule``."""
     from pathlib import Path
