@@ -20,8 +20,7 @@ fail=0
 STEP_TAG=kernel_check
 source benchmarks/gpu/steps.sh  # the script has cd-ed to the repository root
 echo "[kernel_check] staged vLLM: $STAGED; $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
-step build 240 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
-import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
+build_step 240
 step gpu_tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py > '$OUT/gpu_tests.log' 2>&1"
 tail -3 "$OUT/gpu_tests.log" | tee -a "$LOG"
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -10,3 +10,8 @@ step() {
   [ $rc -eq 0 ] || fail=1
   return $rc
 }
+#   build_step TIMEOUT_S        step "build": JIT-build the kernels extension (or say why it does not load)
+build_step() {
+  step build "$1" python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
+import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
+}

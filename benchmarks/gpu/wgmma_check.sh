@@ -19,8 +19,7 @@ fail=0
 STEP_TAG=wgmma_check
 source benchmarks/gpu/steps.sh  # the script has cd-ed to the repository root
 echo "[wgmma_check] $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
-step build 150 python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
-import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
+build_step 150
 if ! step wgmma_tests 100 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
     > '$OUT/wgmma_tests.log' 2>&1"; then
   tail -30 "$OUT/wgmma_tests.log" | tee -a "$LOG"

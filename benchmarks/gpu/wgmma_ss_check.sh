@@ -19,8 +19,7 @@ STEP_TAG=ss_check
 source benchmarks/gpu/steps.sh  # the script has cd-ed to the repository root
 echo "[ss_check] $(nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | head -1)" | tee -a "$LOG"
 if has build; then
-  step build "${BUILD_S:-150}" python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
-import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)" 2>&1 | tail -5 | tee -a "$LOG"
+  build_step "${BUILD_S:-150}" 2>&1 | tail -5 | tee -a "$LOG"
 fi
 if has tests; then
   step tests "${TESTS_S:-75}" bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py \
