@@ -38,12 +38,6 @@ LEVELS: dict[str, Difficulty] = {
 }
 
 
-def boxed_answer(text: str) -> str | None:
-    """The last ``\\boxed{N}`` (how Qwen2.5 instruct models state a final answer unprompted)."""
-    found = re.findall(r"\\boxed\{\s*(-?[\d,]+)\s*\}", text)
-    return found[-1].replace(",", "") if found else None
-
-
 def last_number(text: str) -> str | None:
     found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return found[-1].replace(",", "") if found else None
@@ -63,7 +57,7 @@ def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
             text = tok.decode(row, skip_special_tokens=True)
             strict += gsm8k_strict_score(text, str(p.answer)) == 1.0
             lenient += last_number(text) == str(p.answer)
-            boxed += boxed_answer(text) == str(p.answer)
+            boxed += score_numeric(text, str(p.answer), forms=("boxed",)) == 1.0  # the last \boxed{N} only
             numeric += score_numeric(text, str(p.answer)) == 1.0
             lengths.append(int((row != tok.pad_token_id).sum()))
             if len(samples) < 2:
