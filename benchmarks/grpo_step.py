@@ -25,6 +25,9 @@ runs is split over calls and the last one writes the JSON with every row and the
     python benchmarks/grpo_step.py --variants qerl,lora \
         --baseline benchmarks/results/grpo_step-7b-variants-<gpu>.json     # call 2: runs qerl only
 
+``--merge-only`` runs nothing and writes the comparison from ``--baseline`` files alone (device and versions are
+theirs), so variants measured on separate machines are combined afterwards on any machine.
+
 ``--preset reasoning`` (issue 20) is the workload of reasoning RL, where long rollouts should dominate the step:
 32 prompts x 8 = 256 sequences per step, every response exactly 2048 tokens (``ignore_eos``: a random model has no
 natural length, and a fixed one makes both variants decode the same tokens), sampled at temperature 1 over the
@@ -631,8 +634,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", action="append", default=[], metavar="FILE",
                    help="an earlier results JSON of this script (same settings and device): its rows are reused, "
                         "not run again (repeatable)")
+    p.add_argument("--merge-only", action="store_true",
+                   help="run nothing: write the comparison from the --baseline files alone (every planned run must "
+                        "be in them; device and versions are theirs, so this works on a machine without a GPU)")
     p.add_argument("extra", nargs="*", help="more hydra overrides for every run")
     args = p.parse_args(argv)
+    if args.merge_only and not args.baseline:
+        p.error("--merge-only needs the --baseline files to merge")
     preset = PRESETS.get(args.preset, {})
     for key, default in GENERIC.items():
         if getattr(args, key) is None:
@@ -678,15 +686,33 @@ def execute(args: argparse.Namespace, todo: list[tuple[str, int]], inputs: tuple
     return dict(zip(todo, ran, strict=True))
 
 
+def baseline_origin(paths: list[str]) -> tuple[str, dict]:
+    """(device, versions) of the --baseline files for ``--merge-only``: the files must agree on the device (their
+    settings are checked against this invocation by ``load_baselines``); versions are the first file's."""
+    found = []
+    for path in paths:
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
+        found.append((path, res.get("device"), res.get("versions") or {}))
+    devices = {dev for _, dev, _ in found}
+    if len(devices) != 1 or None in devices:
+        raise StepBenchError("--merge-only: the --baseline files were measured on different devices: "
+                             + "; ".join(f"{path}: {dev!r}" for path, dev, _ in found))
+    return found[0][1], found[0][2]
+
+
 def build_result(args: argparse.Namespace, argv: list[str] | None, device: str, rows: list[dict],
-                 concurrent_gpus: bool) -> dict:
+                 concurrent_gpus: bool, versions_of_rows: dict | None = None) -> dict:
     """The results JSON: settings, rows, ratios and targets (a preset's per-phase targets in mode 'variants')."""
     ratios, targets = compare(rows, args.compare, concurrent=concurrent_gpus,
                               phase_targets=PRESET_TARGETS.get(args.preset))
     if args.memory_limit_gb:
         targets += memory_targets(rows, args.memory_limit_gb)
     return {
-        "benchmark": "grpo_step", "compare": args.compare, "device": device, "versions": versions(),
+        "benchmark": "grpo_step", "compare": args.compare, "device": device,
+        "versions": versions() if versions_of_rows is None else versions_of_rows,
         "command": "python " + " ".join([str(Path(sys.argv[0]))] + [shlex.quote(a) for a in (argv or sys.argv[1:])]),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": "tiny" if args.tiny else args.model, "settings": {k: v for k, v in vars(args).items() if k != "extra"},
@@ -723,11 +749,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "results")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    device = "cpu (tiny smoke test)" if args.tiny else device_name()
     wanted = plan_runs(args)
     try:
+        origin_versions = None
+        if args.merge_only:
+            device, origin_versions = baseline_origin(args.baseline)
+        else:
+            device = "cpu (tiny smoke test)" if args.tiny else device_name()
         reused = load_baselines(args.baseline, args, device)
         todo = [job for job in wanted if job not in reused]
+        if args.merge_only and todo:
+            missing = ", ".join(f"{v} on {g} GPU(s)" for v, g in todo)
+            raise StepBenchError(f"--merge-only: no --baseline row for {missing}")
         inputs = build_inputs(args, work) if todo else None
     except StepBenchError as exc:
         print(f"[grpo_step] error: {exc}", file=sys.stderr)
@@ -740,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     done = execute(args, todo, inputs, work)
     rows = [reused[job] if job in reused else done[job] for job in wanted]  # --variants order: first = numerator
     result = build_result(args, argv, device, rows,
-                          concurrent_gpus=args.compare == "gpus" and args.concurrent and len(todo) > 1)
+                          concurrent_gpus=args.compare == "gpus" and args.concurrent and len(todo) > 1,
+                          versions_of_rows=origin_versions)
     path = write_result(args, result, out)
     report(result)
     print(f"[grpo_step] wrote {path} ({time.perf_counter() - t0:.0f} s)")

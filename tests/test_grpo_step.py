@@ -181,6 +181,33 @@ def test_baseline_that_is_not_a_results_file(fake_runs, tmp_path, capsys):
     assert fake_runs == []
 
 
+def test_merge_only_combines_baselines_without_a_gpu(fake_runs, tmp_path, monkeypatch, capsys):
+    """Each variant of a long preset runs on its own machine; the comparison is written afterwards, here."""
+    monkeypatch.setattr(gs, "device_name", lambda: pytest.fail("--merge-only must not look for a GPU"))
+    h200 = "NVIDIA H200"
+    q = _baseline(tmp_path, ["--variants", "qerl"], [_row("qerl", 1, 3.0)], device=h200)
+    lo = _baseline(tmp_path, ["--variants", "lora"], [_row("lora", 1, 4.0)], device=h200)
+    for path, ver in ((q, "0.24.0"), (lo, "0.24.0-other")):
+        res = json.loads(Path(path).read_text())
+        Path(path).write_text(json.dumps({**res, "versions": {"vllm": ver}}))
+    rc, res = _main(tmp_path, ["--variants", "qerl,lora", "--merge-only", "--baseline", q, "--baseline", lo])
+    assert rc == 0 and fake_runs == []
+    assert res["device"] == h200 and res["versions"] == {"vllm": "0.24.0"}
+    assert [r["from_baseline"] for r in res["rows"]] == [q, lo]
+    assert res["targets"][0]["measured"] == pytest.approx(0.75)
+    # a planned run that no file holds: refused, nothing written
+    rc, res = _main(tmp_path, ["--variants", "qerl,lora,nvfp4", "--merge-only", "--baseline", q, "--baseline", lo])
+    assert rc == 2 and "no --baseline row for nvfp4 on 1 GPU(s)" in capsys.readouterr().err
+    # files from two devices: refused, naming both
+    other = _baseline(tmp_path, ["--variants", "lora"], [_row("lora", 1, 4.0)], device="NVIDIA H100 80GB HBM3")
+    rc, _ = _main(tmp_path, ["--variants", "qerl,lora", "--merge-only", "--baseline", q, "--baseline", other])
+    err = capsys.readouterr().err
+    assert rc == 2 and "different devices" in err and "H100" in err and h200 in err
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--merge-only"])
+    assert "--merge-only needs" in capsys.readouterr().err
+
+
 def test_memory_targets_count_a_run_that_timed_out_after_its_first_step():
     """The 32B memory claim: a logged step and the nvidia-smi peak, even when step 2 ran into --timeout."""
     rows = [{"variant": "qerl", "gpus": 1, "steps_logged": 1, "gpu_peak_used_gb_max": 65.1, "error": "rc=timeout"},
