@@ -254,7 +254,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                 float4 v[MT];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
-                  v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128) : make_float4(0.f, 0.f, 0.f, 0.f);
+                  v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                   sum[mt].x += v[mt].x;
@@ -286,46 +287,24 @@ __global__ void __launch_bounds__(THREADS, 1)
 template <int BM>
 using SkLauncher = streamk::Launcher<nvfp4_gemm_streamk_kernel<BM>, BM, THREADS, SkCfg<BM>::SMEM_BYTES,
                                      streamk::Target::kAnyArch>;
+using SkEntry = streamk::EntryPoints<SkLauncher<32>, SkLauncher<64>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_streamk_launch(const void* x, const void* qweight, const void* qscale,
                                                       const float* global_scale, const void* bias, void* out,
-                                                      float* workspace, int* counters, int M, int N, int K,
-                                                      int grid, int block_m, cudaStream_t stream) {
-  const cudaError_t e = qerl::streamk::check_launch_args(
-      M, N, K, grid, counters, workspace, qerl_nvfp4_gemm_streamk_workspace_floats(M, N, K, grid, block_m));
-  if (e != cudaSuccess) return e;
-  switch (block_m) {
-    case 32:
-      return qerl::SkLauncher<32>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream);
-    case 64:
-      return qerl::SkLauncher<64>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+                                                      float* workspace, int* counters, int M, int N, int K, int grid,
+                                                      int block_m, cudaStream_t stream) {
+  return qerl::SkEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_m,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_streamk_workspace_floats(int M, int N, int K, int grid, int block_m) {
-  if (block_m != 32 && block_m != 64) return 0;
-  return qerl::streamk::workspace_floats(M, N, K, grid, block_m);
+  return qerl::SkEntry::workspace_floats(M, N, K, grid, block_m);
 }
 
-extern "C" int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m) {
-  if (block_m != 32 && block_m != 64) return 0;
-  return qerl::streamk::output_tiles(M, N, block_m);
-}
+extern "C" int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m) { return qerl::SkEntry::tiles(M, N, block_m); }
 
-extern "C" int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m) {
-  switch (block_m) {
-    case 32:
-      return qerl::SkLauncher<32>::ctas_per_sm();
-    case 64:
-      return qerl::SkLauncher<64>::ctas_per_sm();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m) { return qerl::SkEntry::ctas_per_sm(block_m); }

@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
   constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
+  constexpr int SLOT_FLOATS = T * streamk::kTileRows;  // one partial slot: T tokens x 256 weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
 
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       do_store = streamk::fix_up_split_tile(
           counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
           [&] {
-            float4* mine = streamk::partial_slot<T * streamk::kTileRows>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
+            float4* mine = streamk::partial_slot<SLOT_FLOATS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
             if (active) {
 #pragma unroll
               for (int h = 0; h < 2; ++h)
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
                 for (int q = 0; q < NQ; ++q)
                   acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-                streamk::for_each_partial<T * streamk::kTileRows>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+                streamk::for_each_partial<SLOT_FLOATS>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
                   const float4* part = slot + h * NQ * WG_THREADS + tid;
 #pragma unroll
                   for (int q = 0; q < NQ; ++q) {
@@ -340,46 +341,24 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 template <int T>
 using WgLauncher = streamk::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WG_THREADS, WgCfg<T>::SMEM_BYTES,
                                      streamk::Target::kSm90aOnly>;
+using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
                                                     const float* global_scale, const void* bias, void* out,
                                                     float* workspace, int* counters, int M, int N, int K, int grid,
                                                     int block_t, cudaStream_t stream) {
-  const cudaError_t e = qerl::streamk::check_launch_args(
-      M, N, K, grid, counters, workspace, qerl_nvfp4_gemm_wgmma_workspace_floats(M, N, K, grid, block_t));
-  if (e != cudaSuccess) return e;
-  switch (block_t) {
-    case 64:
-      return qerl::WgLauncher<64>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream);
-    case 128:
-      return qerl::WgLauncher<128>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                           grid, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return qerl::WgEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return qerl::streamk::workspace_floats(M, N, K, grid, block_t);
+  return qerl::WgEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return qerl::streamk::output_tiles(M, N, block_t);
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) { return qerl::WgEntry::tiles(M, N, block_t); }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
-  switch (block_t) {
-    case 64:
-      return qerl::WgLauncher<64>::ctas_per_sm();
-    case 128:
-      return qerl::WgLauncher<128>::ctas_per_sm();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) { return qerl::WgEntry::ctas_per_sm(block_t); }

@@ -384,7 +384,8 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
         do_store = streamk::fix_up_split_tile(
             counters, tile, c_first, c_last, mt == 0, s_is_last, [] { mma_sync(128 * NMMA); },
             [&] {
-              float4* mine = streamk::partial_slot<T * SS_BN>(ws, blockIdx.x, range.my_slot(tile)) + mw * 32 * 128 + ltid;
+              float4* mine =
+                  streamk::partial_slot<T * SS_BN>(ws, blockIdx.x, range.my_slot(tile)) + mw * 32 * 128 + ltid;
               if (row_g < M) {
 #pragma unroll
                 for (int q = 0; q < 32; ++q)
@@ -441,46 +442,24 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 template <int T>
 using SsLauncher = streamk::Launcher<nvfp4_gemm_wgmma_ss_kernel<T>, T, SS_THREADS, SsCfg<T>::SMEM_BYTES,
                                      streamk::Target::kSm90aOnly, kMinUnitsPerCta>;
+using SsEntry = streamk::EntryPoints<SsLauncher<64>, SsLauncher<128>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_ss_launch(const void* x, const void* qweight, const void* qscale,
                                                        const float* global_scale, const void* bias, void* out,
                                                        float* workspace, int* counters, int M, int N, int K, int grid,
                                                        int block_t, cudaStream_t stream) {
-  const cudaError_t e = qerl::streamk::check_launch_args(
-      M, N, K, grid, counters, workspace, qerl_nvfp4_gemm_wgmma_ss_workspace_floats(M, N, K, grid, block_t));
-  if (e != cudaSuccess) return e;
-  switch (block_t) {
-    case 64:
-      return qerl::SsLauncher<64>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream);
-    case 128:
-      return qerl::SsLauncher<128>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                           grid, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return qerl::SsEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int M, int N, int K, int grid, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return qerl::streamk::workspace_floats(M, N, K, grid, block_t, qerl::kMinUnitsPerCta);
+  return qerl::SsEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return qerl::streamk::output_tiles(M, N, block_t);
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t) { return qerl::SsEntry::tiles(M, N, block_t); }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t) {
-  switch (block_t) {
-    case 64:
-      return qerl::SsLauncher<64>::ctas_per_sm();
-    case 128:
-      return qerl::SsLauncher<128>::ctas_per_sm();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t) { return qerl::SsEntry::ctas_per_sm(block_t); }

@@ -96,8 +96,11 @@ constexpr bool kBuiltForSm90a = false;
 
 // kKernel launched with kThreads threads and kSmemBytes of dynamic shared memory per CTA, one block size
 // (block_m tokens per tile), ranges of at least kMinUnitsPerCta units (see make_schedule).
-template <KernelFn kKernel, int kBlockM, int kThreads, int kSmemBytes, Target kTarget, int kMinUnitsPerCta = 1>
+template <KernelFn kKernel, int kBlockM_, int kThreads, int kSmemBytes, Target kTarget, int kMinUnitsPerCta_ = 1>
 struct Launcher {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kMinUnitsPerCta = kMinUnitsPerCta_;
+
   // Raises the kernel's dynamic shared memory limit on the current device, once per device.
   // cudaErrorNotSupported where the kernel cannot run: not built for it, or the device grants too little shared
   // memory per CTA (e.g. sm_89's 99 KB; callers then run another kernel).
@@ -145,6 +148,41 @@ struct Launcher {
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, kThreads, kSmemBytes) != cudaSuccess) return 0;
     return n;
+  }
+};
+
+// The C entry points of one kernel (qerl_nvfp4.h: launch, workspace floats, tiles, CTAs per SM) over its two block
+// sizes, Small and Large (Launchers of the same kernel template): one schedule answers the launch and the workspace.
+template <class Small, class Large>
+struct EntryPoints {
+  static_assert(Small::kMinUnitsPerCta == Large::kMinUnitsPerCta, "one schedule rule per kernel");
+
+  static bool has_block(int block_m) { return block_m == Small::kBlockM || block_m == Large::kBlockM; }
+
+  static size_t workspace_floats(int M, int N, int K, int grid, int block_m) {
+    if (!has_block(block_m)) return 0;
+    return streamk::workspace_floats(M, N, K, grid, block_m, Small::kMinUnitsPerCta);
+  }
+
+  static int tiles(int M, int N, int block_m) { return has_block(block_m) ? output_tiles(M, N, block_m) : 0; }
+
+  static int ctas_per_sm(int block_m) {
+    if (block_m == Small::kBlockM) return Small::ctas_per_sm();
+    if (block_m == Large::kBlockM) return Large::ctas_per_sm();
+    return 0;
+  }
+
+  static cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
+                            const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int grid,
+                            int block_m, cudaStream_t stream) {
+    const cudaError_t e =
+        check_launch_args(M, N, K, grid, counters, ws, workspace_floats(M, N, K, grid, block_m));
+    if (e != cudaSuccess) return e;
+    if (block_m == Small::kBlockM)
+      return Small::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream);
+    if (block_m == Large::kBlockM)
+      return Large::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream);
+    return cudaErrorInvalidValue;
   }
 };
 
