@@ -30,6 +30,7 @@
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace qerl {
 namespace {
@@ -54,21 +55,7 @@ struct WgCfg {
   static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define QERL_WGMMA_DEVICE 1
-#endif
-
 #ifdef QERL_WGMMA_DEVICE
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Orders the compiler's uses of an accumulator after a wgmma wait (the asm above does not name the registers).
-__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // D[64 x 64] += A[64 x 16] (registers, bf16) x B[16 x 64] (shared memory, bf16, K-major), FP32 accumulators.
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
@@ -147,9 +134,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int my_first_tile = range.first_tile();
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
-  // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
-  // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
-  const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
+  // B descriptor (the activations: SBO = the next 8 tokens); the start address is added per k16 step
+  const uint64_t desc_hi = kWgmmaDescSwizzle128;
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;

@@ -40,6 +40,7 @@
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace qerl {
 namespace {
@@ -73,21 +74,7 @@ struct SsCfg {
   static_assert(SMEM_BYTES <= 227 * 1024 - 256, "rings larger than Hopper's per-CTA shared memory");
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define QERL_WGMMA_SS_DEVICE 1
-#endif
-
-#ifdef QERL_WGMMA_SS_DEVICE
-__device__ __forceinline__ void ss_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ss_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void ss_wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ss_reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void ss_fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+#ifdef QERL_WGMMA_DEVICE
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -164,7 +151,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
-#endif  // QERL_WGMMA_SS_DEVICE
+#endif  // QERL_WGMMA_DEVICE
 
 template <int T>
 __global__ void __launch_bounds__(SS_THREADS, 1)
@@ -173,7 +160,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
                                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
                                int units_per_cta) {
-#ifdef QERL_WGMMA_SS_DEVICE
+#ifdef QERL_WGMMA_DEVICE
   using C = SsCfg<T>;
   constexpr int RAW = C::RAW;
   constexpr int BSLOTS = C::BSLOTS;
@@ -260,7 +247,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
               stmatrix_x4(dst + lane_off[j], a);
             }
           }
-          ss_fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
+          fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
           mbar_arrive(full_b + 8 * bs);
         }
         mbar_arrive(empty_raw + 8 * slot);  // this warpgroup is done reading the slot's weights and scales
@@ -273,9 +260,8 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
     const int mt = tid - 128 * NDQ;  // 0 .. 128 NMMA - 1
     const int ltid = mt & 127;
     const int lane = tid & 31;
-    // descriptors, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 rows) at bits 32-45,
-    // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
-    const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
+    // descriptors (SBO = the next 8 tokens of A / weight rows of B); the start address is added per k16 step
+    const uint64_t desc_hi = kWgmmaDescSwizzle128;
     int g = 0;
     // releases the slots of half-stage batch hb once its wgmmas completed
     auto release = [&](int hb) {
@@ -354,19 +340,19 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           mbar_wait(full_b + 8 * bs, (hb / BSLOTS) & 1);
           const uint64_t da = desc_hi | uint64_t(((a_addr + t * T * 128) >> 4) & 0x3FFF);
           const uint64_t db = desc_hi | uint64_t(((b_base + bs * B_SLOT_BYTES) >> 4) & 0x3FFF);
-          ss_wgmma_fence();
+          wgmma_fence();
 #pragma unroll
           for (int j = 0; j < 4; ++j) wgmma_m64n256k16_ss(acc, da + uint64_t(2 * j), db + uint64_t(2 * j));
-          ss_wgmma_commit();
-          ss_wgmma_wait<1>();  // everything but this batch is done
+          wgmma_commit();
+          wgmma_wait<1>();  // everything but this batch is done
           if (it > 0 || t > 0) release(hb - 1);  // the segment's batches are consecutive
           // after the first half's wait the previous stage's slot is released: refill it with stage g + RAW - 1
           if (t == 0) load_stage(g + RAW - 1);
         }
       }
-      ss_wgmma_wait<0>();
+      wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < 128; ++i) ss_reg_fence(acc[i]);
+      for (int i = 0; i < 128; ++i) reg_fence(acc[i]);
       release(2 * g - 1);  // the segment's last batch (g is past the segment now)
 
       // ---- partials and the fix-up (CTAs c_first .. c_last share this tile). acc[4 q + 2 rh + e] is token
