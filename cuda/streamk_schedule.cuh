@@ -231,7 +231,8 @@ struct CtaRange {
   }
 };
 
-// Start of CTA `cta`'s partial slot `slot` (kSlotFloats = block_m x kTileRows floats each) as float4.
+// Start of CTA `cta`'s partial slot `slot` (kSlotFloats = block_m x kTileRows floats each) as float4; the offset is
+// formed in size_t, never in 32-bit int.
 template <int kSlotFloats>
 __device__ __forceinline__ float4* partial_slot(float* ws, size_t cta, int slot) {
   return reinterpret_cast<float4*>(ws + (cta * 2 + slot) * kSlotFloats);
