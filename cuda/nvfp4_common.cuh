@@ -204,17 +204,26 @@ __device__ __forceinline__ void store_partial(const float (&acc)[NB][MT][4], flo
 }
 
 // After this CTA published its partial: counts its arrival and returns, in every thread, whether it is the last
-// of `arrivals` on counters[index]. `flag` is a __shared__ int. The last CTA must __threadfence() before it reads
-// the others' partials; the caller does it after its branch (so split-K's code stays what was measured on the GPU).
-__device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, int tid, int& flag) {
+// of `arrivals` on counters[index]. `sync` is a barrier over the threads taking part (the CTA, or the warpgroups
+// holding the accumulators), `leader` one of them, `flag` a __shared__ int. The last CTA must __threadfence() before
+// it reads the others' partials; the caller does it after its branch (so split-K's code stays what was measured on
+// the GPU).
+template <class Sync>
+__device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, bool leader, int& flag,
+                                            Sync&& sync) {
   __threadfence();
-  __syncthreads();
-  if (tid == 0) {
+  sync();
+  if (leader) {
     const int prev = atomicAdd(&counters[index], 1);
     flag = (prev == arrivals - 1);
   }
-  __syncthreads();
+  sync();
   return flag != 0;
+}
+
+// The same over the whole CTA (thread 0 counts).
+__device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, int tid, int& flag) {
+  return arrive_last(counters, index, arrivals, tid == 0, flag, [] { __syncthreads(); });
 }
 
 // out[m, n] = bf16(acc * alpha + bias[n]) for the rows m < M and columns n < N this thread holds: fragment set

@@ -28,12 +28,13 @@
 // the 7B gate_up shape), one pipeline refill each.
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
+#include "streamk_schedule.cuh"
 
 namespace qerl {
 namespace {
 
-constexpr int BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile (two tiles of the repacked layout)
-constexpr int BK = QERL_GEMM_BK;      // K per pipeline stage
+constexpr int BN = streamk::kTileRows;  // 256 weight rows per CTA tile (two tiles of the repacked layout)
+constexpr int BK = streamk::kStageK;    // K per pipeline stage
 constexpr int THREADS = QERL_GEMM_THREADS;
 constexpr int XPAD = 8;  // bf16 of padding per smem activation row (ldmatrix without bank conflicts)
 constexpr int XROW_BYTES = (BK + XPAD) * 2;
@@ -108,22 +109,19 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
-  const int total_units = n_tiles * m_tiles * S;
-  const int L = units_per_cta;
-  const int u_begin = blockIdx.x * L;
-  const int u_end = min(u_begin + L, total_units);
-  const int my_first_tile = u_begin / S;
+  const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
+  const int my_first_tile = range.first_tile();
   const uint32_t smem_base = smem_u32(smem);
 
   constexpr int XCHUNKS = BM * (BK / 8);
   constexpr int XPER = XCHUNKS / THREADS;
   static_assert(XCHUNKS % THREADS == 0, "activation chunks per thread");
 
-  for (int u = u_begin; u < u_end;) {
-    const int tile = u / S;
-    const int kb = u - tile * S;
-    const int ke = min(S, u_end - tile * S);
-    const int count = ke - kb;
+  for (int u = range.begin; u < range.end;) {
+    const streamk::Segment seg = range.segment_at(u);
+    const int tile = seg.tile;
+    const int kb = seg.kb;
+    const int count = seg.count();
     const int mtile = tile / n_tiles;
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * BM;
@@ -233,51 +231,48 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int own_nb0 = 2 * kh;  // first n16 block (of this warp's 4) whose totals this thread holds
 
     // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
-    const int c_first = (tile * S) / L;
-    const int c_last = (tile * S + S - 1) / L;
+    const int c_first = range.first_cta(tile);
+    const int c_last = range.last_cta(tile);
     bool do_store = true;
     if (c_first != c_last) {
-      const int slot = tile == my_first_tile ? 0 : 1;
-      float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (BM * BN));
-      store_partial(own, mine + own_nb0 * MT * 128, m0, lane, rt, M);
-      do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
-      if (do_store) {
-        __threadfence();
-        // Every partial, this CTA's included, is read back and summed in CTA order whoever arrives
-        // last: bit-identical results run to run. One n16 block at a time (MT float4 loads in flight
-        // per CTA), its sum replacing this thread's totals of that block.
+      do_store = streamk::fix_up_split_tile(
+          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
+          [&] {
+            float4* mine = streamk::partial_slot<BM * BN>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
+            store_partial(own, mine + own_nb0 * MT * 128, m0, lane, rt, M);
+          },
+          [&] {
+            // One n16 block at a time (MT float4 loads in flight per CTA), its sum replacing this thread's totals
+            // of that block.
 #pragma unroll
-        for (int nbw = 0; nbw < 2; ++nbw) {
-          float4 sum[MT];
+            for (int nbw = 0; nbw < 2; ++nbw) {
+              float4 sum[MT];
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-          for (int c = c_first; c <= c_last; ++c) {
-            const int cslot = tile == (c * L) / S ? 0 : 1;
-            const float4* part = reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (BM * BN)) +
-                                 (own_nb0 + nbw) * MT * 128 + rt;
-            float4 v[MT];
+              for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+              streamk::for_each_partial<BM * BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+                const float4* part = slot + (own_nb0 + nbw) * MT * 128 + rt;
+                float4 v[MT];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-              v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128) : make_float4(0.f, 0.f, 0.f, 0.f);
+                for (int mt = 0; mt < MT; ++mt)
+                  v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              sum[mt].x += v[mt].x;
-              sum[mt].y += v[mt].y;
-              sum[mt].z += v[mt].z;
-              sum[mt].w += v[mt].w;
+                for (int mt = 0; mt < MT; ++mt) {
+                  sum[mt].x += v[mt].x;
+                  sum[mt].y += v[mt].y;
+                  sum[mt].z += v[mt].z;
+                  sum[mt].w += v[mt].w;
+                }
+              });
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                own[nbw][mt][0] = sum[mt].x;
+                own[nbw][mt][1] = sum[mt].y;
+                own[nbw][mt][2] = sum[mt].z;
+                own[nbw][mt][3] = sum[mt].w;
+              }
             }
-          }
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            own[nbw][mt][0] = sum[mt].x;
-            own[nbw][mt][1] = sum[mt].y;
-            own[nbw][mt][2] = sum[mt].z;
-            own[nbw][mt][3] = sum[mt].w;
-          }
-        }
-        if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
-      }
+          });
     }
 
     // ---- epilogue (split-K's math): scale by 128 / global_scale, add bias, store bf16
@@ -285,117 +280,31 @@ __global__ void __launch_bounds__(THREADS, 1)
       store_bf16(own, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), ntile * (BN / 16) + wn * 4 + own_nb0, m0, lane,
                  M, N);
     __syncthreads();  // the reduction buffer and s_is_last are reused by the next segment
-    u = tile * S + ke;
+    u = range.after(seg);
   }
 }
 
 template <int BM>
-cudaError_t prepare_sk() {
-  static bool done[64] = {};  // per device; benign race: the attribute call is idempotent
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64 || !done[dev]) {
-    int optin = 0;
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e != cudaSuccess) return e;
-    if (optin < SkCfg<BM>::SMEM_BYTES) return cudaErrorNotSupported;  // e.g. sm_89 (99 KB): use split-K
-    e = cudaFuncSetAttribute(nvfp4_gemm_streamk_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             SkCfg<BM>::SMEM_BYTES);
-    if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64) done[dev] = true;
-  }
-  return cudaSuccess;
-}
-
-// The schedule, shared by the launcher and the workspace size (the one definition: the host asks it, see
-// qerl_nvfp4_gemm_streamk_workspace_floats / _tiles).
-struct Schedule {
-  int units = 0;          // m_tiles * n_tiles * stages
-  int units_per_cta = 0;  // ceil(units / requested CTAs)
-  int ctas = 0;           // CTAs with a non-empty range: ceil(units / units_per_cta)
-};
-
-Schedule schedule(int M, int N, int K, int grid, int block_m) {
-  Schedule s;
-  const long long units =
-      (long long)((N + BN - 1) / BN) * ((M + block_m - 1) / block_m) * (long long)(K / BK);
-  if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
-  s.units = int(units);
-  s.units_per_cta = int((units + grid - 1) / grid);
-  s.ctas = int((units + s.units_per_cta - 1) / s.units_per_cta);
-  return s;
-}
-
-template <int BM>
-cudaError_t launch_sk(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
-                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
-  cudaError_t e = prepare_sk<BM>();
-  if (e != cudaSuccess) return e;
-  const Schedule s = schedule(M, N, K, grid, BM);
-  if (s.ctas <= 0) return cudaErrorInvalidValue;
-  nvfp4_gemm_streamk_kernel<BM><<<s.ctas, THREADS, SkCfg<BM>::SMEM_BYTES, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
-      gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-      s.units_per_cta);
-  return cudaGetLastError();
-}
-
-template <int BM>
-int ctas_per_sm_sk() {
-  if (prepare_sk<BM>() != cudaSuccess) return 0;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_streamk_kernel<BM>, THREADS,
-                                                    SkCfg<BM>::SMEM_BYTES) != cudaSuccess)
-    return 0;
-  return n;
-}
+using SkLauncher = streamk::Launcher<nvfp4_gemm_streamk_kernel<BM>, BM, THREADS, SkCfg<BM>::SMEM_BYTES,
+                                     streamk::Target::kAnyArch>;
+using SkEntry = streamk::EntryPoints<SkLauncher<32>, SkLauncher<64>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_streamk_launch(const void* x, const void* qweight, const void* qscale,
                                                       const float* global_scale, const void* bias, void* out,
-                                                      float* workspace, int* counters, int M, int N, int K,
-                                                      int grid, int block_m, cudaStream_t stream) {
-  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || grid < 1)
-    return cudaErrorInvalidValue;
-  if (counters == nullptr) return cudaErrorInvalidValue;
-  if (qerl_nvfp4_gemm_streamk_workspace_floats(M, N, K, grid, block_m) > 0 && workspace == nullptr)
-    return cudaErrorInvalidValue;
-  switch (block_m) {
-    case 32:
-      return qerl::launch_sk<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                 stream);
-    case 64:
-      return qerl::launch_sk<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                 stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+                                                      float* workspace, int* counters, int M, int N, int K, int grid,
+                                                      int block_m, cudaStream_t stream) {
+  return qerl::SkEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_m,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_streamk_workspace_floats(int M, int N, int K, int grid, int block_m) {
-  if (block_m != 32 && block_m != 64) return 0;
-  const qerl::Schedule s = qerl::schedule(M, N, K, grid, block_m);
-  if (s.ctas <= 0) return 0;
-  // Every range starts and ends on a tile boundary: all segments are whole tiles, no partials.
-  if (s.units_per_cta % (K / QERL_GEMM_BK) == 0) return 0;
-  return size_t(2) * size_t(s.ctas) * size_t(block_m) * size_t(qerl::BN);
+  return qerl::SkEntry::workspace_floats(M, N, K, grid, block_m);
 }
 
-extern "C" int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m) {
-  if (block_m != 32 && block_m != 64) return 0;
-  return ((N + qerl::BN - 1) / qerl::BN) * ((M + block_m - 1) / block_m);
-}
+extern "C" int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m) { return qerl::SkEntry::tiles(M, N, block_m); }
 
-extern "C" int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m) {
-  switch (block_m) {
-    case 32:
-      return qerl::ctas_per_sm_sk<32>();
-    case 64:
-      return qerl::ctas_per_sm_sk<64>();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m) { return qerl::SkEntry::ctas_per_sm(block_m); }

@@ -29,12 +29,13 @@
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
+#include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace qerl {
 namespace {
 
-constexpr int WG_BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile
-constexpr int WG_BK = QERL_GEMM_BK;      // K per pipeline stage
+constexpr int WG_BK = streamk::kStageK;    // K per pipeline stage
 constexpr int WG_THREADS = 256;          // 2 warpgroups
 constexpr int TILE_W_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 512;  // one 128-row tile, one stage: 8 KB
 constexpr int TILE_S_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 64;   // 1 KB
@@ -54,21 +55,7 @@ struct WgCfg {
   static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define QERL_WGMMA_DEVICE 1
-#endif
-
 #ifdef QERL_WGMMA_DEVICE
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Orders the compiler's uses of an accumulator after a wgmma wait (the asm above does not name the registers).
-__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 // D[64 x 64] += A[64 x 16] (registers, bf16) x B[16 x 64] (shared memory, bf16, K-major), FP32 accumulators.
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
@@ -129,6 +116,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
   constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
+  constexpr int SLOT_FLOATS = T * streamk::kTileRows;  // one partial slot: T tokens x 256 weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
 
@@ -140,18 +128,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
   const int S = K / WG_BK;
   const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
-  const int n_tiles = (N + WG_BN - 1) / WG_BN;
+  const int n_tiles = (N + streamk::kTileRows - 1) / streamk::kTileRows;
   const int m_tiles = (M + T - 1) / T;
-  const int total_units = n_tiles * m_tiles * S;
-  const int L = units_per_cta;
-  const int u_begin = blockIdx.x * L;
-  const int u_end = min(u_begin + L, total_units);
-  const int my_first_tile = u_begin / S;
+  const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
+  const int my_first_tile = range.first_tile();
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
-  // B descriptor, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 tokens) at bits 32-45,
-  // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
-  const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
+  // B descriptor (the activations: SBO = the next 8 tokens); the start address is added per k16 step
+  const uint64_t desc_hi = kWgmmaDescSwizzle128;
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
@@ -159,11 +143,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   static_assert(TILE_W_VEC == 2 * WG_THREADS, "weights: thread t copies chunks t, t + 256 of each tile");
   static_assert(2 * TILE_S_VEC <= WG_THREADS, "scales: one chunk per thread at most");
 
-  for (int u = u_begin; u < u_end;) {
-    const int tile = u / S;
-    const int kb = u - tile * S;
-    const int ke = min(S, u_end - tile * S);
-    const int count = ke - kb;
+  for (int u = range.begin; u < range.end;) {
+    const streamk::Segment seg = range.segment_at(u);
+    const int tile = seg.tile;
+    const int kb = seg.kb;
+    const int count = seg.count();
     const int mtile = tile / n_tiles;
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * T;
@@ -270,48 +254,46 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
     // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
     const int tok_lane = 2 * (lane & 3);
-    const int c_first = (tile * S) / L;
-    const int c_last = (tile * S + S - 1) / L;
+    const int c_first = range.first_cta(tile);
+    const int c_last = range.last_cta(tile);
     bool do_store = true;
     if (c_first != c_last) {
-      const int slot = tile == my_first_tile ? 0 : 1;
-      float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + slot) * (T * WG_BN));
-      if (active) {
+      do_store = streamk::fix_up_split_tile(
+          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
+          [&] {
+            float4* mine = streamk::partial_slot<SLOT_FLOATS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
+            if (active) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+              for (int h = 0; h < 2; ++h)
 #pragma unroll
-          for (int q = 0; q < NQ; ++q)
-            if (m0 + 8 * q + tok_lane < M)
-              mine[(h * NQ + q) * WG_THREADS + tid] =
-                  make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
-      }
-      do_store = arrive_last(counters, tile, c_last - c_first + 1, tid, s_is_last);
-      if (do_store) {
-        __threadfence();
-        if (active) {
+                for (int q = 0; q < NQ; ++q)
+                  if (m0 + 8 * q + tok_lane < M)
+                    mine[(h * NQ + q) * WG_THREADS + tid] =
+                        make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
+            }
+          },
+          [&] {
+            if (active) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
+              for (int h = 0; h < 2; ++h) {
 #pragma unroll
-            for (int q = 0; q < NQ; ++q) acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-#pragma unroll 1
-            for (int c = c_first; c <= c_last; ++c) {
-              const int cslot = tile == (c * L) / S ? 0 : 1;
-              const float4* part =
-                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (T * WG_BN)) + h * NQ * WG_THREADS + tid;
+                for (int q = 0; q < NQ; ++q)
+                  acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
+                streamk::for_each_partial<SLOT_FLOATS>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+                  const float4* part = slot + h * NQ * WG_THREADS + tid;
 #pragma unroll
-              for (int q = 0; q < NQ; ++q) {
-                const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WG_THREADS)
-                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
-                acc[h][4 * q] += v.x;
-                acc[h][4 * q + 1] += v.y;
-                acc[h][4 * q + 2] += v.z;
-                acc[h][4 * q + 3] += v.w;
+                  for (int q = 0; q < NQ; ++q) {
+                    const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WG_THREADS)
+                                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+                    acc[h][4 * q] += v.x;
+                    acc[h][4 * q + 1] += v.y;
+                    acc[h][4 * q + 2] += v.z;
+                    acc[h][4 * q + 3] += v.w;
+                  }
+                });
               }
             }
-          }
-        }
-        if (tid == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
-      }
+          });
     }
 
     // ---- epilogue: acc[h][4 q + c] is weight row 128 wg + 64 h + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
@@ -321,7 +303,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int rh = 0; rh < 2; ++rh) {
-          const int n = ntile * WG_BN + wg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
+          const int n = ntile * streamk::kTileRows + wg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
           if (n >= N) continue;
           const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
 #pragma unroll
@@ -335,126 +317,34 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       }
     }
     __syncthreads();  // s_is_last is reused by the next segment
-    u = tile * S + ke;
+    u = range.after(seg);
   }
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (qerl_nvfp4_gemm_wgmma_ctas_per_sm = 0)
 #endif
 }
 
-#ifdef QERL_HAVE_SM90A
-constexpr bool kBuilt = true;
-#else
-constexpr bool kBuilt = false;
-#endif
-
 template <int T>
-cudaError_t prepare_wg() {
-  if (!kBuilt) return cudaErrorNotSupported;
-  static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64 || !done[dev]) {
-    int major = 0, minor = 0, optin = 0;
-    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
-    if (major != 9 || minor != 0) return cudaErrorNotSupported;  // sm_90a code runs on sm_90 only
-    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
-    if (optin < WgCfg<T>::SMEM_BYTES) return cudaErrorNotSupported;
-    e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             WgCfg<T>::SMEM_BYTES);
-    if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64) done[dev] = true;
-  }
-  return cudaSuccess;
-}
-
-struct WgSchedule {
-  int units = 0;
-  int units_per_cta = 0;
-  int ctas = 0;
-};
-
-WgSchedule wg_schedule(int M, int N, int K, int grid, int block_t) {
-  WgSchedule s;
-  const long long units =
-      (long long)((N + WG_BN - 1) / WG_BN) * ((M + block_t - 1) / block_t) * (long long)(K / WG_BK);
-  if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
-  s.units = int(units);
-  s.units_per_cta = int((units + grid - 1) / grid);
-  s.ctas = int((units + s.units_per_cta - 1) / s.units_per_cta);
-  return s;
-}
-
-template <int T>
-cudaError_t launch_wg(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
-                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
-  cudaError_t e = prepare_wg<T>();
-  if (e != cudaSuccess) return e;
-  const WgSchedule s = wg_schedule(M, N, K, grid, T);
-  if (s.ctas <= 0) return cudaErrorInvalidValue;
-  nvfp4_gemm_wgmma_kernel<T><<<s.ctas, WG_THREADS, WgCfg<T>::SMEM_BYTES, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
-      gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-      s.units_per_cta);
-  return cudaGetLastError();
-}
-
-template <int T>
-int ctas_per_sm_wg() {
-  if (prepare_wg<T>() != cudaSuccess) return 0;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_wgmma_kernel<T>, WG_THREADS,
-                                                    WgCfg<T>::SMEM_BYTES) != cudaSuccess)
-    return 0;
-  return n;
-}
+using WgLauncher = streamk::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WG_THREADS, WgCfg<T>::SMEM_BYTES,
+                                     streamk::Target::kSm90aOnly>;
+using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
                                                     const float* global_scale, const void* bias, void* out,
                                                     float* workspace, int* counters, int M, int N, int K, int grid,
                                                     int block_t, cudaStream_t stream) {
-  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || grid < 1)
-    return cudaErrorInvalidValue;
-  if (counters == nullptr) return cudaErrorInvalidValue;
-  if (qerl_nvfp4_gemm_wgmma_workspace_floats(M, N, K, grid, block_t) > 0 && workspace == nullptr)
-    return cudaErrorInvalidValue;
-  switch (block_t) {
-    case 64:
-      return qerl::launch_wg<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                 stream);
-    case 128:
-      return qerl::launch_wg<128>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                  stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return qerl::WgEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  const qerl::WgSchedule s = qerl::wg_schedule(M, N, K, grid, block_t);
-  if (s.ctas <= 0) return 0;
-  if (s.units_per_cta % (K / QERL_GEMM_BK) == 0) return 0;  // whole tiles only: no partials
-  return size_t(2) * size_t(s.ctas) * size_t(block_t) * size_t(qerl::WG_BN);
+  return qerl::WgEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return ((N + qerl::WG_BN - 1) / qerl::WG_BN) * ((M + block_t - 1) / block_t);
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) { return qerl::WgEntry::tiles(M, N, block_t); }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
-  switch (block_t) {
-    case 64:
-      return qerl::ctas_per_sm_wg<64>();
-    case 128:
-      return qerl::ctas_per_sm_wg<128>();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) { return qerl::WgEntry::ctas_per_sm(block_t); }

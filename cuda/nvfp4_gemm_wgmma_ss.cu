@@ -39,12 +39,14 @@
 //    tile at large M, which L2 then serves once).
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
+#include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace qerl {
 namespace {
 
-constexpr int SS_BN = 2 * QERL_GEMM_BN;  // 256 weight rows per CTA tile
-constexpr int SS_BK = QERL_GEMM_BK;      // K per raw stage (128)
+constexpr int SS_BN = streamk::kTileRows;  // 256 weight rows per CTA tile
+constexpr int SS_BK = streamk::kStageK;    // K per raw stage (128)
 constexpr int SS_THREADS = 384;          // 3 warpgroups
 constexpr int W_TILE_BYTES = (QERL_GEMM_BN / 16) * (SS_BK / 64) * 512;  // one 128-row tile, one stage: 8 KB
 constexpr int S_TILE_BYTES = (QERL_GEMM_BN / 16) * (SS_BK / 64) * 64;   // 1 KB
@@ -72,21 +74,7 @@ struct SsCfg {
   static_assert(SMEM_BYTES <= 227 * 1024 - 256, "rings larger than Hopper's per-CTA shared memory");
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define QERL_WGMMA_SS_DEVICE 1
-#endif
-
-#ifdef QERL_WGMMA_SS_DEVICE
-__device__ __forceinline__ void ss_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void ss_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void ss_wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void ss_reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void ss_fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+#ifdef QERL_WGMMA_DEVICE
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -163,7 +151,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
-#endif  // QERL_WGMMA_SS_DEVICE
+#endif  // QERL_WGMMA_DEVICE
 
 template <int T>
 __global__ void __launch_bounds__(SS_THREADS, 1)
@@ -172,7 +160,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
                                const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
                                int units_per_cta) {
-#ifdef QERL_WGMMA_SS_DEVICE
+#ifdef QERL_WGMMA_DEVICE
   using C = SsCfg<T>;
   constexpr int RAW = C::RAW;
   constexpr int BSLOTS = C::BSLOTS;
@@ -187,10 +175,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
   const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
   const int n_tiles = (N + SS_BN - 1) / SS_BN;
   const int m_tiles = (M + T - 1) / T;
-  const int total_units = n_tiles * m_tiles * S;
-  const int L = units_per_cta;
-  const int u_begin = blockIdx.x * L;
-  const int u_end = min(u_begin + L, total_units);
+  const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
   const uint32_t b_base = smem_base + RAW * C::RAW_BYTES;  // bf16 ring
@@ -230,11 +215,9 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
       lane_off[j] = uint32_t(ri + 8 * (mi & 1)) * 128 + ((uint32_t(2 * j + (mi >> 1)) ^ uint32_t(ri)) << 4);
 
     int g = 0;
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / S;
-      const int kb = u - tile * S;
-      const int ke = min(S, u_end - tile * S);
-      for (int s_rel = 0; s_rel < ke - kb; ++s_rel, ++g) {
+    for (int u = range.begin; u < range.end;) {
+      const streamk::Segment seg = range.segment_at(u);
+      for (int s_rel = 0; s_rel < seg.count(); ++s_rel, ++g) {
         const int slot = g % RAW;
         mbar_wait(full_raw + 8 * slot, (g / RAW) & 1);
         const uint8_t* raw = smem + slot * C::RAW_BYTES;
@@ -264,12 +247,12 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
               stmatrix_x4(dst + lane_off[j], a);
             }
           }
-          ss_fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
+          fence_proxy_async();  // these generic-proxy stores are read by the tensor core (async proxy)
           mbar_arrive(full_b + 8 * bs);
         }
         mbar_arrive(empty_raw + 8 * slot);  // this warpgroup is done reading the slot's weights and scales
       }
-      u = tile * S + ke;
+      u = range.after(seg);
     }
   } else {
     // ================= MMA: wgmma over the rings, partials, fix-up, epilogue
@@ -277,9 +260,8 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
     const int mt = tid - 128 * NDQ;  // 0 .. 128 NMMA - 1
     const int ltid = mt & 127;
     const int lane = tid & 31;
-    // descriptors, fixed fields: 128-byte swizzle (bits 62-63 = 1), SBO = 1024 B (next 8 rows) at bits 32-45,
-    // LBO = 16 B (unused by K-major swizzled layouts) at bits 16-29; the start address is added per k16 step
-    const uint64_t desc_hi = (uint64_t(1) << 62) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 16);
+    // descriptors (SBO = the next 8 tokens of A / weight rows of B); the start address is added per k16 step
+    const uint64_t desc_hi = kWgmmaDescSwizzle128;
     int g = 0;
     // releases the slots of half-stage batch hb once its wgmmas completed
     auto release = [&](int hb) {
@@ -288,16 +270,17 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
     };
 
     // ---- loads (the MMA warpgroups issue them: their wgmma waits need no memory fence, so in-flight cp.async
-    // cost them nothing). Stage lg of the CTA's range (unit u_begin + lg: the range is contiguous) goes to slot
+    // cost them nothing). Stage lg of the CTA's range (unit range.begin + lg: the range is contiguous) goes to slot
     // lg % RAW once that slot's previous stage was released; the loads run RAW - 1 stages ahead of the MMA loop,
     // across segments.
     constexpr int NL = 128 * NMMA;  // loading threads
     auto load_stage = [&](int lg) {
-      const int lu = u_begin + lg;
-      if (lu >= u_end) return;
+      const int lu = range.begin + lg;
+      if (lu >= range.end) return;
       const int pt = mt;
-      const int tile = lu / S;
-      const int kk = lu - tile * S;  // k stage
+      const streamk::Segment seg = range.segment_at(lu);
+      const int tile = seg.tile;
+      const int kk = seg.kb;  // k stage
       const int ntile = tile / m_tiles;
       const int m0 = (tile - ntile * m_tiles) * T;
       const bool has_hi = 2 * ntile + 1 < tiles_128;
@@ -336,11 +319,10 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
       cp_async_mbar_arrive(full_raw + 8 * slot);  // arrives once this thread's copies above have landed
     };
     for (int i = 0; i < RAW - 1; ++i) load_stage(i);
-    for (int u = u_begin; u < u_end;) {
-      const int tile = u / S;
-      const int kb = u - tile * S;
-      const int ke = min(S, u_end - tile * S);
-      const int count = ke - kb;
+    for (int u = range.begin; u < range.end;) {
+      const streamk::Segment seg = range.segment_at(u);
+      const int tile = seg.tile;
+      const int count = seg.count();
 
       float acc[128];
 #pragma unroll
@@ -358,19 +340,19 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
           mbar_wait(full_b + 8 * bs, (hb / BSLOTS) & 1);
           const uint64_t da = desc_hi | uint64_t(((a_addr + t * T * 128) >> 4) & 0x3FFF);
           const uint64_t db = desc_hi | uint64_t(((b_base + bs * B_SLOT_BYTES) >> 4) & 0x3FFF);
-          ss_wgmma_fence();
+          wgmma_fence();
 #pragma unroll
           for (int j = 0; j < 4; ++j) wgmma_m64n256k16_ss(acc, da + uint64_t(2 * j), db + uint64_t(2 * j));
-          ss_wgmma_commit();
-          ss_wgmma_wait<1>();  // everything but this batch is done
+          wgmma_commit();
+          wgmma_wait<1>();  // everything but this batch is done
           if (it > 0 || t > 0) release(hb - 1);  // the segment's batches are consecutive
           // after the first half's wait the previous stage's slot is released: refill it with stage g + RAW - 1
           if (t == 0) load_stage(g + RAW - 1);
         }
       }
-      ss_wgmma_wait<0>();
+      wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < 128; ++i) ss_reg_fence(acc[i]);
+      for (int i = 0; i < 128; ++i) reg_fence(acc[i]);
       release(2 * g - 1);  // the segment's last batch (g is past the segment now)
 
       // ---- partials and the fix-up (CTAs c_first .. c_last share this tile). acc[4 q + 2 rh + e] is token
@@ -381,48 +363,38 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
         return (tile % m_tiles) * T + 16 * (t >> 5) + ((t & 31) >> 2);
       };
       const int row_g = row_of();
-      const int c_first = (tile * S) / L;
-      const int c_last = (tile * S + S - 1) / L;
+      const int c_first = range.first_cta(tile);
+      const int c_last = range.last_cta(tile);
       bool do_store = true;
       if (c_first != c_last) {
-        const int pslot = tile == u_begin / S ? 0 : 1;
-        float4* mine = reinterpret_cast<float4*>(ws + (size_t(blockIdx.x) * 2 + pslot) * (T * SS_BN)) +
-                       mw * 32 * 128 + ltid;
-        if (row_g < M) {
+        do_store = streamk::fix_up_split_tile(
+            counters, tile, c_first, c_last, mt == 0, s_is_last, [] { mma_sync(128 * NMMA); },
+            [&] {
+              float4* mine =
+                  streamk::partial_slot<T * SS_BN>(ws, blockIdx.x, range.my_slot(tile)) + mw * 32 * 128 + ltid;
+              if (row_g < M) {
 #pragma unroll
-          for (int q = 0; q < 32; ++q)
-            mine[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-        }
-        __threadfence();
-        mma_sync(128 * NMMA);
-        if (mt == 0) {
-          const int prev = atomicAdd(&counters[tile], 1);
-          s_is_last = prev == c_last - c_first;
-        }
-        mma_sync(128 * NMMA);
-        do_store = s_is_last != 0;
-        if (do_store) {
-          __threadfence();
-#pragma unroll
-          for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-          if (row_of() < M) {
-#pragma unroll 1
-            for (int c = c_first; c <= c_last; ++c) {
-              const int cslot = tile == (c * L) / S ? 0 : 1;
-              const float4* part =
-                  reinterpret_cast<const float4*>(ws + (size_t(c) * 2 + cslot) * (T * SS_BN)) + mw * 32 * 128 + ltid;
-#pragma unroll
-              for (int q = 0; q < 32; ++q) {
-                const float4 v = __ldcg(part + q * 128);
-                acc[4 * q] += v.x;
-                acc[4 * q + 1] += v.y;
-                acc[4 * q + 2] += v.z;
-                acc[4 * q + 3] += v.w;
+                for (int q = 0; q < 32; ++q)
+                  mine[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
               }
-            }
-          }
-          if (mt == 0) counters[tile] = 0;  // every segment has arrived: ready for the next launch
-        }
+            },
+            [&] {
+#pragma unroll
+              for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+              if (row_of() < M) {
+                streamk::for_each_partial<T * SS_BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+                  const float4* part = slot + mw * 32 * 128 + ltid;
+#pragma unroll
+                  for (int q = 0; q < 32; ++q) {
+                    const float4 v = __ldcg(part + q * 128);
+                    acc[4 * q] += v.x;
+                    acc[4 * q + 1] += v.y;
+                    acc[4 * q + 2] += v.z;
+                    acc[4 * q + 3] += v.w;
+                  }
+                });
+              }
+            });
       }
 
       // ---- epilogue: out[token, n] = acc * 128 / global_scale + bias[n], tokens < M and n < N only
@@ -445,7 +417,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
         }
       }
       mma_sync(128 * NMMA);  // s_is_last is reused by the next segment
-      u = tile * S + ke;
+      u = range.after(seg);
     }
   }
 #else
@@ -453,124 +425,27 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 #endif
 }
 
-#ifdef QERL_HAVE_SM90A
-constexpr bool kSsBuilt = true;
-#else
-constexpr bool kSsBuilt = false;
-#endif
-
 template <int T>
-cudaError_t prepare_ss() {
-  if (!kSsBuilt) return cudaErrorNotSupported;
-  static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64 || !done[dev]) {
-    int major = 0, minor = 0, optin = 0;
-    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
-    if (major != 9 || minor != 0) return cudaErrorNotSupported;  // sm_90a code runs on sm_90 only
-    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
-    if (optin < SsCfg<T>::SMEM_BYTES) return cudaErrorNotSupported;
-    e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_ss_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             SsCfg<T>::SMEM_BYTES);
-    if (e != cudaSuccess) return e;
-    if (dev >= 0 && dev < 64) done[dev] = true;
-  }
-  return cudaSuccess;
-}
-
-struct SsSchedule {
-  int units = 0;
-  int units_per_cta = 0;
-  int ctas = 0;
-};
-
-// Equal contiguous ranges of (n tile, m tile, k stage) units, at most `grid` of them, each at least
-// min(S, kMinUnitsPerCta) units long.
-SsSchedule ss_schedule(int M, int N, int K, int grid, int block_t) {
-  SsSchedule s;
-  const long long stages = K / SS_BK;
-  const long long units = (long long)((N + SS_BN - 1) / SS_BN) * ((M + block_t - 1) / block_t) * stages;
-  if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
-  s.units = int(units);
-  const long long floor_units = stages < kMinUnitsPerCta ? stages : kMinUnitsPerCta;
-  long long per = (units + grid - 1) / grid;
-  if (per < floor_units) per = floor_units;
-  s.units_per_cta = int(per);
-  s.ctas = int((units + per - 1) / per);
-  return s;
-}
-
-template <int T>
-cudaError_t launch_ss(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
-                      void* out, float* ws, int* counters, int M, int N, int K, int grid, cudaStream_t stream) {
-  cudaError_t e = prepare_ss<T>();
-  if (e != cudaSuccess) return e;
-  const SsSchedule s = ss_schedule(M, N, K, grid, T);
-  if (s.ctas <= 0) return cudaErrorInvalidValue;
-  nvfp4_gemm_wgmma_ss_kernel<T><<<s.ctas, SS_THREADS, SsCfg<T>::SMEM_BYTES, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),
-      gscale, static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-      s.units_per_cta);
-  return cudaGetLastError();
-}
-
-template <int T>
-int ctas_per_sm_ss() {
-  if (prepare_ss<T>() != cudaSuccess) return 0;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_wgmma_ss_kernel<T>, SS_THREADS,
-                                                    SsCfg<T>::SMEM_BYTES) != cudaSuccess)
-    return 0;
-  return n;
-}
+using SsLauncher = streamk::Launcher<nvfp4_gemm_wgmma_ss_kernel<T>, T, SS_THREADS, SsCfg<T>::SMEM_BYTES,
+                                     streamk::Target::kSm90aOnly, kMinUnitsPerCta>;
+using SsEntry = streamk::EntryPoints<SsLauncher<64>, SsLauncher<128>>;
 
 }  // namespace
 }  // namespace qerl
 
+// The C API of qerl_nvfp4.h, forwarded to this kernel's entry points.
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_ss_launch(const void* x, const void* qweight, const void* qscale,
                                                        const float* global_scale, const void* bias, void* out,
                                                        float* workspace, int* counters, int M, int N, int K, int grid,
                                                        int block_t, cudaStream_t stream) {
-  if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || grid < 1)
-    return cudaErrorInvalidValue;
-  if (counters == nullptr) return cudaErrorInvalidValue;
-  if (qerl_nvfp4_gemm_wgmma_ss_workspace_floats(M, N, K, grid, block_t) > 0 && workspace == nullptr)
-    return cudaErrorInvalidValue;
-  switch (block_t) {
-    case 64:
-      return qerl::launch_ss<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                 stream);
-    case 128:
-      return qerl::launch_ss<128>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                  stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return qerl::SsEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
+                               stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int M, int N, int K, int grid, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  const qerl::SsSchedule s = qerl::ss_schedule(M, N, K, grid, block_t);
-  if (s.ctas <= 0) return 0;
-  if (s.units_per_cta % (K / QERL_GEMM_BK) == 0) return 0;  // whole tiles only: no partials
-  return size_t(2) * size_t(s.ctas) * size_t(block_t) * size_t(qerl::SS_BN);
+  return qerl::SsEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t) {
-  if (block_t != 64 && block_t != 128) return 0;
-  return ((N + qerl::SS_BN - 1) / qerl::SS_BN) * ((M + block_t - 1) / block_t);
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t) { return qerl::SsEntry::tiles(M, N, block_t); }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t) {
-  switch (block_t) {
-    case 64:
-      return qerl::ctas_per_sm_ss<64>();
-    case 128:
-      return qerl::ctas_per_sm_ss<128>();
-    default:
-      return 0;
-  }
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t) { return qerl::SsEntry::ctas_per_sm(block_t); }

@@ -1,8 +1,8 @@
 """CPU tests of the fused GEMM kernels' host switches: ``QERL_GEMM_KERNEL``, the tuning variables the
-extension reads, and the torch fallbacks' indifference to both. The kernel's schedule (tiles, CTAs, partial-sum
-slots, workspace) has one definition, in cuda/nvfp4_gemm_streamk.cu; the host asks the extension for it
-(``gemm_choice``, ``streamk_grid``, ``streamk_tiles``), and tests/test_kernels_gpu.py checks those answers and the
-kernel's results on the GPU."""
+extension reads, and the torch fallbacks' indifference to both. The stream-K schedule (tiles, CTAs, partial-sum
+slots, workspace) has one definition, in cuda/streamk_schedule.cuh, shared by the stream-K and both wgmma kernels;
+the host asks the extension for it (``gemm_choice``, ``streamk_grid``, ``streamk_tiles``), and
+tests/test_kernels_gpu.py checks those answers and the kernels' results on the GPU."""
 
 from __future__ import annotations
 
