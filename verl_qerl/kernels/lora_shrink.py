@@ -173,27 +173,30 @@ if triton is not None:
         pid_r = tl.program_id(1)
         rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        in_t = rt < T
-        in_r = rr < R
-        kk = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rt[:, None] * stride_xt
-        a_rows = a_ptr + rr[:, None] * stride_ar
-        in_k = kk < K
-        xs = tl.load(x_rows + kk[None, :] * stride_xk, mask=in_t[:, None] & in_k[None, :], other=0.0)
-        av = tl.load(a_rows + kk[None, :] * stride_ak, mask=in_r[:, None] & in_k[None, :], other=0.0)
+        # x is loaded as [BLOCK_T, 1, BLOCK_K] and a as [1, BLOCK_R, BLOCK_K], in the layout of their product:
+        # loaded as 2-D tiles, the loop-carried blocks went through shared memory every K block to change layout
+        t3 = rt[:, None, None]
+        r3 = rr[None, :, None]
+        k3 = tl.arange(0, BLOCK_K)[None, None, :]
+        x_rows = x_ptr + t3 * stride_xt
+        a_rows = a_ptr + r3 * stride_ar
+        in_t = t3 < T
+        in_r = r3 < R
+        xs = tl.load(x_rows + k3 * stride_xk, mask=in_t & (k3 < K), other=0.0)
+        av = tl.load(a_rows + k3 * stride_ak, mask=in_r & (k3 < K), other=0.0)
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        # K block b is reduced while block b + 1's loads are in flight (the last "next" load is fully masked)
+        # K block b is reduced while block b + 1's loads are in flight (Triton does not pipeline loads that feed no
+        # tl.dot; the last "next" load is fully masked)
         for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-            kn = k0 + kk
-            in_kn = kn < K
-            xs_next = tl.load(x_rows + kn[None, :] * stride_xk, mask=in_t[:, None] & in_kn[None, :], other=0.0)
-            av_next = tl.load(a_rows + kn[None, :] * stride_ak, mask=in_r[:, None] & in_kn[None, :], other=0.0)
-            prod = xs.to(tl.float32)[:, None, :] * av.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+            kn = k0 + k3
+            in_k = kn < K
+            xs_next = tl.load(x_rows + kn * stride_xk, mask=in_t & in_k, other=0.0)
+            av_next = tl.load(a_rows + kn * stride_ak, mask=in_r & in_k, other=0.0)
+            acc += tl.sum(xs.to(tl.float32) * av.to(tl.float32), axis=2)
             xs = xs_next
             av = av_next
         tl.store(y_ptr + rt[:, None] * stride_yt + rr[None, :] * stride_yr, acc.to(y_ptr.dtype.element_ty),
-                 mask=in_t[:, None] & in_r[None, :])
+                 mask=(rt[:, None] < T) & (rr[None, :] < R))
 
 
 def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config: ShrinkConfig | None = None) -> None:
