@@ -42,12 +42,11 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 #: Largest token count T for which the op runs the Triton kernel on CUDA (``auto`` mode); above it, cuBLAS.
 #: Why a threshold: the kernel has no split-K, so its parallelism is ``ceil(T / BLOCK_T) * ceil(R / BLOCK_R)``
-#: programs, each streaming ``(BLOCK_T + BLOCK_R) * K`` elements; at T = 1..16 that is 32..512 small programs and
-#: one launch against cuBLAS's two, but the bytes per program grow with the tile, and by T ~ 64 (down projection,
-#: K = 18944) the estimate is ~5 us, about what cuBLAS's split-K GEMM + reduce costs. 64 covers vLLM's decode
-#: CUDA-graph sizes up to batch 64; ``benchmarks/lora_shrink_bench.py`` measures both sides per T on a GPU and is
-#: where this number should come from.
-TRITON_MAX_TOKENS = 64
+#: programs, each streaming ``(BLOCK_T + BLOCK_R) * K`` elements, and the bytes per program grow with the tile.
+#: Measured on an H200 (``benchmarks/lora_shrink_bench.py --sweep``, CUDA graphs, the four 7B shapes): the kernel
+#: takes 1.5-3.1 us at T = 1 against cuBLAS's 5.6 us (split-K GEMM + reduce), and wins on every shape up to T = 16;
+#: at T = 32 the down projection (K = 18944) is already slower (7.5 vs 6.6 us), at T = 64 every shape but o.
+TRITON_MAX_TOKENS = 16
 
 #: ``QERL_LORA_SHRINK``: ``auto`` (Triton up to :data:`TRITON_MAX_TOKENS`, cuBLAS above), ``triton`` (always the
 #: kernel), ``cublas`` (always ``F.linear``). Read at every call on CUDA (a CUDA graph keeps what it captured).
