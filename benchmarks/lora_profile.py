@@ -1,6 +1,6 @@
 """What LoRA costs per decode step: no LoRA vs vLLM's LoRA path vs the single-adapter fast path.
 
-One variant per call (one engine start with CUDA graphs, one eager engine: a 7B start is 30-60 s, so the three
+One variant per call (one engine start with CUDA graphs, one eager engine: a 7B start is 30-60 s, so the
 variants do not fit one 280 s call); ``--merge`` adds an earlier call's JSON, and once rows of ``none`` and of a
 LoRA variant are both present the issue-19 targets (decode-step ratio without / with LoRA >= 0.90) are filled.
 
@@ -13,8 +13,13 @@ LoRA variant are both present the issue-19 targets (decode-step ratio without / 
   kernels its LoRA term adds to one forward of B tokens (``qerl_lora_layer_ops``).
 
 Variants: ``none`` (``enable_lora`` off), ``vllm`` (adapter on, ``QERL_LORA_FAST_PATH=off``), ``fast`` (adapter
-on, ``QERL_LORA_FAST_PATH=auto``); the adapter is rank 32 on q/k/v/o/gate/up/down, as in rollout.py. Every row
-records ``lora_fast_path_layers`` (0 on vLLM's path; 112 at 7B on the fast path). Commands: benchmarks/NOTES.md
+on, ``QERL_LORA_FAST_PATH=auto``, the shrink as ``qerl::lora_shrink`` decides: Triton up to its token threshold),
+``fast_cublas`` (the fast path with the shrink forced to cuBLAS, ``QERL_LORA_SHRINK=cublas``: the fast path as it
+was before the Triton shrink); the adapter is rank 32 on q/k/v/o/gate/up/down, as in rollout.py. Every row
+records ``lora_fast_path_layers`` (0 on vLLM's path; 112 at 7B on the fast path) and, on the fast path,
+``lora_shrink``: the ``QERL_LORA_SHRINK`` mode, the implementation the op picks at the row's decode token count
+(``triton`` / ``cublas``; ``torch`` on a CPU engine), the threshold, and on eager rows the ``_lora_shrink_kernel``
+launches per decode step that the profile saw. Commands: benchmarks/NOTES.md
 ("LoRA per-step profile"); ``--model tiny`` runs the pipeline on the CPU (eager only, CPU ops instead of kernels).
 """
 
@@ -36,7 +41,8 @@ sys.path.insert(0, str(HERE.parents[1]))
 import rollout  # noqa: E402  (the checkpoint and adapter writers, device and version helpers)
 from results_format import target_status  # noqa: E402
 
-VARIANTS = {"none": None, "vllm": "off", "fast": "auto"}
+# variant -> (QERL_LORA_FAST_PATH, QERL_LORA_SHRINK); None: the variable unset
+VARIANTS = {"none": (None, None), "vllm": ("off", None), "fast": ("auto", "auto"), "fast_cublas": ("auto", "cublas")}
 KEEP_TARGET = 0.90
 
 
@@ -142,6 +148,21 @@ def run(args) -> dict:
     prompts = [[rng.randrange(100, 30000 if args.model == "7b" else 400) for _ in range(args.prompt_tokens)]
                for _ in range(max(args.batches + args.profile_batches))]
     rows, tables, layer_ops = [], {}, {}
+
+    def shrink_record(batch: int, fast_layers: int, table: dict | None = None) -> dict | None:
+        """What ran as the LoRA shrink at this decode batch (None off the fast path)."""
+        if not fast_layers:
+            return None
+        from verl_qerl.kernels import lora_shrink
+
+        device = torch.device("cuda" if args.on_gpu else "cpu")
+        rec = {"mode": lora_shrink.shrink_mode(), "impl": lora_shrink.shrink_impl(batch, device),
+               "triton_max_tokens": lora_shrink.TRITON_MAX_TOKENS}
+        if table is not None and args.on_gpu:
+            rec["shrink_kernel_launches_per_step"] = sum(v["launches_per_step"] for k, v in table.items()
+                                                         if "_lora_shrink_kernel" in k)
+        return rec
+
     parts = args.parts if args.on_gpu else [p for p in args.parts if p == "eager"]
     for part in parts:
         llm, kw, startup = _engine(args, build, eager=part == "eager")
@@ -159,9 +180,12 @@ def run(args) -> dict:
                         steps_ms.append(1e3 * (tn - t1) / args.steps)
                     row = {"model": args.model, "variant": args.variant, "batch": b, "part": "graphs",
                            "decode_ms_per_step": statistics.median(steps_ms), "repeats_ms": steps_ms,
-                           "steps": args.steps, "lora_fast_path_layers": fast_layers, "startup_s": startup}
+                           "steps": args.steps, "lora_fast_path_layers": fast_layers, "startup_s": startup,
+                           "lora_shrink": shrink_record(b, fast_layers)}
                     rows.append(row)
+                    shrink = row["lora_shrink"]["impl"] if row["lora_shrink"] else "-"
                     print(f"[lora_profile] {args.variant} B={b:3d} decode {row['decode_ms_per_step']:.3f} ms/step "
+                          f"(shrink: {shrink}) "
                           f"(repeats {', '.join(f'{x:.3f}' for x in steps_ms)})", flush=True)
             else:
                 for b in args.profile_batches:
@@ -172,7 +196,8 @@ def run(args) -> dict:
                     launches = sum(v["launches_per_step"] for v in table.values())
                     rows.append({"model": args.model, "variant": args.variant, "batch": b, "part": "eager",
                                  "kernel_us_per_step": total, "launches_per_step": launches,
-                                 "lora_fast_path_layers": fast_layers, "startup_s": startup})
+                                 "lora_fast_path_layers": fast_layers, "startup_s": startup,
+                                 "lora_shrink": shrink_record(b, fast_layers, table)})
                     print(f"[lora_profile] {args.variant} B={b} eager: {total:.0f} us of "
                           f"{'kernels' if args.on_gpu else 'CPU ops'}, {launches:.0f} launches per decode step",
                           flush=True)
@@ -193,7 +218,7 @@ def targets(rows: list[dict]) -> list[dict]:
     """Decode-step ratio without / with LoRA (= tok/s with / without) per batch, for each LoRA variant."""
     graph = {(r["variant"], r["batch"]): r["decode_ms_per_step"] for r in rows if r["part"] == "graphs"}
     out = []
-    for variant in ("fast", "vllm"):
+    for variant in ("fast", "fast_cublas", "vllm"):
         for (v, b), ms in sorted(graph.items()):
             if v != variant:
                 continue
@@ -205,11 +230,11 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    mode = VARIANTS[args.variant]
-    if mode is None:
-        os.environ.pop("QERL_LORA_FAST_PATH", None)
-    else:
-        os.environ["QERL_LORA_FAST_PATH"] = mode
+    for name, value in zip(("QERL_LORA_FAST_PATH", "QERL_LORA_SHRINK"), VARIANTS[args.variant]):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the profiler sees its GPU work
     device = rollout.device_name()
     res = run(args)

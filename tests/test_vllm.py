@@ -635,13 +635,16 @@ def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
     torch.testing.assert_close(column_parallel_linear._mcp_apply(x, None, layer), want)
     assert "qerl_lora_fast_path" not in vars(column_parallel_linear._mcp_apply.__wrapped__)  # vLLM's, underneath
     assert BaseLinearLayerWithLoRA._apply_lora_to_output.__wrapped__.__module__.startswith("vllm.")
-    # the LoRA term is two ops, i.e. two kernel launches on CUDA: the shrink GEMM and the fused expand
+    # the LoRA term is two ops, i.e. two kernel launches on CUDA at decode token counts: the shrink and the fused
+    # expand
     ops, _ = lora_fast_path._top_level_ops(BaseLinearLayerWithLoRA._apply_lora_to_output, layer, x, base)
-    assert ops == ["aten::linear", "qerl::lora_expand"], ops
+    assert ops == ["qerl::lora_shrink", "qerl::lora_expand"], ops
 
 
-# the most top-level ops (= CUDA kernel launches) the fast path may add to one linear layer's forward
+# the most top-level ops (= CUDA kernel launches at decode token counts) the fast path may add to one linear layer's
+# forward, and which they are
 FAST_PATH_MAX_LORA_OPS = 2
+FAST_PATH_LORA_OPS = ["qerl::lora_expand", "qerl::lora_shrink"]  # sorted, as lora_layer_ops lists them
 
 
 def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
@@ -680,13 +683,13 @@ def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_p
 
 
 def test_lora_fast_path_adds_two_ops_per_layer(engines_fast_path):
-    """Per LoRA layer and forward, the fast path adds ``FAST_PATH_MAX_LORA_OPS`` top-level ops (the shrink GEMM,
-    the fused expand + mask + residual), fewer than vLLM's path on the same layers; a count that grows fails."""
+    """Per LoRA layer and forward, the fast path adds ``FAST_PATH_MAX_LORA_OPS`` top-level ops (the shrink, the
+    fused expand + mask + residual), fewer than vLLM's path on the same layers; a count that grows fails."""
     fast, ref = engines_fast_path["fast"]["lora_ops"][0], engines_fast_path["vllm"]["lora_ops"][0]
     qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
     assert len(qerl) == 8 and all(v["fast_path"] for v in qerl.values())
     for name, v in qerl.items():
-        assert v["lora_ops"] == ["aten::linear", "qerl::lora_expand"], (name, v)
+        assert v["lora_ops"] == FAST_PATH_LORA_OPS, (name, v)
         assert len(v["lora_ops"]) <= FAST_PATH_MAX_LORA_OPS
         assert not ref[name]["fast_path"] and len(ref[name]["lora_ops"]) > FAST_PATH_MAX_LORA_OPS, ref[name]
     TIMINGS["lora_ops_per_layer_fast_path"] = {n: len(v["lora_ops"]) for n, v in qerl.items()}

@@ -164,8 +164,11 @@ def test_lora_fast_path_under_cuda_graphs_matches_hf_peft(gpu_fast_path_engines,
 
 
 def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
-    """On CUDA the fast path's LoRA term is the cuBLAS shrink and one Triton ``_lora_expand_kernel`` per layer
-    (printed: what cuBLAS launches for the shrink at this token count, and what vLLM's path launches)."""
+    """On CUDA the fast path's LoRA term is two Triton kernels per layer at decode token counts,
+    ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` (above ``TRITON_MAX_TOKENS`` the shrink is cuBLAS's GEMM
+    and at most a split-K reduce; printed: the kernels, and what vLLM's path launches)."""
+    from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
+
     fast = gpu_fast_path_engines["fast"]["lora_ops"][0]
     ref = gpu_fast_path_engines["vllm"]["lora_ops"][0]
     qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
@@ -173,6 +176,10 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
     for name, v in qerl.items():
         print(f"\n{name} (T={v['tokens']}): fast path kernels {v['lora_kernels']}; "
               f"vLLM path {ref[name]['lora_kernels']}")
-        assert v["lora_ops"] == ["aten::linear", "qerl::lora_expand"], (name, v)
+        assert v["lora_ops"] == ["qerl::lora_expand", "qerl::lora_shrink"], (name, v)
         assert sum("_lora_expand_kernel" in k for k in v["lora_kernels"]) == 1, (name, v)
-        assert len(v["lora_kernels"]) <= 3, (name, v)  # the shrink: one cuBLAS kernel (+ a split-K reduce at most)
+        if v["tokens"] <= TRITON_MAX_TOKENS:
+            assert sum("_lora_shrink_kernel" in k for k in v["lora_kernels"]) == 1, (name, v)
+            assert len(v["lora_kernels"]) == 2, (name, v)
+        else:
+            assert len(v["lora_kernels"]) <= 3, (name, v)  # cuBLAS's GEMM (+ a split-K reduce at most)

@@ -1,4 +1,4 @@
-"""Single-adapter LoRA for vLLM linear layers: two ops per layer (shrink GEMM; fused expand + mask + residual).
+"""Single-adapter LoRA for vLLM linear layers: two ops per layer (shrink; fused expand + mask + residual).
 
 vLLM's LoRA layers serve many adapters at once: every linear layer runs the punica shrink and
 expand kernels over per-token adapter indices, slice by slice. In RL every request of a rollout
@@ -10,8 +10,10 @@ adapter slot the LoRA term is simply::
 with ``A_cat`` the concatenated A matrices of all fused slices (q/k/v, gate/up), ``B_blockdiag`` the
 slices' B matrices on a block diagonal (slice i's B in slice i's output rows and its rank columns,
 zeros elsewhere) and ``mask`` 1 for tokens whose request has the adapter and 0 for those without.
-The scaling ``alpha / r`` is already folded into vLLM's stored B. Two ops, two kernel launches on CUDA:
-the shrink ``x @ A_cat^T`` (cuBLAS) and ``qerl::lora_expand`` (one Triton kernel: expand, token mask and
+The scaling ``alpha / r`` is already folded into vLLM's stored B. Two ops, two kernel launches on CUDA at
+decode token counts: ``qerl::lora_shrink`` (``x @ A_cat^T``, one Triton kernel up to
+``lora_shrink.TRITON_MAX_TOKENS`` tokens, where cuBLAS would run a split-K GEMM and its reduce, and cuBLAS above;
+:mod:`verl_qerl.kernels.lora_shrink`) and ``qerl::lora_expand`` (one Triton kernel: expand, token mask and
 residual add; :mod:`verl_qerl.kernels.lora_expand`); no per-token indexing, static shapes: it traces under
 torch.compile and captures into CUDA graphs.
 
@@ -22,7 +24,7 @@ How it plugs in (no vLLM file is edited):
   ``lora_b_stacked`` re-laid as *views* of one concatenated A and one block-diagonal B (same
   shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``; the class method
   ``BaseLinearLayerWithLoRA._apply_lora_to_output`` (and, for vLLM 0.24's fused column-parallel
-  layers, the function ``_mcp_apply`` their ``apply`` calls instead), wrapped once, runs the two GEMMs
+  layers, the function ``_mcp_apply`` their ``apply`` calls instead), wrapped once, runs the two ops
   for flagged layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
   (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for the same id (verl's
   ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
@@ -51,9 +53,9 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from verl_qerl.kernels.lora_expand import lora_expand
+from verl_qerl.kernels.lora_shrink import lora_shrink
 
 from .config import QeRLNvFp4Error
 
@@ -295,11 +297,11 @@ def convert_layer(layer: Any) -> str | None:
 
 def _apply_lora_single(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """``output + mask * (x @ A_cat^T) @ B_blockdiag^T`` for vLLM's single adapter slot: two ops, two kernels
-    on CUDA (the shrink on cuBLAS; expand, token mask and residual add in one Triton kernel)."""
+    on CUDA at decode token counts (the shrink; expand, token mask and residual add)."""
     out_shape = output.shape
     x2 = x.reshape(-1, x.shape[-1])
     out2 = output.reshape(-1, output.shape[-1])
-    shrunk = F.linear(x2, self.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
+    shrunk = lora_shrink(x2, self.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
     return lora_expand(out2, shrunk, self.qerl_lora_b_t, self.qerl_token_mask[: x2.shape[0]]).view(out_shape)
 
 
