@@ -97,3 +97,36 @@ def test_already_exited_and_empty():
     assert proc.returncode == 0
     procs.kill_process_trees([])
     assert not procs.is_alive(2**22 + 12345)  # beyond pid_max's default: no such process
+
+
+def test_kill_marked_stops_only_the_marked_and_spares_the_caller(tmp_path):
+    """A shell launcher stops the leftovers of its own run (marked through the environment), never another run's,
+    and never itself although it carries the marker too (`ray stop` would stop every cluster on the machine)."""
+    code = "import signal, sys, time\nif sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \
+           "time.sleep(300)"
+    mine = dict(os.environ, QERL_TEST_MARK=str(tmp_path))
+    others = dict(os.environ, QERL_TEST_MARK=str(tmp_path) + "-other")
+    started = [subprocess.Popen([sys.executable, "-c", code, how], env=env, start_new_session=True)
+               for env, how in ((mine, "term"), (mine, "ignore"), (others, "term"))]
+    try:
+        deadline = time.monotonic() + 20
+        while len(procs.marked_processes("QERL_TEST_MARK", str(tmp_path))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # the caller is a shell carrying the same marker, as examples/tiny/grpo.sh is
+        out = subprocess.run(["sh", "-c", f"{sys.executable} -m verl_qerl.testing.procs kill-marked QERL_TEST_MARK "
+                              f"'{tmp_path}' && echo caller-alive"], env=mine, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "stopped 2 process(es)" in out.stdout and "caller-alive" in out.stdout
+        for proc in started[:2]:
+            assert proc.wait(timeout=10) is not None  # SIGTERM, and SIGKILL for the one ignoring it
+        assert started[1].returncode == -signal.SIGKILL
+        assert started[2].poll() is None  # another run's process is untouched
+        bad = subprocess.run([sys.executable, "-m", "verl_qerl.testing.procs", "kill-marked", "QERL_TEST_MARK", ""],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and "usage" in bad.stderr  # an empty value would match too much
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

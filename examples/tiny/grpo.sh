@@ -14,7 +14,11 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" examples/tiny/prepare.py "$W"
 W=$(realpath "$W")   # Ray workers read these paths from other working directories
 DEVICE=${QERL_DEVICE:-$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_TMPDIR=${RAY_TMPDIR:-/tmp/ray-qerl}
+# Each run gets its own Ray temp dir (unless RAY_TMPDIR is given), so that afterwards exactly this run's Ray
+# processes can be stopped: `ray stop` would stop every Ray cluster on the machine, other users' runs included.
+OWN_RAY_TMPDIR=
+if [ -z "${RAY_TMPDIR:-}" ]; then RAY_TMPDIR=$(mktemp -d /tmp/ray-qerl-XXXXXX); OWN_RAY_TMPDIR=1; fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_TMPDIR
 export VERL_FILE_LOGGER_PATH=${VERL_FILE_LOGGER_PATH:-$W/metrics-$VARIANT.jsonl}
 rm -f "$VERL_FILE_LOGGER_PATH"
 DEV_ARGS=()
@@ -56,6 +60,11 @@ timeout ${TIMEOUT:-900} "$PY" -m verl.trainer.main_ppo \
   "${DEV_ARGS[@]}" "$@"
 rc=$?
 set -e
-"$(dirname "$PY")/ray" stop >/dev/null 2>&1 || true
+if [ -n "$OWN_RAY_TMPDIR" ]; then
+  # a timeout can leave this run's Ray cluster behind (daemons and workers reparented to init): stop the
+  # processes that carry this run's RAY_TMPDIR in their environment, and no other; keep the logs of a failed run
+  "$PY" -m verl_qerl.testing.procs kill-marked RAY_TMPDIR "$RAY_TMPDIR" || true
+  if [ "$rc" = 0 ]; then rm -rf "$RAY_TMPDIR"; else echo "[tiny] Ray logs: $RAY_TMPDIR"; fi
+fi
 echo "[tiny] variant=$VARIANT device=$DEVICE rc=$rc wall=$(( $(date +%s) - start ))s metrics=$VERL_FILE_LOGGER_PATH"
 exit $rc

@@ -21,7 +21,7 @@ import subprocess
 import time
 from collections.abc import Iterable
 
-__all__ = ["descendants", "is_alive", "kill_process_trees", "marked_processes"]
+__all__ = ["descendants", "is_alive", "kill_marked", "kill_process_trees", "marked_processes"]
 
 
 def _proc_table() -> dict[int, tuple[str, int, int]]:
@@ -163,6 +163,39 @@ def kill_process_trees(procs: list[subprocess.Popen], grace_s: float = 3.0, *,
             pass
 
 
+def _ancestors(pid: int, table: dict[int, tuple[str, int, int]]) -> set[int]:
+    found: set[int] = set()
+    while pid in table and pid not in found and pid > 1:
+        found.add(pid)
+        pid = table[pid][1]
+    return found
+
+
+def kill_marked(name: str, value: str, grace_s: float = 5.0) -> set[int]:
+    """Stop every process whose environment holds ``name=value``, except this process and its ancestors (a
+    launcher that exported the marker to its run also carries it); SIGTERM, up to ``grace_s`` to exit, then
+    SIGKILL. Returns the pids signalled. Why: a shell launcher whose run left daemons behind (Ray's gcs, raylet
+    and workers, reparented to init) stops exactly its own, where ``ray stop`` would stop every Ray cluster on
+    the machine."""
+    spared = _ancestors(os.getpid(), _proc_table())
+    first = marked_processes(name, value) - spared
+    for pid in first:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in first):
+        time.sleep(0.05)
+    last = marked_processes(name, value) - _ancestors(os.getpid(), _proc_table())
+    for pid in last:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return first | last
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a torch.distributed rendezvous)."""
     import socket
@@ -185,3 +218,12 @@ def shutdown_vllm_engine(llm: object) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+if __name__ == "__main__":  # python -m verl_qerl.testing.procs kill-marked NAME VALUE (shell launchers)
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "kill-marked" or not sys.argv[3]:
+        sys.exit("usage: python -m verl_qerl.testing.procs kill-marked NAME VALUE (VALUE non-empty)")
+    stopped = kill_marked(sys.argv[2], sys.argv[3])
+    print(f"[procs] stopped {len(stopped)} process(es) marked {sys.argv[2]}={sys.argv[3]}")
