@@ -56,6 +56,9 @@ checkpointing (the default), vLLM sleep mode (verl's default ``free_cache_engine
 between phases (``actor_rollout_ref.actor.fsdp_config.param_offload=True optimizer_offload=True`` as extra
 overrides; ``benchmarks/GPU.md`` has the command). ``--tiny`` is the CPU smoke test (tiny model, verl-qerl's CPU
 platform).
+
+This file launches the runs; ``grpo_step_settings.py`` holds the variants, presets and the ``--baseline`` rule, and
+``grpo_step_results.py`` turns what a run left behind into its row, compares the rows and prints the tables.
 """
 
 from __future__ import annotations
@@ -64,65 +67,53 @@ import argparse
 import datetime as _dt
 import json
 import os
-import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from results_format import read_earlier, target_status  # benchmarks/: this script's own folder
-
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent))  # this script's sibling modules
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))  # verl_qerl without an install (benchmarks/rollout.py does the same)
 
+from grpo_step_results import (  # noqa: E402 - benchmarks/: the results side (row summaries, targets, tables)
+    PARITY_METRICS,  # noqa: F401 - re-exported: tests reach the whole benchmark through this script
+    PARITY_Z_LIMIT,  # noqa: F401
+    base_bytes_held,
+    compare,
+    decode_histogram,
+    kv_cache_report,
+    memory_targets,
+    paired_z,  # noqa: F401
+    read_metrics,
+    report,
+    summarize_run,
+)
+from grpo_step_settings import (  # noqa: E402 - benchmarks/: variants, presets, --baseline
+    DEFAULT_TOKENIZER,
+    GENERIC,
+    PAPER_LR,
+    PRESET_TARGETS,
+    PRESETS,
+    TOKENIZER_COMMAND,
+    VARIANTS,
+    StepBenchError,
+    baseline_origin,
+    load_baselines,
+    lr_for,
+)
 from memory_table import MODELS as SHAPES  # noqa: E402 - rollout.py's 7b/32b + the Qwen2.5-72B shape
+from results_format import target_status  # noqa: E402, F401 - re-exported, as PARITY_METRICS above
 from rollout import BenchError, device_name, tokenizer_identity, versions, write_random_checkpoint  # noqa: E402
 
-from verl_qerl.testing.procs import kill_process_trees  # noqa: E402 - rollout put REPO on sys.path
+from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
 from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
 from verl_qerl.vllm import decode_stats  # noqa: E402
-
-#: variant -> the hydra group option of ``+qerl=`` (verl_qerl/verl/hydra/qerl/*.yaml)
-VARIANTS = {"qerl": "nvfp4", "nvfp4": "nvfp4_noaqn", "lora": "bf16", "qlora": "nf4"}
-PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
-STEP_RATIO_TARGET = 0.75  # issue 8: QeRL step time <= 0.75x BF16 LoRA's
-SCALING_TARGET = 1.6      # issue 9: N-GPU throughput >= 1.6x of 1 GPU (N=2)
-#: the paper's learning rates (QeRL Table 4 and its released scripts): 1e-5 for the 4-bit variants, 5e-6 for BF16
-#: LoRA (which "collapses" above 5e-6); ``--lr paper`` gives each variant its own
-PAPER_LR = {"qerl": 1e-5, "nvfp4": 1e-5, "qlora": 1e-5, "lora": 5e-6}
-#: the random checkpoints' real tokenizer for --preset reasoning (git-ignored; carried to the GPU machine)
-DEFAULT_TOKENIZER = REPO / ".tokenizers" / "qwen2.5"
-TOKENIZER_COMMAND = f"qerl-pretrained qwen2.5-coder-0.5b --tokenizer-only --out {DEFAULT_TOKENIZER}"
-#: the run settings that --preset sets (explicit flags win); everything else keeps its own default
-GENERIC = dict(steps=4, batch=16, n=8, prompt_length=128, response_length=512, micro_batch=8, lora_rank=32, lr=1e-5,
-               gpu_memory_utilization=0.3, timeout=900.0, ignore_eos=False, tokenizer=None)
-PRESETS = {
-    # Reasoning RL (module docstring): 32 prompts x 8 = 256 sequences of exactly 2048 tokens, real vocabulary
-    "reasoning": dict(steps=3, batch=32, n=8, prompt_length=128, response_length=2048, micro_batch=4, lora_rank=32,
-                      lr="paper", gpu_memory_utilization=0.5, timeout=1500.0, ignore_eos=True,
-                      tokenizer=str(DEFAULT_TOKENIZER)),
-}
-#: issue 20's targets for --preset reasoning, QeRL / BF16 LoRA per phase: step, generation, and no training phase
-#: slower than 1.05x
-PRESET_TARGETS = {"reasoning": {"step": 0.80, "gen": 0.70, "old_log_prob": 1.05, "update_actor": 1.05}}
-#: settings a --baseline must share with this invocation for its rows to be comparable
-BASELINE_SETTINGS = ("model", "batch", "n", "prompt_length", "response_length", "micro_batch", "lora_rank", "lr",
-                     "steps", "seed", "tp", "gpu_memory_utilization", "gradient_checkpointing", "enforce_eager",
-                     "data", "reward", "tiny", "replay_poll_s", "preset", "ignore_eos", "tokenizer_id")
-#: what a setting missing from an older results JSON meant: files written before ``qerl.replay_poll_s`` existed
-#: ran under verl's own 2 s rollout polling; before --preset / --ignore-eos / --tokenizer, runs had none of them
-#: (``tokenizer_id`` None = the checkpoint's own tokenizer: the tiny 512-id one of the random checkpoints)
-BASELINE_DEFAULTS = {"replay_poll_s": 2.0, "preset": None, "ignore_eos": False, "tokenizer_id": None}
-
-
-class StepBenchError(RuntimeError):
-    """A setup problem the user can fix; printed without a traceback."""
-
 
 # ------------------------------------------------------------------------------------------------
 # Inputs
@@ -200,10 +191,6 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
     return ov + list(args.extra)
 
 
-def lr_for(args: argparse.Namespace, variant: str) -> float:
-    """The actor learning rate of ``variant``: ``--lr`` as given, or the paper's for that variant (``--lr paper``)."""
-    return PAPER_LR[variant] if args.lr == "paper" else float(args.lr)
-
 
 def _has_flash_attn() -> bool:
     try:
@@ -248,86 +235,6 @@ class GpuMemorySampler:
         self._stop.set()
         self._thread.join(timeout=15)
 
-
-def read_metrics(path: Path) -> list[dict]:
-    """verl's file logger: one JSON object per line with ``step`` and ``data``; sorted by step."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            rec = json.loads(line)
-            data = rec.get("data", rec)
-            data.setdefault("training/global_step", rec.get("step"))
-            rows.append(data)
-    return sorted(rows, key=lambda r: r.get("training/global_step") or 0)
-
-
-_BASE_BYTES_LINE = re.compile(r"this rank holds (\d+) of (\d+) base bytes")
-
-
-def base_bytes_held(log_text: str) -> list[int]:
-    """Per-rank NVFP4 base bytes the actor logged at build time (``[verl-qerl] actor: ... this rank holds L of T
-    base bytes``, one line per FSDP rank); empty when the base was not sharded (``qerl.shard_base=false``)."""
-    return [int(m.group(1)) for m in _BASE_BYTES_LINE.finditer(log_text)]
-
-
-#: vLLM 0.24's start-up lines on its KV cache (vllm/v1/core/kv_cache_utils.py, ``get_kv_cache_configs``:
-#: ``"GPU KV cache size: %s tokens"`` with ``f"{num_tokens:,}"``, ``"Maximum concurrency for %s tokens per request:
-#: %.2fx"`` with ``f"{max_model_len:,}"``), one pair per engine
-_KV_TOKENS_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")  # later vLLMs: "<device> KV cache size: ..."
-_CONCURRENCY_LINE = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
-
-
-def kv_cache_report(log_text: str) -> dict:
-    """What vLLM reported at start-up about its KV cache: ``kv_cache_tokens`` (the pool's capacity in tokens) and
-    ``max_concurrency`` (how many requests of ``max_model_len`` tokens fit at once), per engine in log order
-    (lists; one engine per GPU replica); empty lists when the log has no such lines."""
-    tokens = [int(m.group(1).replace(",", "")) for m in _KV_TOKENS_LINE.finditer(log_text)]
-    conc = [(int(m.group(1).replace(",", "")), float(m.group(2))) for m in _CONCURRENCY_LINE.finditer(log_text)]
-    return {"kv_cache_tokens": tokens, "max_concurrency": [c for _, c in conc],
-            "max_concurrency_len": [n for n, _ in conc]}
-
-
-def decode_histogram(stats_dir: Path, steps_logged: int, skip: int = 1) -> dict | None:
-    """The rollouts' decode-batch histogram from the per-step records of :mod:`verl_qerl.vllm.decode_stats`: one
-    rollout per GRPO step, the first ``skip`` (warm-up) left out of ``measured`` as in :func:`summarize_run`;
-    ``per_rollout`` keeps every rollout. None when nothing was recorded."""
-    rollouts = [decode_stats.summarize_rollout(r) for r in decode_stats.split_rollouts(
-        decode_stats.read_records(stats_dir))]
-    if not rollouts:
-        return None
-    use = rollouts[skip:] if len(rollouts) > skip else rollouts
-    out = {"measured": decode_stats.merge_histograms(use), "per_rollout": rollouts,
-           "buckets": decode_stats.bucket_table(decode_stats.merge_histograms(use))}
-    if len(rollouts) != steps_logged:
-        out["note"] = (f"{len(rollouts)} rollouts recorded for {steps_logged} GRPO steps logged: the pairing of "
-                       "rollouts with steps is uncertain")
-    return out
-
-
-def summarize_run(steps: list[dict], gpus: int, skip: int = 1) -> dict:
-    """Means over steps after the first ``skip`` (warm-up) of the phase times, tokens/s and curves."""
-    use = steps[skip:] if len(steps) > skip else steps
-
-    def mean(key: str) -> float | None:
-        vals = [s[key] for s in use if isinstance(s.get(key), (int, float))]
-        return statistics.fmean(vals) if vals else None
-
-    out = {f"{p}_s": mean(f"timing_s/{p}") for p in PHASES}
-    tokens = mean("perf/total_num_tokens")
-    out["tokens_per_step"] = tokens
-    out["tokens_per_s"] = tokens / out["step_s"] if tokens and out["step_s"] else None
-    out["tokens_per_s_per_gpu"] = out["tokens_per_s"] / gpus if out["tokens_per_s"] else None
-    out["actor_peak_allocated_gb"] = max((s.get("actor/perf/max_memory_allocated_gb") or 0.0 for s in steps),
-                                         default=None)
-    out["response_length_mean"] = mean("response_length/mean")
-    out["steps_measured"] = len(use)
-    out["curves"] = {k: [s.get(k) for s in steps] for k in
-                     ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "qerl/aqn_sigma",
-                      "timing_s/step")}
-    return out
 
 
 def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int], inputs: tuple[Path, Path, Path],
@@ -400,169 +307,6 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
     return row
 
 
-def load_baselines(paths: list[str], args: argparse.Namespace, device: str) -> dict[tuple[str, int], dict]:
-    """{(variant, gpus): row} of earlier results JSONs (their rows without "error"), each row marked
-    ``from_baseline``; refused unless measured on ``device`` with this invocation's settings. Why: one remote call
-    is limited to 10 minutes, so a comparison's runs are spread over calls. A later file wins a duplicate row."""
-    found: dict[tuple[str, int], dict] = {}
-    for path in paths:
-        try:
-            res = read_earlier(path, flag="--baseline", script="grpo_step.py", section="settings", device=device,
-                               keys=BASELINE_SETTINGS, here=vars(args), defaults=BASELINE_DEFAULTS)
-        except ValueError as exc:
-            raise StepBenchError(str(exc)) from exc
-        for row in res["rows"]:
-            if "error" not in row:
-                found[(row["variant"], row["gpus"])] = {**row, "from_baseline": str(path)}
-    return found
-
-
-# ------------------------------------------------------------------------------------------------
-# Comparisons and targets
-# ------------------------------------------------------------------------------------------------
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def memory_targets(rows: list[dict], limit_gb: float) -> list[dict]:
-    """Issue 8's 32B claim per run: at least one GRPO step logged, nvidia-smi peak of its GPUs <= ``limit_gb``.
-
-    Rows that failed later (e.g. a timeout in step 2) still count: the claim is that a step *completes* within the
-    memory, which the logged step and the peak sampled over the whole run show."""
-    targets = []
-    for r in rows:
-        name = f"{r['variant']}-{r['gpus']}gpu"
-        targets.append({"name": f"grpo_steps_completed[{name}]", "measured": r.get("steps_logged", 0), "op": ">=",
-                        "target": 1})
-        targets.append({"name": f"gpu_peak_used_gb[{name}]", "measured": r.get("gpu_peak_used_gb_max"),
-                        "op": "<=", "target": limit_gb})
-    return targets
-
-
-#: learning parity (issue 9): the N-GPU run's curves may differ from the 1-GPU run's by sampling noise only
-PARITY_METRICS = ("critic/score/mean", "actor/pg_loss", "actor/entropy")
-PARITY_Z_LIMIT = 3.0
-
-
-def paired_z(x: list[float | None], y: list[float | None]) -> tuple[float | None, dict]:
-    """|mean(d)| / (sd(d) / sqrt(k)) of the per-step differences d = y - x over the steps both logged.
-
-    Both runs see the same prompts at the same step (same seed, no shuffle), so the step-wise difference
-    removes the prompt-difficulty variance; what is left is sampling noise (different replicas sample
-    differently) unless the runs learn differently. Curves equal at every step give 0 (flagged
-    ``constant`` when neither moves: a degenerate check, e.g. rewards 0 throughout on a random model)."""
-    d = [b - a for a, b in zip(x, y, strict=False) if a is not None and b is not None]
-    info = {"steps": len(d), "mean_diff": statistics.fmean(d) if d else None,
-            "constant": len({v for v in x if v is not None} | {v for v in y if v is not None}) <= 1}
-    if len(d) < 3:
-        return None, info
-    sd = statistics.stdev(d)
-    mean = abs(statistics.fmean(d))
-    if sd == 0:
-        return (0.0 if mean == 0 else float("inf")), info
-    return mean / (sd / len(d) ** 0.5), info
-
-
-def compare(rows: list[dict], mode: str, concurrent: bool = False,
-            phase_targets: dict[str, float] | None = None) -> tuple[dict, list[dict]]:
-    """Ratios and the ``targets`` entries for ``mode`` ('variants' or 'gpus').
-
-    ``concurrent`` (mode 'gpus'): the runs shared GPU 0, so their times are not comparable and no time target is set
-    (the learning-parity targets of mode 'gpus' still are). ``phase_targets`` (mode 'variants'): {phase: limit} of
-    the first variant's time over the second's per phase (a preset's, :data:`PRESET_TARGETS`), instead of issue 8's
-    step-only target."""
-    ok = [r for r in rows if "error" not in r]
-    ratios: dict = {}
-    targets: list[dict] = []
-    if mode == "variants" and len(ok) >= 2:
-        a, b = ok[0], ok[1]
-        tag = f"{a['variant']}/{b['variant']}"
-        for p in PHASES:
-            ratios[f"{p}_time_ratio[{tag}]"] = _ratio(a.get(f"{p}_s"), b.get(f"{p}_s"))
-        for key in ("kv_cache_tokens", "max_concurrency"):  # first engine of each (one per GPU)
-            ratios[f"{key}_ratio[{tag}]"] = _ratio((a.get(key) or [None])[0], (b.get(key) or [None])[0])
-        for phase, limit in (phase_targets or {"step": STEP_RATIO_TARGET}).items():
-            name = "grpo_step_time_ratio" if phase == "step" else f"{phase}_time_ratio"
-            targets.append({"name": f"{name}[{tag}]", "measured": ratios[f"{phase}_time_ratio[{tag}]"], "op": "<=",
-                            "target": limit})
-    if mode == "gpus" and len(ok) >= 2:
-        one, many = ok[0], ok[1]
-        n = many["gpus"]
-        ratios["throughput_ratio"] = _ratio(many.get("tokens_per_s"), one.get("tokens_per_s"))
-        ratios["scaling_efficiency"] = ratios["throughput_ratio"] / n if ratios["throughput_ratio"] else None
-        for p in PHASES:
-            ratios[f"{p}_time_ratio[{n}gpu/1gpu]"] = _ratio(many.get(f"{p}_s"), one.get(f"{p}_s"))
-        if not concurrent:
-            targets.append({"name": f"throughput_{n}gpu_over_1gpu", "measured": ratios["throughput_ratio"],
-                            "op": ">=", "target": SCALING_TARGET})
-        for key in PARITY_METRICS:
-            x, y = one["curves"][key], many["curves"][key]
-            pairs = [(u, v) for u, v in zip(x, y, strict=False) if u is not None and v is not None]
-            ratios[f"max_abs_diff[{key}]"] = max((abs(u - v) for u, v in pairs), default=None)
-            z, info = paired_z(x, y)
-            ratios[f"paired_z[{key}]"] = z
-            if z is not None:
-                note = f"{info['steps']} steps, mean diff {info['mean_diff']:.4g}"
-                targets.append({"name": f"learning_parity_paired_z[{key}]", "measured": z, "op": "<=",
-                                "target": PARITY_Z_LIMIT,
-                                "note": note + ("; degenerate: both curves constant" if info["constant"] else "")})
-    return ratios, targets
-
-
-def table(rows: list[dict]) -> str:
-    head = ("| run | steps | step s | gen s | old_log_prob s | update_actor s | update_weights s | tok/s | "
-            "tok/s/GPU | GPU peak GB | actor peak GB |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['variant']}-{r['gpus']}gpu | failed: {r['error']} |" + " |" * 9)
-            continue
-
-        def f(key: str, fmt: str = "{:.2f}", r: dict = r) -> str:
-            v = r.get(key)
-            return fmt.format(v) if isinstance(v, (int, float)) else "-"
-        lines.append(f"| {r['variant']}-{r['gpus']}gpu | {r['steps_measured']} | {f('step_s')} | {f('gen_s')} | "
-                     f"{f('old_log_prob_s')} | {f('update_actor_s')} | {f('update_weights_s')} | "
-                     f"{f('tokens_per_s', '{:.0f}')} | {f('tokens_per_s_per_gpu', '{:.0f}')} | "
-                     f"{f('gpu_peak_used_gb_max', '{:.1f}')} | {f('actor_peak_allocated_gb', '{:.1f}')} |")
-    return "\n".join(lines)
-
-
-def kv_table(rows: list[dict]) -> str:
-    """Per run: what vLLM reported about its KV cache, and the decode batches of the measured rollouts."""
-    lines = ["| run | vLLM KV cache, tokens | max concurrency (x max_model_len) | decode steps | prefill steps | "
-             "preemptions | peak KV usage |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        h = (r.get("decode_batches") or {}).get("measured") or {}
-        kv = ", ".join(f"{t:,}" for t in r.get("kv_cache_tokens") or []) or "-"
-        conc = ", ".join(f"{c:.2f}" for c in r.get("max_concurrency") or []) or "-"
-        usage = f"{h['kv_usage_max']:.2f}" if h.get("kv_usage_max") is not None else "-"
-        lines.append(f"| {r['variant']}-{r['gpus']}gpu | {kv} | {conc} | {h.get('decode_steps', '-')} | "
-                     f"{h.get('prefill_steps', '-')} | {h.get('preemptions', '-')} | {usage} |")
-    return "\n".join(lines)
-
-
-def histogram_table(rows: list[dict]) -> str:
-    """The decode-batch (M) histogram of the measured rollouts, side by side: steps, seconds and ms per step in each
-    M range of :data:`verl_qerl.vllm.decode_stats.BUCKETS`."""
-    runs = [r for r in rows if (r.get("decode_batches") or {}).get("buckets")]
-    if not runs:
-        return "(no decode-batch records)"
-    head = "| M (sequences in the step) | " + " | ".join(
-        f"{r['variant']} steps | {r['variant']} s | {r['variant']} ms/step" for r in runs) + " |"
-    lines = [head, "|---|" + "---:|" * (3 * len(runs))]
-    labels = [f"{lo}" if lo == hi else (f">= {lo}" if hi >= 1 << 30 else f"{lo}-{hi}")
-              for lo, hi in decode_stats.BUCKETS]
-    for label in labels:
-        cells = []
-        for r in runs:
-            b = next((x for x in r["decode_batches"]["buckets"] if x["m"] == label), None)
-            cells.append(f"{b['decode_steps']} | {b['seconds']:.2f} | {b['ms_per_step']:.2f}" if b else "- | - | -")
-        if any(c != "- | - | -" for c in cells):
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -686,21 +430,6 @@ def execute(args: argparse.Namespace, todo: list[tuple[str, int]], inputs: tuple
     return dict(zip(todo, ran, strict=True))
 
 
-def baseline_origin(paths: list[str]) -> tuple[str, dict]:
-    """(device, versions) of the --baseline files for ``--merge-only``: the files must agree on the device (their
-    settings are checked against this invocation by ``load_baselines``); versions are the first file's."""
-    found = []
-    for path in paths:
-        try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
-        found.append((path, res.get("device"), res.get("versions") or {}))
-    devices = {dev for _, dev, _ in found}
-    if len(devices) != 1 or None in devices:
-        raise StepBenchError("--merge-only: the --baseline files were measured on different devices: "
-                             + "; ".join(f"{path}: {dev!r}" for path, dev, _ in found))
-    return found[0][1], found[0][2]
 
 
 def build_result(args: argparse.Namespace, argv: list[str] | None, device: str, rows: list[dict],
@@ -731,16 +460,6 @@ def write_result(args: argparse.Namespace, result: dict, out: Path) -> Path:
     return path
 
 
-def report(result: dict) -> None:
-    """The tables, ratios and targets on stdout."""
-    rows = result["rows"]
-    print(table(rows))
-    print(kv_table(rows))
-    print(histogram_table(rows))
-    for k, v in result["ratios"].items():
-        print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
-    for t in result["targets"]:
-        print(f"[grpo_step] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}")
 
 
 def main(argv: list[str] | None = None) -> int:
