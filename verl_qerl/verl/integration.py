@@ -225,7 +225,7 @@ def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
                               reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
     mesh = fsdp_kwargs.get("mesh")
     held = base_bytes(layers)
-    # one line per rank, parsed by benchmarks/grpo_step.py (actor_base_gb_per_rank)
+    # one line per rank, parsed by benchmarks/grpo_step_results.py (actor_base_gb_per_rank)
     logger.warning("[verl-qerl] actor: NVFP4 base of %d layers sharded over %s FSDP2 ranks (gathered per layer); "
                    "this rank holds %d of %d base bytes", len(layers), mesh.size() if mesh is not None else "all",
                    held["local"], held["total"])
