@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import torch
 
-LIB_NAME = "qerl"
+from .op_library import LIB_NAME, library, tl, triton
 
-_lib = torch.library.Library(LIB_NAME, "FRAGMENT")
+_lib = library()
 _lib.define("lora_expand(Tensor out, Tensor shrunk, Tensor b_t, Tensor mask) -> Tensor")
-
-try:  # Triton ships with the CUDA stack; the CPU build has none (or one without a CPU backend)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
 
 
 def lora_expand_torch(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

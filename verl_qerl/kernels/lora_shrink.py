@@ -29,16 +29,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-LIB_NAME = "qerl"
+from .op_library import LIB_NAME, library, tl, triton
 
-_lib = torch.library.Library(LIB_NAME, "FRAGMENT")
+_lib = library()
 _lib.define("lora_shrink(Tensor x, Tensor a) -> Tensor")
-
-try:  # Triton ships with the CUDA stack; the CPU build has none (or one without a CPU backend)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
 
 #: Largest token count T for which the op runs the Triton kernel on CUDA (``auto`` mode); above it, cuBLAS.
 #: Why a threshold: the kernel has no split-K, so its parallelism is ``ceil(T / BLOCK_T) * ceil(R / BLOCK_R)``

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from . import layout, reference
+from .op_library import LIB_NAME, library
 
-LIB_NAME = "qerl"
-
-_lib = torch.library.Library(LIB_NAME, "FRAGMENT")
+_lib = library()
 _lib.define(
     "nvfp4_gemm(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
     "int mode=0, int splits=0) -> Tensor"
