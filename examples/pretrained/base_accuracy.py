@@ -43,10 +43,12 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-def score_level(model, tok, problems, max_new_tokens: int, batch: int) -> dict:
+def score_level(model, tok, problems, max_new_tokens: int, batch: int, label: str = "") -> dict:
+    from tqdm.auto import tqdm  # a level is minutes of greedy decoding on a CPU: show the batches
+
     strict = lenient = boxed = numeric = 0
     lengths, samples = [], []
-    for start in range(0, len(problems), batch):
+    for start in tqdm(range(0, len(problems), batch), desc=label or "problems", unit="batch"):
         chunk = problems[start:start + batch]
         texts = [tok.apply_chat_template(p.prompt, tokenize=False, add_generation_prompt=True) for p in chunk]
         enc = tok(texts, return_tensors="pt", padding=True)
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.levels.split(","):
         t0 = time.perf_counter()
         problems = generate(args.n, "test", args.seed, LEVELS[name])
-        res = score_level(model, tok, problems, args.max_new_tokens, args.batch)
+        res = score_level(model, tok, problems, args.max_new_tokens, args.batch, label=name)
         res["settings"] = LEVELS[name].__dict__
         res["seconds"] = round(time.perf_counter() - t0, 1)
         results["levels"][name] = res
