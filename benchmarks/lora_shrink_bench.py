@@ -16,12 +16,18 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+
+import rollout  # noqa: E402  (device and version helpers shared by the benchmarks)
+from results_format import target_status  # noqa: E402
 
 from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
 
@@ -49,6 +55,33 @@ def graph_us(fn, calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def triton_version() -> str | None:
+    return getattr(ls.triton, "__version__", None)
+
+
+def triton_wins_up_to(rows: list[dict]) -> int:
+    """The largest T such that the Triton kernel is faster than cuBLAS on every shape at every measured T <= it."""
+    all_t = sorted({r["T"] for r in rows})
+    losing = {r["T"] for r in rows if r["triton_us"] >= r["cublas_us"]}
+    best = 0
+    for t in all_t:
+        if t in losing:
+            break
+        best = t
+    return best
+
+
+def targets(rows: list[dict], threshold: int) -> list[dict]:
+    """What the shipped ``TRITON_MAX_TOKENS`` claims: the kernel runs only where it beats cuBLAS on every shape
+    (worst Triton / cuBLAS time ratio at T <= threshold <= 1), and the threshold is no higher than the measured
+    crossover."""
+    inside = [r["triton_us"] / r["cublas_us"] for r in rows if r["T"] <= threshold]
+    return [{"name": f"worst triton/cublas shrink time at T <= {threshold} (all 7B shapes)",
+             "measured": max(inside) if inside else None, "op": "<=", "target": 1.0},
+            {"name": "TRITON_MAX_TOKENS <= largest T where Triton wins on every shape",
+             "measured": threshold, "op": "<=", "target": triton_wins_up_to(rows)}]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
@@ -57,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time forced tiles (slower)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args(argv)
-    device = torch.cuda.get_device_name()
+    device = rollout.device_name()
     rows = []
     for name, (r, k) in SHAPES.items():
         a = torch.randn(r, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -84,17 +117,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[lora_shrink] {name:8s} T={t:4d} R={r:3d} K={k:6d}: triton {row['triton_us']:7.2f} us "
                   f"{tuple(row['config'])}, cublas {row['cublas_us']:7.2f} us"
                   + (f", best tile {row['best_config']} {row['best_us']:.2f} us" if args.sweep else ""), flush=True)
-    wins = sorted({r["T"] for r in rows} - {r["T"] for r in rows if r["triton_us"] >= r["cublas_us"]})
-    below = [t for t in wins if all(u in wins for u in {r["T"] for r in rows} if u <= t)]
-    max_t = max(below, default=0)
+    max_t = triton_wins_up_to(rows)
     print(f"[lora_shrink] Triton beats cuBLAS on every shape up to T={max_t} "
           f"(TRITON_MAX_TOKENS is {ls.TRITON_MAX_TOKENS})", flush=True)
+    result = {"benchmark": "lora_shrink", "device": device,
+              "versions": {**rollout.versions(), "triton": triton_version()},
+              "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "triton_max_tokens": ls.TRITON_MAX_TOKENS,
+              "triton_wins_up_to": max_t, "rows": rows, "targets": targets(rows, ls.TRITON_MAX_TOKENS)}
+    for t in result["targets"]:
+        print(f"[lora_shrink] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}",
+              flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"lora-shrink-{device.replace(' ', '-').lower()}.json"
-    path.write_text(json.dumps({"benchmark": "lora_shrink", "device": device, "torch": torch.__version__,
-                                "triton_max_tokens": ls.TRITON_MAX_TOKENS, "triton_wins_up_to": max_t,
-                                "rows": rows}, indent=1))
+    path.write_text(json.dumps(result, indent=1))
     print(f"[lora_shrink] wrote {path}", flush=True)
     return 0
 

@@ -195,3 +195,21 @@ def test_kernel_bf16_on_cuda(monkeypatch):
     torch.cuda.synchronize()
     want = xs.float() @ a.float().t()
     assert (ys.float() - want).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item())
+
+
+def test_bench_crossover_and_targets():
+    """benchmarks/lora_shrink_bench.py: the threshold it reports is the largest T below which Triton wins on every
+    shape (a win at a larger T after a loss does not count), and its targets check the shipped threshold."""
+    from verl_qerl.testing.scripts import load_script
+
+    bench = load_script("benchmarks/lora_shrink_bench.py", "lora_shrink_bench")
+    us = {("o", 1): (1.0, 5.0), ("o", 2): (2.0, 5.0), ("o", 4): (6.0, 5.0), ("o", 8): (4.0, 5.0),
+          ("down", 1): (3.0, 5.0), ("down", 2): (4.0, 5.0), ("down", 4): (4.5, 5.0), ("down", 8): (9.0, 5.0)}
+    rows = [{"shape": s, "T": t, "triton_us": tr, "cublas_us": cb} for (s, t), (tr, cb) in us.items()]
+    assert bench.triton_wins_up_to(rows) == 2  # o loses at 4; its win at 8 comes after a loss
+    ok, crossover = bench.targets(rows, 2)
+    assert ok["measured"] == pytest.approx(0.8) and ok["op"] == "<=" and ok["target"] == 1.0
+    assert (crossover["measured"], crossover["target"]) == (2, 2)
+    too_high, crossover = bench.targets(rows, 4)
+    assert too_high["measured"] == pytest.approx(1.2)  # T = 4 on o: Triton 6 us vs cuBLAS 5 us
+    assert crossover["measured"] > crossover["target"]
