@@ -1,9 +1,10 @@
 """``qerl::lora_expand(out, shrunk, b_t, mask) -> out + mask * (shrunk @ b_t)``: a LoRA expand as one kernel.
 
 The single-adapter LoRA path (``verl_qerl.vllm.lora_fast_path``) computes, per linear layer,
-``out + mask * (x @ A^T) @ B^T``: the shrink ``x @ A^T`` is one GEMM (cuBLAS); this op is everything after
-it: the expand against the (block-diagonal) B, the per-token adapter mask (1: the token's request has the
-adapter, 0: it has none) and the residual add of the base layer's output. In torch ops that is a multiply and
+``out + mask * (x @ A^T) @ B^T``: the shrink ``x @ A^T`` is ``qerl::lora_shrink``
+(:mod:`verl_qerl.kernels.lora_shrink`); this op is everything after it: the expand against the
+(block-diagonal) B, the per-token adapter mask (1: the token's request has the adapter, 0: it has none)
+and the residual add of the base layer's output. In torch ops that is a multiply and
 an ``addmm``, two kernel launches; at decode batch sizes every launch costs about as much as the work, and a
 7B model has 112 such layers per step, so on CUDA it is one Triton kernel. It returns a new tensor (no
 in-place mutation for torch.compile to functionalize) and allocates only a shape-determined output, so it

@@ -113,8 +113,7 @@ def _tree(procs: list[subprocess.Popen], env_markers: list[tuple[str, str]]) -> 
         pids |= {p for p, (_, _, pgrp) in table.items() if pgrp == proc.pid}
     for name, value in env_markers:
         pids |= marked_processes(name, value)
-    pids.discard(os.getpid())
-    return pids
+    return pids - _ancestors(os.getpid(), table)  # never this process or what started it
 
 
 def _signal_all(procs: list[subprocess.Popen], pids: set[int], sig: int) -> None:
@@ -172,28 +171,14 @@ def _ancestors(pid: int, table: dict[int, tuple[str, int, int]]) -> set[int]:
 
 
 def kill_marked(name: str, value: str, grace_s: float = 5.0) -> set[int]:
-    """Stop every process whose environment holds ``name=value``, except this process and its ancestors (a
-    launcher that exported the marker to its run also carries it); SIGTERM, up to ``grace_s`` to exit, then
-    SIGKILL. Returns the pids signalled. Why: a shell launcher whose run left daemons behind (Ray's gcs, raylet
-    and workers, reparented to init) stops exactly its own, where ``ray stop`` would stop every Ray cluster on
-    the machine."""
-    spared = _ancestors(os.getpid(), _proc_table())
-    first = marked_processes(name, value) - spared
-    for pid in first:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(is_alive(p) for p in first):
-        time.sleep(0.05)
-    last = marked_processes(name, value) - _ancestors(os.getpid(), _proc_table())
-    for pid in last:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return first | last
+    """Stop every process whose environment holds ``name=value`` (:func:`kill_process_trees` with that marker and
+    no tree of its own), except this process and its ancestors (a launcher that exported the marker to its run
+    also carries it). Returns the pids found marked at the start. Why: a shell launcher whose run left daemons
+    behind (Ray's gcs, raylet and workers, reparented to init) stops exactly its own, where ``ray stop`` would stop
+    every Ray cluster on the machine."""
+    found = marked_processes(name, value) - _ancestors(os.getpid(), _proc_table())
+    kill_process_trees([], grace_s, env_markers=[(name, value)])
+    return found
 
 
 def free_port() -> int:
