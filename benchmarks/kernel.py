@@ -101,6 +101,12 @@ MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_f
 VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 #: the variant every other one is compared with (always timed, first)
 BASELINE = "splitk"
+#: benchmark-only variants: a kernel the op also runs, with its tile choice moved (variant -> the kernel it times).
+#: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs 256-token ones (M >= 129),
+#: so both tile widths are timed side by side in one run.
+TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs"}
+#: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
+NARROW_WIDE_MIN_M = 1 << 40
 
 
 def parse_variants(text: str | None) -> list[str]:
@@ -108,9 +114,10 @@ def parse_variants(text: str | None) -> list[str]:
     baseline the ratios divide by). Former names (v5, wgmma) are accepted with a warning; unknown names raise
     ValueError naming them and the known ones."""
     names = [kernels.canonical_kernel_name(v, "--variants") for v in (text or BASELINE).split(",") if v.strip()]
-    bad = [v for v in names if v not in VARIANT_KERNEL_MODES]
+    known = set(VARIANT_KERNEL_MODES) | set(TILE_VARIANTS)
+    bad = [v for v in names if v not in known]
     if bad:
-        raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(VARIANT_KERNEL_MODES)}")
+        raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(known)}")
     return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
 
 
@@ -120,13 +127,32 @@ def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa:
     ring, split-K elsewhere); the fused kernels are not timed above M = 1024."""
     if variant == BASELINE:
         return True
+    if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
+        kernel = TILE_VARIANTS[variant]
+        return m >= 129 and variant_applies(ext, kernel, m, n, k)
     return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
+
+
+def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
+    """``fn`` run with the register-A wgmma kernel held at 128-token tiles (the op reads the knob at each call,
+    so a CUDA graph captured through this keeps them)."""
+    def run(r):  # noqa: ANN001, ANN202
+        prev = ext.set_wgmma_wide_min_m(NARROW_WIDE_MIN_M)
+        try:
+            return fn(r)
+        finally:
+            ext.set_wgmma_wide_min_m(prev)
+    return run
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
     """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given (forced), else the one
     ``$QERL_GEMM_KERNEL`` selects (forced; ``auto``, the default: the op's own choice)."""
     names = variants if variants else [env_variant]
+    tiles = [v for v in names if v in TILE_VARIANTS]
+    if tiles:
+        raise ValueError(f"--profile: {tiles} are timing-only variants; profile {sorted(set(TILE_VARIANTS.values()))} "
+                         "and move its tile width with the extension's set_wgmma_wide_min_m")
     return [(v, int(VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v]))) for v in names]
 
 
@@ -596,7 +622,8 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         }
         for v in variants or []:
             if v != BASELINE and variant_applies(ext, v, m, n, k):
-                fns[f"kernel_{v}"] = ours(v, x)
+                fns[f"kernel_{v}"] = (narrow_wgmma_tiles(ext, ours(TILE_VARIANTS[v], x)) if v in TILE_VARIANTS
+                                      else ours(v, x))
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x
             fns["nf4"] = lambda r, xb=xb: bnb_mods[0].matmul_4bit(

@@ -337,14 +337,22 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* q
                                                     const float* global_scale, const void* bias, void* out,
                                                     float* workspace, int* counters, int M, int N, int K, int grid,
                                                     int block_t, cudaStream_t stream) {
+  if (block_t == 256)
+    return qerl_nvfp4_gemm_wgmma_wide_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N,
+                                             K, grid, stream);
   return qerl::WgEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
                                stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t) {
+  if (block_t == 256) return qerl_nvfp4_gemm_wgmma_wide_workspace_floats(M, N, K, grid);
   return qerl::WgEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) { return qerl::WgEntry::tiles(M, N, block_t); }
+extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
+  return block_t == 256 ? qerl_nvfp4_gemm_wgmma_wide_tiles(M, N) : qerl::WgEntry::tiles(M, N, block_t);
+}
 
-extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) { return qerl::WgEntry::ctas_per_sm(block_t); }
+extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
+  return block_t == 256 ? qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() : qerl::WgEntry::ctas_per_sm(block_t);
+}

@@ -58,7 +58,8 @@ int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m);
 int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m);
 
 // Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu, sm_90a builds only): persistent stream-K over 256-row x block_t
-// token tiles, block_t in {64, 128}. Same workspace / counter contract as the stream-K launch above.
+// token tiles, block_t in {64, 128}, or 128-row x 256-token tiles with block_t = 256 (the wide-token kernel,
+// cuda/nvfp4_gemm_wgmma_wide.cu). Same workspace / counter contract as the stream-K launch above.
 // qerl_nvfp4_gemm_wgmma_ctas_per_sm is 0 where the kernel is not available (not built for sm_90a, not an sm_90
 // device, or too little shared memory): callers then run another kernel.
 cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
@@ -68,6 +69,15 @@ cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, con
 size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t);
 int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t);
 int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t);
+
+// The wide-token kernel's own entry points (block_t = 256 of the wgmma functions above forwards to them).
+cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
+                                              const float* global_scale, const void* bias, void* out,
+                                              float* workspace, int* counters, int M, int N, int K, int grid,
+                                              cudaStream_t stream);
+size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid);
+int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N);
+int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm();
 
 // Hopper wgmma kernel with both operands in shared memory (cuda/nvfp4_gemm_wgmma_ss.cu, sm_90a builds only):
 // warp-specialized (producer, dequant and MMA warpgroups), persistent stream-K over 256-row x block_t token tiles,

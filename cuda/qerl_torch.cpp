@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
@@ -289,25 +290,37 @@ int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
   return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, k, grid)) ? grid : 0;
 }
 
-// Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu): tokens per tile for M, and the CTAs it requests on the current
-// device (SMs x resident CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
-int wgmma_block_t(int64_t m) { return m <= 64 ? 64 : 128; }
-
 // Which Hopper wgmma kernel a route runs: none, register-A (cuda/nvfp4_gemm_wgmma.cu) or both operands in shared
 // memory (cuda/nvfp4_gemm_wgmma_ss.cu).
 enum class Wgmma { kNone, kRegA, kSS };
 
+// From this M on the register-A kernel runs its 256-token tiles (cuda/nvfp4_gemm_wgmma_wide.cu: half the decode per
+// tensor cycle of the 128-token tiles); a benchmark hook moves it to time both tile widths side by side.
+std::atomic<int64_t> g_wgmma_wide_min_m{129};
+
+int64_t set_wgmma_wide_min_m(int64_t m) {
+  QCHECK(m >= 65, "qerl set_wgmma_wide_min_m: M must be >= 65 (64-token tiles serve M <= 64), got ", m);
+  return g_wgmma_wide_min_m.exchange(m);
+}
+
+// Hopper wgmma kernels: tokens per tile for M, and the CTAs a kernel requests on the current device (SMs x resident
+// CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
+int wgmma_block_t(int64_t m, Wgmma kind) {
+  if (m <= 64) return 64;
+  return kind == Wgmma::kRegA && m >= g_wgmma_wide_min_m.load() ? 256 : 128;
+}
+
 int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   if (kind == Wgmma::kNone) return 0;
-  const int block_t = wgmma_block_t(m);
+  const int block_t = wgmma_block_t(m, kind);
   const int ki = kind == Wgmma::kSS ? 1 : 0;
   auto per_sm_of = [&]() {
     return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
   };
-  static int cache[64][2][2];
-  static bool known[64][2][2] = {};
+  static int cache[64][2][3];
+  static bool known[64][2][3] = {};
   const int dev = at::cuda::current_device();
-  const int b = block_t == 128 ? 1 : 0;
+  const int b = block_t == 256 ? 2 : block_t == 128 ? 1 : 0;
   int per_sm = 0;
   if (dev < 0 || dev >= 64) {
     per_sm = per_sm_of();
@@ -346,7 +359,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     bptr = b.data_ptr();
   }
   if (const int64_t grid = wgmma_grid(m, n, wgmma); grid > 0) {
-    const int block_t = wgmma_block_t(m);
+    const int block_t = wgmma_block_t(m, wgmma);
     const bool ss = wgmma == Wgmma::kSS;
     const size_t wsf = ss ? qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int(m), int(n), int(k), int(grid), block_t)
                           : qerl_nvfp4_gemm_wgmma_workspace_floats(int(m), int(n), int(k), int(grid), block_t);
@@ -603,6 +616,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
   m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty, stream-K min tiles per CTA); negative keeps a value",
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
+  m.def("set_wgmma_wide_min_m", &set_wgmma_wide_min_m,
+        "M from which the register-A wgmma kernel runs 256-token tiles (default 129); returns the previous value");
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");

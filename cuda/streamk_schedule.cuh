@@ -40,11 +40,14 @@ struct Schedule {
 // Equal contiguous ranges over at most `grid` CTAs, each at least min(stages per tile, min_units_per_cta) units long
 // (1: plain stream-K; more keeps a small GEMM from being cut into slivers whose pipeline fill and fix-up dominate).
 // No schedule (ctas = 0) for an empty or oversized problem (more than 2^30 units).
-inline Schedule make_schedule(int M, int N, int K, int grid, int block_m, int min_units_per_cta = 1) {
+// tile_rows: weight rows per output tile (kTileRows, or 128 for the wide-token wgmma kernel, whose tile is one
+// 128-row tile of the repacked layout x 256 tokens).
+inline Schedule make_schedule(int M, int N, int K, int grid, int block_m, int min_units_per_cta = 1,
+                              int tile_rows = kTileRows) {
   Schedule s;
   const long long stages = K / kStageK;
   const long long units =
-      (long long)((N + kTileRows - 1) / kTileRows) * ((M + block_m - 1) / block_m) * stages;
+      (long long)((N + tile_rows - 1) / tile_rows) * ((M + block_m - 1) / block_m) * stages;
   if (units <= 0 || grid <= 0 || units > (1LL << 30)) return s;
   s.units = int(units);
   const long long floor_units = stages < min_units_per_cta ? stages : min_units_per_cta;
@@ -55,18 +58,19 @@ inline Schedule make_schedule(int M, int N, int K, int grid, int block_m, int mi
   return s;
 }
 
-// Output tiles (kTileRows weight rows x block_m tokens): also the number of counters a launch uses.
-inline int output_tiles(int M, int N, int block_m) {
-  return ((N + kTileRows - 1) / kTileRows) * ((M + block_m - 1) / block_m);
+// Output tiles (tile_rows weight rows x block_m tokens): also the number of counters a launch uses.
+inline int output_tiles(int M, int N, int block_m, int tile_rows = kTileRows) {
+  return ((N + tile_rows - 1) / tile_rows) * ((M + block_m - 1) / block_m);
 }
 
 // Floats of partial-tile workspace one launch needs: 2 slots per CTA, 0 when every range starts and ends on a tile
 // boundary (all segments are whole tiles, nothing is written).
-inline size_t workspace_floats(int M, int N, int K, int grid, int block_m, int min_units_per_cta = 1) {
-  const Schedule s = make_schedule(M, N, K, grid, block_m, min_units_per_cta);
+inline size_t workspace_floats(int M, int N, int K, int grid, int block_m, int min_units_per_cta = 1,
+                               int tile_rows = kTileRows) {
+  const Schedule s = make_schedule(M, N, K, grid, block_m, min_units_per_cta, tile_rows);
   if (s.ctas <= 0) return 0;
   if (s.units_per_cta % (K / kStageK) == 0) return 0;
-  return size_t(2) * size_t(s.ctas) * size_t(block_m) * size_t(kTileRows);
+  return size_t(2) * size_t(s.ctas) * size_t(block_m) * size_t(tile_rows);
 }
 
 // The argument checks of every stream-K launcher (qerl_nvfp4.h's contract): shapes the kernels handle, counters,
@@ -95,11 +99,13 @@ constexpr bool kBuiltForSm90a = false;
 #endif
 
 // kKernel launched with kThreads threads and kSmemBytes of dynamic shared memory per CTA, one block size
-// (block_m tokens per tile), ranges of at least kMinUnitsPerCta units (see make_schedule).
-template <KernelFn kKernel, int kBlockM_, int kThreads, int kSmemBytes, Target kTarget, int kMinUnitsPerCta_ = 1>
+// (block_m tokens per tile, kTileRows_ weight rows), ranges of at least kMinUnitsPerCta units (see make_schedule).
+template <KernelFn kKernel, int kBlockM_, int kThreads, int kSmemBytes, Target kTarget, int kMinUnitsPerCta_ = 1,
+          int kTileRows_ = kTileRows>
 struct Launcher {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kMinUnitsPerCta = kMinUnitsPerCta_;
+  static constexpr int kRows = kTileRows_;
 
   // Raises the kernel's dynamic shared memory limit on the current device, once per device.
   // cudaErrorNotSupported where the kernel cannot run: not built for it, or the device grants too little shared
@@ -133,7 +139,7 @@ struct Launcher {
                             cudaStream_t stream) {
     cudaError_t e = prepare();
     if (e != cudaSuccess) return e;
-    const Schedule s = make_schedule(M, N, K, grid, kBlockM, kMinUnitsPerCta);
+    const Schedule s = make_schedule(M, N, K, grid, kBlockM, kMinUnitsPerCta, kRows);
     if (s.ctas <= 0) return cudaErrorInvalidValue;
     kKernel<<<s.ctas, kThreads, kSmemBytes, stream>>>(
         static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale),

@@ -308,6 +308,39 @@ def test_variant_applies_and_profile_modes(kb):
     assert kb.profile_modes(None, "auto") == [("auto", M["auto"])]  # the default: the op's own choice
 
 
+class FakeWgmmaExt:
+    """gemm_choice: the register-A wgmma kernel from M = 64 on; the tile knob records every value it is set to."""
+
+    def __init__(self):
+        self.wide_min_m = 129
+        self.knob_log = []
+
+    def gemm_choice(self, m, n, k, mode):  # noqa: ANN001, ANN201
+        return "wgmma_rs" if m >= 64 else "splitk"
+
+    def set_wgmma_wide_min_m(self, m):  # noqa: ANN001, ANN201
+        prev, self.wide_min_m = self.wide_min_m, m
+        self.knob_log.append(m)
+        return prev
+
+
+def test_tile_variant_times_narrow_tiles_and_restores(kb):
+    ext = FakeWgmmaExt()
+    assert kb.parse_variants("wgmma_rs,wgmma_rs_t128") == ["splitk", "wgmma_rs", "wgmma_rs_t128"]
+    # only where the op would run 256-token tiles (M >= 129) and the wgmma kernel runs at all
+    ms = (1, 64, 128, 129, 256, 1024, 4096)
+    assert [m for m in ms if kb.variant_applies(ext, "wgmma_rs_t128", m, 512, 256)] == [129, 256, 1024]
+    seen = []
+    run = kb.narrow_wgmma_tiles(ext, lambda r: seen.append((r, ext.wide_min_m)))
+    run(3)
+    assert seen == [(3, kb.NARROW_WIDE_MIN_M)] and ext.wide_min_m == 129  # narrow during the call, restored after
+    with pytest.raises(RuntimeError):
+        kb.narrow_wgmma_tiles(ext, lambda r: (_ for _ in ()).throw(RuntimeError("boom")))(0)
+    assert ext.wide_min_m == 129  # restored on error too
+    with pytest.raises(ValueError, match="timing-only"):
+        kb.profile_modes(["wgmma_rs_t128"], "splitk")
+
+
 def test_build_targets_only_for_the_issue_models(kb):
     rows = [{"model": name, "layer": "sum", "M": 64, "bf16_graph_ms": 0.3, "ours_graph_ms": 0.2}
             for name in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")]

@@ -7,6 +7,7 @@ block of the same size is what the op's output gets), so unwritten elements cann
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -222,9 +223,29 @@ WGMMA_SHAPES = [
 
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
+@contextlib.contextmanager
+def wgmma_wide_min_m(m: int):  # noqa: ANN201
+    """The register-A wgmma kernel's 256-token tiles start at M = ``m`` inside the block (restored after)."""
+    ext = kernels.extension()
+    prev = ext.set_wgmma_wide_min_m(m)
+    try:
+        yield
+    finally:
+        ext.set_wgmma_wide_min_m(prev)
+
+
+#: M values every wgmma test covers: both sides of the 64 / 128 / 256-token tile boundaries, tails, a large M
+WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 255, 256, 300, 1000, 4096)
+
+
+@pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128"])
+@pytest.mark.parametrize("n,k", WGMMA_SHAPES)
 def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
-    """The Hopper wgmma kernels (modes wgmma_rs, wgmma_ss) at M from 1 to 4096 (both token tiles, 64 and 128; tails
-    in M; whole and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    """The Hopper wgmma kernels (modes wgmma_rs, wgmma_ss) at M from 1 to 4096 (every token tile: 64, 128 and the
+    register-A kernel's 256 from M = 129, and ``wgmma_rs_t128``: that kernel held at 128-token tiles; tails in M;
+    whole and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    narrow = variant == "wgmma_rs_t128"
+    variant = "wgmma_rs" if narrow else variant
     _needs_wgmma(variant)
     mode = WGMMA_MODES[variant]
     packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
@@ -232,28 +253,41 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
     g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
     bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
     w = reference.dequantize_f64(packed, scale, gs)
-    for m in (1, 7, 63, 64, 65, 128, 129, 300, 1000, 4096):
-        if m * n > 4096 * 4608:
-            continue
-        x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
-        b = bias if m % 2 else None
-        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
-        outs = []
-        for _ in range(2):
-            poison((m, n), torch.bfloat16)
-            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode))
-        torch.cuda.synchronize()
-        assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
-        err = rel(outs[0], ref)
-        assert err <= TOL, f"M={m}: rel err {err:.3e}"
-        assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+    with wgmma_wide_min_m(1 << 40 if narrow else 129):
+        for m in WGMMA_MS:
+            if m * n > 4096 * 4608 or (narrow and m < 129):
+                continue
+            x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+            b = bias if m % 2 else None
+            ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+            outs = []
+            for _ in range(2):
+                poison((m, n), torch.bfloat16)
+                outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode))
+            torch.cuda.synchronize()
+            assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
+            err = rel(outs[0], ref)
+            assert err <= TOL, f"M={m}: rel err {err:.3e}"
+            assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
 
 
+def test_wgmma_wide_min_m_refuses_small_m() -> None:
+    """The tile knob refuses an M the 64-token tiles own, naming the knob; a good value is taken and returned."""
+    _needs_wgmma()
+    ext = kernels.extension()
+    with pytest.raises(RuntimeError, match="set_wgmma_wide_min_m: M must be >= 65"):
+        ext.set_wgmma_wide_min_m(64)
+    with wgmma_wide_min_m(200):
+        assert ext.set_wgmma_wide_min_m(200) == 200
+
+
+@pytest.mark.parametrize("m", [96, 300])
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
-def test_wgmma_graph_capture(variant: str) -> None:
-    """The wgmma kernels with stream-K partials (workspace, shared semaphores) capture and replay in a CUDA graph."""
+def test_wgmma_graph_capture(variant: str, m: int) -> None:
+    """The wgmma kernels with stream-K partials (workspace, shared semaphores) capture and replay in a CUDA graph
+    (M = 300: the register-A kernel's 256-token tiles)."""
     _needs_wgmma(variant)
-    m, n, k = 96, 3584, 3584
+    n, k = 3584, 3584
     packed, scale, gs = rand_nvfp4(n, k, seed=41)
     rw = kernels.repack(packed, scale)
     x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)

@@ -26,6 +26,7 @@ CU_SOURCES = (
     "nvfp4_gemm_streamk.cu",
     "nvfp4_gemm_wgmma.cu",
     "nvfp4_gemm_wgmma_ss.cu",
+    "nvfp4_gemm_wgmma_wide.cu",
     "nvfp4_dequant.cu",
 )
 #: The thin torch binding.

@@ -1,0 +1,295 @@
+// FP4 x BF16 GEMM on Hopper's warpgroup MMA for wide token tiles (M > 128): the register-A design of
+// cuda/nvfp4_gemm_wgmma.cu with 256 tokens per wgmma (m64n256k16) instead of 64 / 128. sm_90a only (the same
+// QERL_HAVE_SM90A rule); reached through qerl_nvfp4_gemm_wgmma_launch with block_t = 256.
+//
+// Why (benchmarks/NOTES.md, "v6.3 wide token tile"): the register-A kernel decodes every weight once per token tile,
+// and its warps run decode, wgmma issue and wgmma waits as one chain; at T = 128 a 128-K stage takes ~3,900 cycles
+// per SM for 2,048 cycles of tensor work. With T = 256 one decoded A fragment feeds a 256-token wgmma: the same
+// tensor work per stage needs half the decode, and each wgmma is long enough (256 tensor cycles) to cover the
+// decode of the next k64 half.
+//  * CTA tile: one 128-row tile of the repacked layout x 256 tokens, 2 warpgroups; warpgroup g owns rows 64 g ..
+//    64 g + 63 (warp w of it decodes n16 block 4 g + w) and issues one m64n256k16 wgmma per k16 step: 128 FP32
+//    accumulators per thread.
+//  * Ring of k64 half-stages (a 128-K stage of activations is 64 KB at 256 tokens; halves give a 6-deep ring in
+//    the 227 KB of shared memory): per slot 256 tokens x 64 K of activations (32 KB, wgmma's 128-byte-swizzled
+//    K-major layout, SBO = 1024 B), the 8 n16 blocks' weights of that k64 half (4 KB) and their scales (512 B).
+//    cp.async by all threads, prefetch distance SLOTS - 2; one CTA barrier per half-stage. The A registers of
+//    consecutive halves alternate, and `wgmma.wait_group 1` after each half's commit retires the half before it, so
+//    a half's wgmmas run while the next half is decoded and the slot refilled at half h was read at h - 2.
+//  * Persistent stream-K over (128-row x 256-token tile, 128-K stage) units, partials and the deterministic fix-up
+//    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+#include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace qerl {
+namespace {
+
+constexpr int WD_T = 256;                     // tokens per tile
+constexpr int WD_ROWS = QERL_GEMM_BN;         // weight rows per tile: one 128-row tile of the repacked layout
+constexpr int WD_THREADS = 256;               // 2 warpgroups
+constexpr int WD_HALF_K = 64;                 // K per ring slot
+constexpr int WD_X_BYTES = WD_T * WD_HALF_K * 2;               // 32 KB of activations per slot
+constexpr int WD_W_BYTES = (WD_ROWS / 16) * 512;               // 8 n16 blocks x 512 B = 4 KB
+constexpr int WD_S_BYTES = (WD_ROWS / 16) * 64;                // 512 B
+constexpr int WD_SLOT_BYTES = ((WD_X_BYTES + WD_W_BYTES + WD_S_BYTES + 1023) / 1024) * 1024;  // 37 KB
+constexpr int WD_SLOTS = 6;
+constexpr int WD_SMEM_BYTES = WD_SLOTS * WD_SLOT_BYTES + 1024;  // + the 1024-byte alignment of the ring
+static_assert(QERL_GEMM_BK == 2 * WD_HALF_K, "a stage is two k64 halves");
+static_assert(WD_SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
+static_assert(WD_W_BYTES / 16 == WD_THREADS, "weights: one 16-byte chunk per thread per half");
+static_assert(WD_X_BYTES / 16 == 8 * WD_THREADS, "activations: eight 16-byte chunks per thread per half");
+
+#ifdef QERL_WGMMA_DEVICE
+// D[64 x 256] += A[64 x 16] (registers, bf16) x B[16 x 256] (shared memory, bf16, K-major), FP32 accumulators.
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+#endif  // QERL_WGMMA_DEVICE
+
+__global__ void __launch_bounds__(WD_THREADS, 1)
+    nvfp4_gemm_wgmma_wide_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+                                 const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                 int units_per_cta) {
+#ifdef QERL_WGMMA_DEVICE
+  constexpr int PF = WD_SLOTS - 2;  // prefetch distance in half-stages
+  constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
+  constexpr int WD_NQ = WD_ACC / 4;  // float4 partials per thread
+  constexpr int WD_STAGE_W_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 32;  // uint4 per tile-stage: 512
+  constexpr int WD_STAGE_S_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 4;   // 64
+  constexpr int SLOT_FLOATS = WD_T * WD_ROWS;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int s_is_last;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wg = warp >> 2;  // warpgroup: rows 64 wg .. 64 wg + 63 of the tile
+  const int wl = warp & 3;   // warp in the warpgroup
+  const int nb = wg * 4 + wl;  // the n16 block this warp decodes
+
+  const int S = K / QERL_GEMM_BK;
+  const int n_tiles = (N + WD_ROWS - 1) / WD_ROWS;
+  const int m_tiles = (M + WD_T - 1) / WD_T;
+  const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
+  const int my_first_tile = range.first_tile();
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
+
+  // per-thread copy roles of a half-stage (fixed): weight chunk tid = n16 block tid / 32, lane tid % 32; scale
+  // chunk tid < 32 = block tid / 4, quarter tid % 4; activation chunks c = tid + 256 i = token row tid / 8 + 32 i,
+  // k chunk tid % 8, stored at row * 128 + ((k chunk ^ row % 8) * 16)
+  const int w_blk = tid >> 5;
+  const int s_blk = tid >> 2;
+  const bool s_copies = tid < WD_S_BYTES / 16;
+  const int x_row0 = tid >> 3;
+  const int x_kc = tid & 7;
+  const uint32_t x_dst0 = x_row0 * 128 + ((uint32_t(x_kc) ^ uint32_t(x_row0 & 7)) << 4);
+
+  for (int u = range.begin; u < range.end;) {
+    const streamk::Segment seg = range.segment_at(u);
+    const int tile = seg.tile;
+    const int kb = seg.kb;
+    const int halves = 2 * seg.count();
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * WD_T;
+
+    float acc[WD_ACC];
+#pragma unroll
+    for (int i = 0; i < WD_ACC; ++i) acc[i] = 0.0f;
+
+    const uint4* w_thr = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC + w_blk * 64 + (tid & 31);
+    const uint4* s_thr = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC + s_blk * 8 + (tid & 3);
+    const int x_rows_left = M - m0 - x_row0;
+    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * QERL_GEMM_BK + x_kc * 8;
+    const size_t x_row_step = size_t(32) * K;
+
+    // half h of the segment: stage h / 2, k64 half t = h % 2 (in the stage: n16 block b's half t is block 2 b + t)
+    auto load_half = [&](int slot, int h) {
+      const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
+      const int st = h >> 1, t = h & 1;
+      cp_async16_u32(base + WD_X_BYTES + tid * 16, w_thr + size_t(st) * WD_STAGE_W_VEC + t * 32, 16);
+      if (s_copies)
+        cp_async16_u32(base + WD_X_BYTES + WD_W_BYTES + tid * 16, s_thr + size_t(st) * WD_STAGE_S_VEC + t * 4, 16);
+      const __nv_bfloat16* xs = x_thr + size_t(st) * QERL_GEMM_BK + t * WD_HALF_K;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const bool valid = 32 * i < x_rows_left;
+        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
+        cp_async16_u32(base + x_dst0 + i * 32 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
+      }
+    };
+
+    // decode this warp's n16 block of the slot's k64 half into 4 A fragments (k16 steps j = 0..3), then 4 wgmmas
+    auto compute_half = [&](int slot, uint32_t (&a)[4][4]) {
+      const uint8_t* base = smem + slot * WD_SLOT_BYTES;
+      const uint4 wv = reinterpret_cast<const uint4*>(base + WD_X_BYTES)[nb * 32 + lane];
+      const uint2 sv = reinterpret_cast<const uint2*>(base + WD_X_BYTES + WD_W_BYTES)[nb * 8 + (lane >> 2)];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
+        decode_raw(word_of(wv, j), a[j]);
+        a[j][0] = bf16x2_mul_lo(a[j][0], s2);
+        a[j][1] = bf16x2_mul_hi(a[j][1], s2);
+        a[j][2] = bf16x2_mul_lo(a[j][2], s2);
+        a[j][3] = bf16x2_mul_hi(a[j][3], s2);
+      }
+      const uint64_t desc0 =
+          kWgmmaDescSwizzle128 | uint64_t(((smem_base + slot * WD_SLOT_BYTES) >> 4) & 0x3FFF);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc, a[j], desc0 + uint64_t((j * 32) >> 4));
+      wgmma_commit();
+      wgmma_wait<1>();
+    };
+
+    // ---- the segment's halves: two register sets for A, alternating (the wgmmas of half h read set h % 2 while
+    // half h + 1 is decoded into the other)
+#pragma unroll
+    for (int h = 0; h < PF; ++h) {
+      if (h < halves) load_half(h, h);
+      cp_async_commit();
+    }
+    uint32_t a0[4][4], a1[4][4];
+    for (int h = 0; h < halves; h += 2) {  // halves is even: whole stages
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int hh = h + e;
+        cp_async_wait<PF - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        const int nxt = hh + PF;
+        if (nxt < halves) load_half(nxt % WD_SLOTS, nxt);
+        cp_async_commit();
+        if (e == 0)
+          compute_half(hh % WD_SLOTS, a0);
+        else
+          compute_half(hh % WD_SLOTS, a1);
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[i]);
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the ring before the next segment refills it
+
+    // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
+    const int tok_lane = 2 * (lane & 3);
+    const int c_first = range.first_cta(tile);
+    const int c_last = range.last_cta(tile);
+    bool do_store = true;
+    if (c_first != c_last) {
+      do_store = streamk::fix_up_split_tile(
+          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
+          [&] {
+            float4* mine = streamk::partial_slot<SLOT_FLOATS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
+#pragma unroll
+            for (int q = 0; q < WD_NQ; ++q)
+              if (m0 + 8 * q + tok_lane < M)
+                mine[q * WD_THREADS + tid] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+          },
+          [&] {
+#pragma unroll
+            for (int i = 0; i < WD_ACC; ++i) acc[i] = 0.f;
+            streamk::for_each_partial<SLOT_FLOATS>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+              const float4* part = slot + tid;
+#pragma unroll
+              for (int q = 0; q < WD_NQ; ++q) {
+                const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WD_THREADS)
+                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[4 * q] += v.x;
+                acc[4 * q + 1] += v.y;
+                acc[4 * q + 2] += v.z;
+                acc[4 * q + 3] += v.w;
+              }
+            });
+          });
+    }
+
+    // ---- epilogue: acc[4 q + c] is weight row 64 wg + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
+    if (do_store) {
+      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int n = ntile * WD_ROWS + nb * 16 + (lane >> 2) + 8 * rh;
+        if (n >= N) continue;
+        const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+        for (int q = 0; q < WD_NQ; ++q)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int m = m0 + 8 * q + tok_lane + e;
+            if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[4 * q + 2 * rh + e] * alpha + bv);
+          }
+      }
+    }
+    __syncthreads();  // s_is_last is reused by the next segment
+    u = range.after(seg);
+  }
+#else
+  __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
+#endif
+}
+
+using WideLauncher = streamk::Launcher<nvfp4_gemm_wgmma_wide_kernel, WD_T, WD_THREADS, WD_SMEM_BYTES,
+                                       streamk::Target::kSm90aOnly, 1, WD_ROWS>;
+
+}  // namespace
+}  // namespace qerl
+
+// Internal entry points (qerl_nvfp4.h), reached through the qerl_nvfp4_gemm_wgmma_* functions with block_t = 256.
+extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
+                                                         const float* global_scale, const void* bias, void* out,
+                                                         float* workspace, int* counters, int M, int N, int K,
+                                                         int grid, cudaStream_t stream) {
+  const cudaError_t e = qerl::streamk::check_launch_args(
+      M, N, K, grid, counters, workspace,
+      qerl::streamk::workspace_floats(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS));
+  if (e != cudaSuccess) return e;
+  return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                    stream);
+}
+
+extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid) {
+  return qerl::streamk::workspace_floats(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N) {
+  return qerl::streamk::output_tiles(M, N, qerl::WD_T, qerl::WD_ROWS);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() { return qerl::WideLauncher::ctas_per_sm(); }
