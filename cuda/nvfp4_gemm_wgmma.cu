@@ -21,9 +21,8 @@
 //  * Ring: STAGES slots of (weights 16 KB, scales 2 KB, activations T x 256 B), cp.async by all threads,
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
 //    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
-//    wgmmas every warpgroup has waited for before the barrier of iteration i. A stage's copies are issued after
-//    its wgmmas, so their issue work overlaps the tensor core instead of delaying the wgmmas. The cp.async writes
-//    are made visible to the tensor core's async proxy by fence.proxy.async before that barrier.
+//    wgmmas every warpgroup has waited for before the barrier of iteration i. The cp.async writes are made
+//    visible to the tensor core's async proxy by fence.proxy.async before that barrier.
 //  * Persistent stream-K as cuda/nvfp4_gemm_streamk.cu: the (m tile, n tile, k stage) units are cut into equal
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
@@ -227,6 +226,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
           for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
         wgmma_commit();
       }
+      wgmma_wait<1>();
     };
 
     // ---- the segment's stages [kb, ke)
@@ -239,13 +239,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
       cp_async_wait<PF - 1>();
       fence_proxy_async();
       __syncthreads();
-      // decode and wgmma issue first, then the copies of stage it + PF (into the slot stage it - 2 used, retired by
-      // every warp before this barrier): the copies' issue work then overlaps this stage's wgmmas
-      if (active) compute_stage(it % STAGES);
       const int nxt = it + PF;
       if (nxt < count) load_stage(nxt % STAGES, nxt);
       cp_async_commit();
-      wgmma_wait<1>();  // the stage's first batch retired (the second may still run while the next is decoded)
+      if (active) compute_stage(it % STAGES);
     }
     wgmma_wait<0>();
 #pragma unroll

@@ -13,11 +13,9 @@
 //  * Ring of k64 half-stages (a 128-K stage of activations is 64 KB at 256 tokens; halves give a 6-deep ring in
 //    the 227 KB of shared memory): per slot 256 tokens x 64 K of activations (32 KB, wgmma's 128-byte-swizzled
 //    K-major layout, SBO = 1024 B), the 8 n16 blocks' weights of that k64 half (4 KB) and their scales (512 B).
-//    cp.async by all threads, prefetch distance SLOTS - 2; one CTA barrier per half-stage. Each half decodes and
-//    issues its wgmmas right after the barrier and only then issues the copies of a later half (the copies' address
-//    and issue work would otherwise sit between the barrier and the wgmmas). The A registers of consecutive halves
-//    alternate, and `wgmma.wait_group 1` after each half's copies retires the half before it, so a half's wgmmas
-//    run while the next half is decoded and the slot refilled at half h was read at h - 2.
+//    cp.async by all threads, prefetch distance SLOTS - 2; one CTA barrier per half-stage. The A registers of
+//    consecutive halves alternate, and `wgmma.wait_group 1` after each half's commit retires the half before it, so
+//    a half's wgmmas run while the next half is decoded and the slot refilled at half h was read at h - 2.
 //  * Persistent stream-K over (128-row x 256-token tile, 128-K stage) units, partials and the deterministic fix-up
 //    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
 #include "nvfp4_common.cuh"
@@ -176,6 +174,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #pragma unroll
       for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc, a[j], desc0 + uint64_t((j * 32) >> 4));
       wgmma_commit();
+      wgmma_wait<1>();
     };
 
     // ---- the segment's halves: two register sets for A, alternating (the wgmmas of half h read set h % 2 while
@@ -193,17 +192,13 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
         cp_async_wait<PF - 1>();
         fence_proxy_async();
         __syncthreads();
-        // decode and wgmma issue first, then the copies of half hh + PF (into the slot half hh - 2 used, whose
-        // wgmmas every warp retired before this barrier): the copies' ~60 instructions per warp run while this
-        // half's wgmmas do, instead of delaying their issue
+        const int nxt = hh + PF;
+        if (nxt < halves) load_half(nxt % WD_SLOTS, nxt);
+        cp_async_commit();
         if (e == 0)
           compute_half(hh % WD_SLOTS, a0);
         else
           compute_half(hh % WD_SLOTS, a1);
-        const int nxt = hh + PF;
-        if (nxt < halves) load_half(nxt % WD_SLOTS, nxt);
-        cp_async_commit();
-        wgmma_wait<1>();  // half hh - 1 retired: its A registers and ring slot are free
       }
     }
     wgmma_wait<0>();

@@ -17,7 +17,7 @@ export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 case "$VARIANT" in streamk) KREGEX='regex:nvfp4_gemm_streamk';; splitk) KREGEX='regex:nvfp4_gemm_splitk';;
-  wgmma_rs) KREGEX='regex:nvfp4_gemm_wgmma_kernel';; wgmma_ss) KREGEX='regex:nvfp4_gemm_wgmma_ss';;
+  wgmma_rs) KREGEX='regex:nvfp4_gemm_wgmma_(kernel|wide)';; wgmma_ss) KREGEX='regex:nvfp4_gemm_wgmma_ss';;
   *) echo "VARIANT must be splitk, streamk, wgmma_rs or wgmma_ss, got $VARIANT" >&2; exit 2;; esac
 tag="src-$VARIANT-m$M"
 # the second launch of the kernel (the first is the warm-up call of kernel.py --profile)
