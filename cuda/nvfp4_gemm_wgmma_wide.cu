@@ -18,6 +18,9 @@
 //    a half's wgmmas run while the next half is decoded and the slot refilled at half h was read at h - 2.
 //  * Persistent stream-K over (128-row x 256-token tile, 128-K stage) units, partials and the deterministic fix-up
 //    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
@@ -76,10 +79,35 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
         "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
+// The activations' copy: one TMA (tensor-map) load per half-stage by one thread, completing on an mbarrier with a
+// transaction count. It replaces eight cp.async per thread and their address arithmetic, which ncu showed as the
+// largest share of the issue slots of the half-stage loop (benchmarks/NOTES.md, v6.5).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_LOOP:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_LOOP;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// box {64 K, 256 tokens} of x at (k0, row0) -> shared memory (128-byte swizzle), rows past M zero-filled
+__device__ __forceinline__ void tma_load_x(uint32_t dst, const CUtensorMap* map, uint32_t bar, int k0, int row0) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(k0), "r"(row0)
+      : "memory");
+}
 #endif  // QERL_WGMMA_DEVICE
 
 __global__ void __launch_bounds__(WD_THREADS, 1)
-    nvfp4_gemm_wgmma_wide_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+    nvfp4_gemm_wgmma_wide_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
@@ -93,6 +121,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
   constexpr int SLOT_FLOATS = WD_T * WD_ROWS;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
+  __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // activations of a slot landed (TMA transaction count)
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -110,14 +139,21 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
 
   // per-thread copy roles of a half-stage (fixed): weight chunk tid = n16 block tid / 32, lane tid % 32; scale
-  // chunk tid < 32 = block tid / 4, quarter tid % 4; activation chunks c = tid + 256 i = token row tid / 8 + 32 i,
-  // k chunk tid % 8, stored at row * 128 + ((k chunk ^ row % 8) * 16)
+  // chunk tid < 32 = block tid / 4, quarter tid % 4; the activations: one TMA load by thread 0 (the tensor map's
+  // 128-byte swizzle stores token row r at r * 128 with 16-byte chunk q at (q ^ r % 8) * 16: wgmma's layout)
   const int w_blk = tid >> 5;
   const int s_blk = tid >> 2;
   const bool s_copies = tid < WD_S_BYTES / 16;
-  const int x_row0 = tid >> 3;
-  const int x_kc = tid & 7;
-  const uint32_t x_dst0 = x_row0 * 128 + ((uint32_t(x_kc) ^ uint32_t(x_row0 & 7)) << 4);
+  const uint32_t bar0 = smem_u32(&full_bar[0]);
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
+#pragma unroll
+    for (int i = 0; i < WD_SLOTS; ++i) mbar_init(bar0 + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  int g0 = 0;  // halves this CTA ran before the current segment: slot of half h = (g0 + h) % SLOTS, and its
+               // barrier's phase parity = ((g0 + h) / SLOTS) % 2
 
   for (int u = range.begin; u < range.end;) {
     const streamk::Segment seg = range.segment_at(u);
@@ -134,24 +170,18 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 
     const uint4* w_thr = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC + w_blk * 64 + (tid & 31);
     const uint4* s_thr = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC + s_blk * 8 + (tid & 3);
-    const int x_rows_left = M - m0 - x_row0;
-    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * QERL_GEMM_BK + x_kc * 8;
-    const size_t x_row_step = size_t(32) * K;
-
     // half h of the segment: stage h / 2, k64 half t = h % 2 (in the stage: n16 block b's half t is block 2 b + t)
     auto load_half = [&](int slot, int h) {
       const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
       const int st = h >> 1, t = h & 1;
+      if (tid == 0) {
+        const uint32_t bar = bar0 + 8 * slot;
+        mbar_expect_tx(bar, WD_X_BYTES);
+        tma_load_x(base, &x_map, bar, (kb + st) * QERL_GEMM_BK + t * WD_HALF_K, m0);
+      }
       cp_async16_u32(base + WD_X_BYTES + tid * 16, w_thr + size_t(st) * WD_STAGE_W_VEC + t * 32, 16);
       if (s_copies)
         cp_async16_u32(base + WD_X_BYTES + WD_W_BYTES + tid * 16, s_thr + size_t(st) * WD_STAGE_S_VEC + t * 4, 16);
-      const __nv_bfloat16* xs = x_thr + size_t(st) * QERL_GEMM_BK + t * WD_HALF_K;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const bool valid = 32 * i < x_rows_left;
-        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
-        cp_async16_u32(base + x_dst0 + i * 32 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
-      }
     };
 
     // decode this warp's n16 block of the slot's k64 half into 4 A fragments (k16 steps j = 0..3), then 4 wgmmas
@@ -181,7 +211,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
     // half h + 1 is decoded into the other)
 #pragma unroll
     for (int h = 0; h < PF; ++h) {
-      if (h < halves) load_half(h, h);
+      if (h < halves) load_half((g0 + h) % WD_SLOTS, h);
       cp_async_commit();
     }
     uint32_t a0[4][4], a1[4][4];
@@ -189,18 +219,20 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int hh = h + e;
-        cp_async_wait<PF - 1>();
-        fence_proxy_async();
-        __syncthreads();
+        const int slot = (g0 + hh) % WD_SLOTS;
+        cp_async_wait<PF - 1>();  // this thread's weight / scale copies of half hh
+        __syncthreads();          // everyone's; and every warp has retired half hh - 2, whose slot is refilled next
         const int nxt = hh + PF;
-        if (nxt < halves) load_half(nxt % WD_SLOTS, nxt);
+        if (nxt < halves) load_half((g0 + nxt) % WD_SLOTS, nxt);
         cp_async_commit();
+        mbar_wait(bar0 + 8 * slot, ((g0 + hh) / WD_SLOTS) & 1);  // the activations of half hh
         if (e == 0)
-          compute_half(hh % WD_SLOTS, a0);
+          compute_half(slot, a0);
         else
-          compute_half(hh % WD_SLOTS, a1);
+          compute_half(slot, a1);
       }
     }
+    g0 += halves;
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[i]);
@@ -265,8 +297,54 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #endif
 }
 
-using WideLauncher = streamk::Launcher<nvfp4_gemm_wgmma_wide_kernel, WD_T, WD_THREADS, WD_SMEM_BYTES,
-                                       streamk::Target::kSm90aOnly, 1, WD_ROWS>;
+// The driver's tensor-map encoder, fetched once through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// x [M, K] bf16 (row stride K, 16-byte aligned) as a tensor map of {64 K x 256 tokens} boxes, 128-byte swizzle.
+cudaError_t encode_x_map(CUtensorMap* map, const void* x, int M, int K) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return cudaErrorInvalidValue;
+  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
+  const cuuint64_t strides[1] = {cuuint64_t(K) * 2};
+  const cuuint32_t box[2] = {WD_HALF_K, WD_T};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Shared-memory opt-in and availability, once per device (the Launcher of cuda/streamk_schedule.cuh does the same
+// for the kernels without a tensor-map argument).
+cudaError_t prepare_wide() {
+  if (!streamk::kBuiltForSm90a) return cudaErrorNotSupported;
+  static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= 0 && dev < 64 && done[dev]) return cudaSuccess;
+  int major = 0, minor = 0, optin = 0;
+  if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
+  if (major != 9 || minor != 0) return cudaErrorNotSupported;
+  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
+  if (optin < WD_SMEM_BYTES || tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
+  e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WD_SMEM_BYTES);
+  if (e != cudaSuccess) return e;
+  if (dev >= 0 && dev < 64) done[dev] = true;
+  return cudaSuccess;
+}
 
 }  // namespace
 }  // namespace qerl
@@ -280,8 +358,16 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const vo
       M, N, K, grid, counters, workspace,
       qerl::streamk::workspace_floats(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS));
   if (e != cudaSuccess) return e;
-  return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                    stream);
+  if (cudaError_t p = qerl::prepare_wide(); p != cudaSuccess) return p;
+  const qerl::streamk::Schedule s = qerl::streamk::make_schedule(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS);
+  if (s.ctas <= 0) return cudaErrorInvalidValue;
+  CUtensorMap x_map;
+  if (cudaError_t m = qerl::encode_x_map(&x_map, x, M, K); m != cudaSuccess) return m;
+  qerl::nvfp4_gemm_wgmma_wide_kernel<<<s.ctas, qerl::WD_THREADS, qerl::WD_SMEM_BYTES, stream>>>(
+      x_map, static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), global_scale,
+      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), workspace, counters, M, N, K,
+      s.units_per_cta);
+  return cudaGetLastError();
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid) {
@@ -292,4 +378,11 @@ extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N) {
   return qerl::streamk::output_tiles(M, N, qerl::WD_T, qerl::WD_ROWS);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() { return qerl::WideLauncher::ctas_per_sm(); }
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() {
+  if (qerl::prepare_wide() != cudaSuccess) return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qerl::nvfp4_gemm_wgmma_wide_kernel, qerl::WD_THREADS,
+                                                    qerl::WD_SMEM_BYTES) != cudaSuccess)
+    return 0;
+  return n;
+}
