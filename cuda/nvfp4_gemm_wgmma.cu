@@ -30,6 +30,7 @@
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
+#include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace qerl {
@@ -105,7 +106,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[
 
 template <int T>
 __global__ void __launch_bounds__(WG_THREADS, 1)
-    nvfp4_gemm_wgmma_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
+    nvfp4_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                             const uint4* __restrict__ qs, const float* __restrict__ gscale,
                             const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                             float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
@@ -119,6 +120,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int SLOT_FLOATS = T * streamk::kTileRows;  // one partial slot: T tokens x 256 weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
+  __shared__ __align__(8) uint64_t full_bar[STAGES];  // activations of a slot landed (TMA transaction count)
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -139,9 +141,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
-  constexpr int XPER = T * (WG_BK / 8) / WG_THREADS;  // activation chunks per thread per stage
   static_assert(TILE_W_VEC == 2 * WG_THREADS, "weights: thread t copies chunks t, t + 256 of each tile");
   static_assert(2 * TILE_S_VEC <= WG_THREADS, "scales: one chunk per thread at most");
+
+  const uint32_t bar0 = smem_u32(&full_bar[0]);
+  tma::init_slots(bar0, STAGES, &x_map);
+  int g0 = 0;  // stages this CTA ran before the current segment: slot of stage it = (g0 + it) % STAGES, and its
+               // barrier's phase parity = ((g0 + it) / STAGES) % 2
 
   for (int u = range.begin; u < range.end;) {
     const streamk::Segment seg = range.segment_at(u);
@@ -166,17 +172,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     const int s_h = tid / TILE_S_VEC;
     const bool s_copies = tid < 2 * TILE_S_VEC && (s_h == 0 || has_hi);
     const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
-    // activation chunk c = tid + 256 i: token row c / 16 = x_row0 + 16 i, k chunk c % 16 (a warp reads two
-    // rows of 256 contiguous bytes). In shared memory: k64 half kc / 8 at hh * T * 128, row r at r * 128, its
-    // 16-byte chunk kc % 8 at ((kc % 8) ^ (r % 8)) * 16 (wgmma's 128-byte swizzle, K-major)
-    const int x_row0 = tid >> 4;
-    const int x_kc = tid & 15;
-    const uint32_t x_dst0 =
-        X_OFF + (x_kc >> 3) * (T * 128) + x_row0 * 128 + ((uint32_t(x_kc & 7) ^ uint32_t(x_row0 & 7)) << 4);
-    const int x_rows_left = M - m0 - x_row0;
-    const __nv_bfloat16* x_thr = x + size_t(m0 + x_row0) * K + size_t(kb) * WG_BK + x_kc * 8;
-    const size_t x_row_step = size_t(16) * K;
-
     auto load_stage = [&](int buf, int s_rel) {
       const uint32_t base = smem_base + buf * C::STAGE_BYTES;
       const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
@@ -187,12 +182,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
         cp_async16_u32(base + TILE_W_BYTES + (tid + WG_THREADS) * 16, w + tile_stride + WG_THREADS, 16);
       }
       if (s_copies) cp_async16_u32(base + 2 * TILE_W_BYTES + tid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
-      const __nv_bfloat16* xs = x_thr + size_t(s_rel) * WG_BK;
-#pragma unroll
-      for (int i = 0; i < XPER; ++i) {
-        const bool valid = 16 * i < x_rows_left;
-        // a missing token row is zero-filled (src-size 0: nothing is read; x itself stands in as the address)
-        cp_async16_u32(base + x_dst0 + i * 16 * 128, valid ? xs + i * x_row_step : x, valid ? 16 : 0);
+      // the activations: two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
+      // r * 128 with the 128-byte swizzle), rows past M zero-filled by the copy engine
+      if (tid == 0) {
+        const uint32_t bar = bar0 + 8 * buf;
+        tma::mbar_expect_tx(bar, T * WG_BK * 2);
+        const int k0 = (kb + s_rel) * WG_BK;
+        tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
+        tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
       }
     };
 
@@ -232,18 +229,20 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     // ---- the segment's stages [kb, ke)
 #pragma unroll
     for (int s = 0; s < PF; ++s) {
-      if (s < count) load_stage(s, s);
+      if (s < count) load_stage((g0 + s) % STAGES, s);
       cp_async_commit();
     }
     for (int it = 0; it < count; ++it) {
-      cp_async_wait<PF - 1>();
-      fence_proxy_async();
-      __syncthreads();
+      const int slot = (g0 + it) % STAGES;
+      cp_async_wait<PF - 1>();  // this thread's weight / scale copies of stage it
+      __syncthreads();          // everyone's; and every warp has retired stage it - 2, whose slot is refilled next
       const int nxt = it + PF;
-      if (nxt < count) load_stage(nxt % STAGES, nxt);
+      if (nxt < count) load_stage((g0 + nxt) % STAGES, nxt);
       cp_async_commit();
-      if (active) compute_stage(it % STAGES);
+      tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // the activations of stage it
+      if (active) compute_stage(slot);
     }
+    g0 += count;
     wgmma_wait<0>();
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -325,8 +324,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 }
 
 template <int T>
-using WgLauncher = streamk::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WG_THREADS, WgCfg<T>::SMEM_BYTES,
-                                     streamk::Target::kSm90aOnly>;
+using WgLauncher = tma::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WG_THREADS, WgCfg<T>::SMEM_BYTES, streamk::kTileRows>;
 using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
 
 }  // namespace

@@ -18,12 +18,10 @@
 //    a half's wgmmas run while the next half is decoded and the slot refilled at half h was read at h - 2.
 //  * Persistent stream-K over (128-row x 256-token tile, 128-K stage) units, partials and the deterministic fix-up
 //    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
+#include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace qerl {
@@ -79,31 +77,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
         "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-// The activations' copy: one TMA (tensor-map) load per half-stage by one thread, completing on an mbarrier with a
-// transaction count. It replaces eight cp.async per thread and their address arithmetic, which ncu showed as the
-// largest share of the issue slots of the half-stage loop (benchmarks/NOTES.md, v6.5).
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_LOOP:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_LOOP;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// box {64 K, 256 tokens} of x at (k0, row0) -> shared memory (128-byte swizzle), rows past M zero-filled
-__device__ __forceinline__ void tma_load_x(uint32_t dst, const CUtensorMap* map, uint32_t bar, int k0, int row0) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(k0), "r"(row0)
-      : "memory");
-}
 #endif  // QERL_WGMMA_DEVICE
 
 __global__ void __launch_bounds__(WD_THREADS, 1)
@@ -145,13 +118,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
   const int s_blk = tid >> 2;
   const bool s_copies = tid < WD_S_BYTES / 16;
   const uint32_t bar0 = smem_u32(&full_bar[0]);
-  if (tid == 0) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
-#pragma unroll
-    for (int i = 0; i < WD_SLOTS; ++i) mbar_init(bar0 + 8 * i, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  tma::init_slots(bar0, WD_SLOTS, &x_map);
   int g0 = 0;  // halves this CTA ran before the current segment: slot of half h = (g0 + h) % SLOTS, and its
                // barrier's phase parity = ((g0 + h) / SLOTS) % 2
 
@@ -176,8 +143,8 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
       const int st = h >> 1, t = h & 1;
       if (tid == 0) {
         const uint32_t bar = bar0 + 8 * slot;
-        mbar_expect_tx(bar, WD_X_BYTES);
-        tma_load_x(base, &x_map, bar, (kb + st) * QERL_GEMM_BK + t * WD_HALF_K, m0);
+        tma::mbar_expect_tx(bar, WD_X_BYTES);
+        tma::load_2d(base, &x_map, bar, (kb + st) * QERL_GEMM_BK + t * WD_HALF_K, m0);
       }
       cp_async16_u32(base + WD_X_BYTES + tid * 16, w_thr + size_t(st) * WD_STAGE_W_VEC + t * 32, 16);
       if (s_copies)
@@ -225,7 +192,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
         const int nxt = hh + PF;
         if (nxt < halves) load_half((g0 + nxt) % WD_SLOTS, nxt);
         cp_async_commit();
-        mbar_wait(bar0 + 8 * slot, ((g0 + hh) / WD_SLOTS) & 1);  // the activations of half hh
+        tma::mbar_wait(bar0 + 8 * slot, ((g0 + hh) / WD_SLOTS) & 1);  // the activations of half hh
         if (e == 0)
           compute_half(slot, a0);
         else
@@ -297,54 +264,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #endif
 }
 
-// The driver's tensor-map encoder, fetched once through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess)
-      p = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
-// x [M, K] bf16 (row stride K, 16-byte aligned) as a tensor map of {64 K x 256 tokens} boxes, 128-byte swizzle.
-cudaError_t encode_x_map(CUtensorMap* map, const void* x, int M, int K) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  if (reinterpret_cast<uintptr_t>(x) % 16 != 0) return cudaErrorInvalidValue;
-  const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
-  const cuuint64_t strides[1] = {cuuint64_t(K) * 2};
-  const cuuint32_t box[2] = {WD_HALF_K, WD_T};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box,
-                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-// Shared-memory opt-in and availability, once per device (the Launcher of cuda/streamk_schedule.cuh does the same
-// for the kernels without a tensor-map argument).
-cudaError_t prepare_wide() {
-  if (!streamk::kBuiltForSm90a) return cudaErrorNotSupported;
-  static bool done[64] = {};  // per device; benign race: the attribute calls are idempotent
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev >= 0 && dev < 64 && done[dev]) return cudaSuccess;
-  int major = 0, minor = 0, optin = 0;
-  if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev)) != cudaSuccess) return e;
-  if ((e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev)) != cudaSuccess) return e;
-  if (major != 9 || minor != 0) return cudaErrorNotSupported;
-  if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess) return e;
-  if (optin < WD_SMEM_BYTES || tensor_map_encoder() == nullptr) return cudaErrorNotSupported;
-  e = cudaFuncSetAttribute(nvfp4_gemm_wgmma_wide_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, WD_SMEM_BYTES);
-  if (e != cudaSuccess) return e;
-  if (dev >= 0 && dev < 64) done[dev] = true;
-  return cudaSuccess;
-}
+using WideLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 
 }  // namespace
 }  // namespace qerl
@@ -354,35 +274,14 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const vo
                                                          const float* global_scale, const void* bias, void* out,
                                                          float* workspace, int* counters, int M, int N, int K,
                                                          int grid, cudaStream_t stream) {
-  const cudaError_t e = qerl::streamk::check_launch_args(
-      M, N, K, grid, counters, workspace,
-      qerl::streamk::workspace_floats(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS));
-  if (e != cudaSuccess) return e;
-  if (cudaError_t p = qerl::prepare_wide(); p != cudaSuccess) return p;
-  const qerl::streamk::Schedule s = qerl::streamk::make_schedule(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS);
-  if (s.ctas <= 0) return cudaErrorInvalidValue;
-  CUtensorMap x_map;
-  if (cudaError_t m = qerl::encode_x_map(&x_map, x, M, K); m != cudaSuccess) return m;
-  qerl::nvfp4_gemm_wgmma_wide_kernel<<<s.ctas, qerl::WD_THREADS, qerl::WD_SMEM_BYTES, stream>>>(
-      x_map, static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), global_scale,
-      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), workspace, counters, M, N, K,
-      s.units_per_cta);
-  return cudaGetLastError();
+  return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                    stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid) {
-  return qerl::streamk::workspace_floats(M, N, K, grid, qerl::WD_T, 1, qerl::WD_ROWS);
+  return qerl::WideLauncher::workspace_floats(M, N, K, grid);
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N) {
-  return qerl::streamk::output_tiles(M, N, qerl::WD_T, qerl::WD_ROWS);
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N) { return qerl::WideLauncher::tiles(M, N); }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() {
-  if (qerl::prepare_wide() != cudaSuccess) return 0;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, qerl::nvfp4_gemm_wgmma_wide_kernel, qerl::WD_THREADS,
-                                                    qerl::WD_SMEM_BYTES) != cudaSuccess)
-    return 0;
-  return n;
-}
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() { return qerl::WideLauncher::ctas_per_sm(); }
