@@ -15,7 +15,9 @@ LoRA variant are both present the issue-19 targets (decode-step ratio without / 
 Variants: ``none`` (``enable_lora`` off), ``vllm`` (adapter on, ``QERL_LORA_FAST_PATH=off``), ``fast`` (adapter
 on, ``QERL_LORA_FAST_PATH=auto``, the shrink as ``qerl::lora_shrink`` decides: Triton up to its token threshold),
 ``fast_cublas`` (the fast path with the shrink forced to cuBLAS, ``QERL_LORA_SHRINK=cublas``: the fast path as it
-was before the Triton shrink); the adapter is rank 32 on q/k/v/o/gate/up/down, as in rollout.py. Every row
+was before the Triton shrink), ``fast_separate`` (the fast path with the expand as its own kernel after the GEMM,
+``QERL_LORA_FUSED_EXPAND=off``: the fast path as it was before ``qerl::nvfp4_gemm_lora``); the adapter is rank 32
+on q/k/v/o/gate/up/down, as in rollout.py. Every row
 records ``lora_fast_path_layers`` (0 on vLLM's path; 112 at 7B on the fast path) and, on the fast path,
 ``lora_shrink``: the ``QERL_LORA_SHRINK`` mode, the implementation the op picks at the row's decode token count
 (``triton`` / ``cublas``; ``torch`` on a CPU engine), the threshold, and on eager rows the ``_lora_shrink_kernel``
@@ -41,8 +43,10 @@ sys.path.insert(0, str(HERE.parents[1]))
 import rollout  # noqa: E402  (the checkpoint and adapter writers, device and version helpers)
 from results_format import target_status  # noqa: E402
 
-# variant -> (QERL_LORA_FAST_PATH, QERL_LORA_SHRINK); None: the variable unset
-VARIANTS = {"none": (None, None), "vllm": ("off", None), "fast": ("auto", "auto"), "fast_cublas": ("auto", "cublas")}
+# variant -> (QERL_LORA_FAST_PATH, QERL_LORA_SHRINK, QERL_LORA_FUSED_EXPAND); None: the variable unset
+VARIANT_ENV = ("QERL_LORA_FAST_PATH", "QERL_LORA_SHRINK", "QERL_LORA_FUSED_EXPAND")
+VARIANTS = {"none": (None, None, None), "vllm": ("off", None, None), "fast": ("auto", "auto", "auto"),
+            "fast_cublas": ("auto", "cublas", "auto"), "fast_separate": ("auto", "auto", "off")}
 KEEP_TARGET = 0.90
 
 
@@ -207,8 +211,8 @@ def run(args) -> dict:
                         ops = llm.collective_rpc("qerl_lora_layer_ops", args=(b,))[0]
                         layer_ops[f"{args.variant}/B={b}"] = ops
                         one = next(iter(ops.values()))
-                        print(f"    per LoRA layer ({len(ops)} layers), e.g. {next(iter(ops))}: ops {one['lora_ops']}"
-                              f", kernels {one['lora_kernels']}", flush=True)
+                        print(f"    per LoRA layer ({len(ops)} layers), e.g. {next(iter(ops))}: ops {one['ops']}"
+                              f", kernels {one['kernels']} (beyond the base GEMM: {one['lora_ops']})", flush=True)
         finally:
             rollout._shutdown(llm)
     return {"rows": rows, "kernel_tables": tables, "lora_layer_ops": layer_ops, "llm_kwargs": kw}
@@ -218,7 +222,7 @@ def targets(rows: list[dict]) -> list[dict]:
     """Decode-step ratio without / with LoRA (= tok/s with / without) per batch, for each LoRA variant."""
     graph = {(r["variant"], r["batch"]): r["decode_ms_per_step"] for r in rows if r["part"] == "graphs"}
     out = []
-    for variant in ("fast", "fast_cublas", "vllm"):
+    for variant in ("fast", "fast_separate", "fast_cublas", "vllm"):
         for (v, b), ms in sorted(graph.items()):
             if v != variant:
                 continue
@@ -230,7 +234,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for name, value in zip(("QERL_LORA_FAST_PATH", "QERL_LORA_SHRINK"), VARIANTS[args.variant]):
+    for name, value in zip(VARIANT_ENV, VARIANTS[args.variant]):
         if value is None:
             os.environ.pop(name, None)
         else:

@@ -18,6 +18,9 @@
 //  * Split-K over CTAs when the tiles alone cannot fill the GPU: each split writes an FP32
 //    partial, the last CTA of a tile (atomic counter) sums the partials in split order
 //    (deterministic), writes bf16 and re-zeroes its counter, so one launch, no memset.
+//  * Optional LoRA expand in the epilogue (template flag LORA, cuda/lora_epilogue.cuh): the tile's LoRA term is added
+//    in FP32 before the bf16 rounding. LORA = false is the kernel without it, instruction for instruction.
+#include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
@@ -42,15 +45,22 @@ struct Cfg {
   static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
   static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+  // After the ring drains: the k-half reduction buffer (sum_k_halves), then (LORA kernels) the LoRA tile and the
+  // tile's rows of `shrunk`, as many ranks per row as the rest of the ring holds.
+  static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;
+  static constexpr int LT_OFFSET = RED_BYTES;
+  static constexpr int S_OFFSET = LT_OFFSET + lora_tile_bytes<BM, BN>();
+  static constexpr int MAX_LORA_RANKS = (SMEM_BYTES - S_OFFSET) / (BM * 2) / 8 * 8;
+  static_assert(MAX_LORA_RANKS >= 96, "the drained ring must hold the LoRA tile and shrunk rows of rank 32 x 3");
 };
 
-template <int BM>
+template <int BM, bool LORA>
 __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     nvfp4_gemm_splitk_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
                       const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                       float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                      int splits) {
+                      int splits, const QerlLoraEpilogue lora) {
   using C = Cfg<BM>;
   constexpr int MT = C::MT;
   constexpr int STAGES = C::STAGES;
@@ -73,6 +83,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   const int s_count = q + (split < rem ? 1 : 0);
   const int nb0 = ntile * (BN / 16);
   const int m0 = mtile * BM;
+  if constexpr (LORA) {
+    if (split == 0) lora_prefetch_b<BN, THREADS>(lora, nb0 * 16, N, tid);
+  }
 
   float acc[2][MT][4];
 #pragma unroll
@@ -212,19 +225,34 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     if (tid == 0) counters[tile_id] = 0;  // every split has arrived: ready for the next launch
   }
 
+  // The LoRA tile is built by the kh = 1 warps, idle from here on (with several splits they pass the partial sum
+  // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
+  // reduction buffer.
+  if constexpr (LORA) {
+    if (kh == 1)
+      lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET),
+                        reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET), lora, nb0 * 16, m0, M, N, rt);
+    __syncthreads();
+  }
   if (kh != 0) return;
-  // ---- epilogue: scale by 128 / global_scale, add bias, store bf16
-  store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+  // ---- epilogue: scale by 128 / global_scale, add bias (and the LoRA tile), store bf16
+  if constexpr (LORA) {
+    store_bf16_lora<2, C::MT, BN>(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)),
+                                  reinterpret_cast<const float*>(smem + C::LT_OFFSET), nb0 + wn * 2, nb0 * 16, m0,
+                                  lane, M, N);
+  } else {
+    store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+  }
 }
 
-template <int BM>
+template <int BM, bool LORA = false>
 cudaError_t prepare() {
-  static bool done[64] = {};  // per device; benign race: the attribute call is idempotent
+  static bool done[64] = {};  // per device and kernel; benign race: the attribute call is idempotent
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64 || !done[dev]) {
-    e = cudaFuncSetAttribute(nvfp4_gemm_splitk_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(nvfp4_gemm_splitk_kernel<BM, LORA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              Cfg<BM>::SMEM_BYTES);
     if (e != cudaSuccess) return e;
     if (dev >= 0 && dev < 64) done[dev] = true;
@@ -232,27 +260,75 @@ cudaError_t prepare() {
   return cudaSuccess;
 }
 
-template <int BM>
-cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
-                   const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
-                   cudaStream_t stream) {
-  cudaError_t e = prepare<BM>();
+template <int BM, bool LORA>
+cudaError_t launch_as(const void* x, const void* qweight, const void* qscale, const float* gscale,
+                      const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
+                      const QerlLoraEpilogue& lora, cudaStream_t stream) {
+  cudaError_t e = prepare<BM, LORA>();
   if (e != cudaSuccess) return e;
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
   dim3 grid(n_tiles, splits, m_tiles);
-  nvfp4_gemm_splitk_kernel<BM><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
+  nvfp4_gemm_splitk_kernel<BM, LORA><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
       static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight),
       static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
-      static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K, splits);
+      static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K, splits, lora);
   return cudaGetLastError();
+}
+
+template <int BM>
+cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
+                   const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
+                   const QerlLoraEpilogue* lora, cudaStream_t stream) {
+  if (lora == nullptr)
+    return launch_as<BM, false>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
+                                QerlLoraEpilogue{}, stream);
+  return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, stream);
+}
+
+// Most shrunk columns (n_slices x rank) the LoRA epilogue of the BM kernel stages in its drained ring (0: no kernel).
+int lora_max_ranks(int block_m) {
+  switch (block_m) {
+    case 8:
+      return Cfg<8>::MAX_LORA_RANKS;
+    case 16:
+      return Cfg<16>::MAX_LORA_RANKS;
+    case 32:
+      return Cfg<32>::MAX_LORA_RANKS;
+    case 64:
+      return Cfg<64>::MAX_LORA_RANKS;
+    default:
+      return 0;
+  }
+}
+
+// A LoRA epilogue the kernel can run for an [M, N] output: operands present and 16-byte aligned rows, rank a
+// positive multiple of 8, 1..3 increasing slices ending at N. On success `norm` is a copy with the unused
+// slice_end entries set to N (the kernel's slice lookup reads the first two).
+bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
+  auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;
+  if (p.rank <= 0 || p.rank % 8 != 0 || p.n_slices < 1 || p.n_slices > 3 || p.n_slices * p.rank > max_ranks)
+    return false;
+  if (p.ld_shrunk % 8 != 0 || p.ld_b % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank || p.ld_b < p.n_slices * p.rank)
+    return false;
+  int prev = 0;
+  for (int i = 0; i < p.n_slices; ++i) {
+    if (p.slice_end[i] <= prev) return false;
+    prev = p.slice_end[i];
+  }
+  if (prev != N) return false;
+  *norm = p;
+  for (int i = p.n_slices; i < 3; ++i) norm->slice_end[i] = N;
+  return true;
 }
 
 template <int BM>
 int ctas_per_sm() {
   if (prepare<BM>() != cudaSuccess) return 0;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_splitk_kernel<BM>, THREADS, Cfg<BM>::SMEM_BYTES) !=
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_splitk_kernel<BM, false>, THREADS,
+                                                    Cfg<BM>::SMEM_BYTES) !=
       cudaSuccess)
     return 0;
   return n;
@@ -261,30 +337,46 @@ int ctas_per_sm() {
 }  // namespace
 }  // namespace qerl
 
-extern "C" cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight, const void* qscale,
-                                              const float* global_scale, const void* bias, void* out,
-                                              float* workspace, int* counters, int M, int N, int K,
-                                              int splits, int block_m, cudaStream_t stream) {
+extern "C" int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora) {
+  QerlLoraEpilogue norm{};
+  return lora != nullptr && N > 0 && qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm) ? 1 : 0;
+}
+
+extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                                   const float* global_scale, const void* bias, void* out,
+                                                   float* workspace, int* counters, int M, int N, int K, int splits,
+                                                   int block_m, const QerlLoraEpilogue* lora, cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || splits < 1 ||
       splits > K / QERL_GEMM_BK)
     return cudaErrorInvalidValue;
   if (splits > 1 && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
+  QerlLoraEpilogue norm{};
+  if (lora != nullptr && !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)) return cudaErrorInvalidValue;
+  const QerlLoraEpilogue* ep = lora != nullptr ? &norm : nullptr;
   switch (block_m) {
     case 8:
-      return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+      return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
                              stream);
     case 16:
-      return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+      return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
                               stream);
     case 32:
-      return qerl::launch<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+      return qerl::launch<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
                               stream);
     case 64:
-      return qerl::launch<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits,
+      return qerl::launch<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
                               stream);
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+extern "C" cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight, const void* qscale,
+                                              const float* global_scale, const void* bias, void* out,
+                                              float* workspace, int* counters, int M, int N, int K,
+                                              int splits, int block_m, cudaStream_t stream) {
+  return qerl_nvfp4_gemm_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
+                                     splits, block_m, nullptr, stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m) {

@@ -35,6 +35,36 @@ cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight, const voi
 // Floats of split-K workspace for one launch.
 size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m);
 
+// A LoRA expand for the split-K GEMM's epilogue (cuda/lora_epilogue.cuh): with it the launch below writes
+//   out[m, n] = bf16(gemm[m, n] + bias[n] + mask[m] * sum_j shrunk[m, s(n) * rank + j] * lora_b[n, s(n) * rank + j])
+// in FP32 before the one rounding, s(n) the slice of column n (at most 3 slices: a fused qkv layer). lora_b is the
+// slices' B on a block diagonal (row n holds its slice's rank values at columns s(n) * rank ..); only those blocks
+// are read. All bf16, rows 16-byte aligned (rank and the leading dimensions multiples of 8).
+typedef struct {
+  const void* shrunk;  // bf16 [M, ld_shrunk]: x @ A_cat^T, slice s at columns s * rank .. + rank
+  const void* lora_b;  // bf16 [N, ld_b]
+  const void* mask;    // bf16, element m at mask[m * mask_stride]: 1 for tokens with the adapter, 0 without
+  int ld_shrunk;
+  int ld_b;
+  int mask_stride;
+  int rank;            // per slice, a multiple of 8
+  int n_slices;        // 1..3
+  int slice_end[3];    // exclusive end column of each slice, increasing; slice_end[n_slices - 1] == N
+} QerlLoraEpilogue;
+
+// 1 when qerl_nvfp4_gemm_lora_launch accepts `lora` for an output of N columns with this block_m: operands present
+// and 16-byte aligned, rank a positive multiple of 8, 1..3 increasing slices ending at N, and n_slices x rank within
+// what the kernel stages in shared memory (>= 96; block_m 64: 312); else 0 (then run the GEMM and a separate expand).
+int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
+
+// qerl_nvfp4_gemm_launch with the LoRA expand above in its epilogue (lora == NULL: exactly that launch). The LoRA
+// term is added where the bf16 output is written: by every CTA with one split, by the last CTA of a tile (after the
+// deterministic sum of the partials) with several.
+cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                        const float* global_scale, const void* bias, void* out, float* workspace,
+                                        int* counters, int M, int N, int K, int splits, int block_m,
+                                        const QerlLoraEpilogue* lora, cudaStream_t stream);
+
 // Resident CTAs per SM of the GEMM for this block_m (0 on error).
 int qerl_nvfp4_gemm_ctas_per_sm(int block_m);
 

@@ -4,6 +4,7 @@
 // Graph-capture rules kept here: no host syncs, no .item(), outputs and split-K workspaces come
 // from the caching allocator (shape-determined sizes only); the split-K semaphores are a per-device
 // buffer allocated once outside capture (init_workspace) and left zeroed by every launch.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -338,9 +340,14 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
+// The fused GEMM the route picks. `lora` (qerl::nvfp4_gemm_lora): a LoRA expand for the split-K kernel's epilogue;
+// *lora_done tells whether it ran there (only the split-K kernel has it, and only for what
+// qerl_nvfp4_gemm_lora_supported accepts): when false the caller adds the LoRA term itself.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
-                            StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone) {
+                            StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone,
+                            const QerlLoraEpilogue* lora = nullptr, bool* lora_done = nullptr) {
+  if (lora_done != nullptr) *lora_done = false;
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -398,10 +405,13 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                    x.options().dtype(at::kFloat));
     counters = counters_for(x.device());
   }
-  check_cuda(qerl_nvfp4_gemm_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
-                                    out.data_ptr(), splits > 1 ? ws.data_ptr<float>() : nullptr, counters, int(m),
-                                    int(n), int(k), splits, block_m, at::cuda::getCurrentCUDAStream()),
-             "nvfp4_gemm launch");
+  const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_lora_supported(int(n), block_m, lora) != 0;
+  check_cuda(qerl_nvfp4_gemm_lora_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
+                                         out.data_ptr(), splits > 1 ? ws.data_ptr<float>() : nullptr, counters, int(m),
+                                         int(n), int(k), splits, block_m, with_lora ? lora : nullptr,
+                                         at::cuda::getCurrentCUDAStream()),
+             with_lora ? "nvfp4_gemm_lora launch" : "nvfp4_gemm launch");
+  if (lora_done != nullptr) *lora_done = with_lora;
   return out;
 }
 
@@ -559,22 +569,114 @@ Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, GemmMode mode
   return {false, StreamK::kNever, Wgmma::kNone};
 }
 
-at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
-                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode_value, int64_t splits) {
-  QCHECK(x.is_cuda() && x.dim() == 2, "qerl::nvfp4_gemm: x must be a 2-D CUDA tensor [M, K]");
+// The checks of qerl::nvfp4_gemm's arguments (also nvfp4_gemm_lora's); returns the mode.
+GemmMode check_gemm_args(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                         int64_t n, int64_t mode_value, int64_t splits, const char* who) {
+  QCHECK(x.is_cuda() && x.dim() == 2, who, ": x must be a 2-D CUDA tensor [M, K]");
   check_repacked(qw, qs, n);
   check_gscale(gs, x);
-  QCHECK(x.device() == qw.device(), "qerl::nvfp4_gemm: x on ", x.device(), " but weight on ", qw.device());
-  QCHECK(x.size(1) == qw.size(1) * 128, "qerl::nvfp4_gemm: x has K=", x.size(1), " but the weight has K=",
-              qw.size(1) * 128);
-  c10::cuda::CUDAGuard g(x.device());
-  const GemmMode mode = checked_mode(mode_value, "qerl::nvfp4_gemm");
-  QCHECK(splits >= 0 && (splits == 0 || mode == GemmMode::SplitK), "qerl::nvfp4_gemm: splits=", splits,
+  QCHECK(x.device() == qw.device(), who, ": x on ", x.device(), " but weight on ", qw.device());
+  QCHECK(x.size(1) == qw.size(1) * 128, who, ": x has K=", x.size(1), " but the weight has K=", qw.size(1) * 128);
+  const GemmMode mode = checked_mode(mode_value, who);
+  QCHECK(splits >= 0 && (splits == 0 || mode == GemmMode::SplitK), who, ": splits=", splits,
          " (K-splits of the split-K kernel) needs mode ", static_cast<int64_t>(GemmMode::SplitK),
          " (splitk) and must be >= 0");
+  return mode;
+}
+
+at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode_value, int64_t splits) {
+  const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm");
+  c10::cuda::CUDAGuard g(x.device());
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
   if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma);
   return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
+}
+
+// ---- qerl::nvfp4_gemm_lora: the GEMM plus a LoRA expand, in the split-K kernel's epilogue where that kernel runs
+//
+// out = x @ W^T + bias + mask * expand(shrunk, lora_b) with expand[:, n] = shrunk[:, s(n) r : s(n) r + r] @
+// lora_b[n, s(n) r : s(n) r + r] (s(n): the slice holding column n; slice_bounds = [0, end_0, .., n]). Wherever the
+// route runs another GEMM, or the LoRA operands do not fit the epilogue (dtype, alignment, rank), the op runs that GEMM
+// and then qerl::lora_expand (verl_qerl/kernels/lora_expand.py, registered from Python) with the block-diagonal
+// lora_b: the same numbers up to the one extra bf16 rounding of the base output.
+
+at::Tensor lora_expand_op(const at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
+                          const at::Tensor& mask) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("qerl::lora_expand", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op.call(out, shrunk, b_t, mask);
+}
+
+// Shapes and devices of the LoRA operands (errors name the tensor); returns the rank per slice.
+int64_t check_lora_args(const at::Tensor& x, int64_t n, const at::Tensor& shrunk, const at::Tensor& lora_b,
+                        const at::Tensor& mask, at::IntArrayRef bounds) {
+  const char* who = "qerl::nvfp4_gemm_lora";
+  const int64_t slices = int64_t(bounds.size()) - 1;
+  QCHECK(slices >= 1 && slices <= 3, who, ": slice_bounds must be [0, end of slice 0, ..., n] for 1 to 3 slices, got ",
+         bounds);
+  QCHECK(bounds[0] == 0 && bounds[slices] == n, who, ": slice_bounds ", bounds, " must start at 0 and end at n=", n);
+  for (int64_t i = 0; i < slices; ++i)
+    QCHECK(bounds[i] < bounds[i + 1], who, ": slice_bounds ", bounds, " must increase");
+  QCHECK(lora_b.dim() == 2 && lora_b.size(0) == n && lora_b.size(1) > 0 && lora_b.size(1) % slices == 0, who,
+         ": lora_b must be [n, slices * rank] = [", n, ", ", slices, " * rank], got ", lora_b.sizes());
+  const int64_t rank = lora_b.size(1) / slices;
+  QCHECK(shrunk.dim() == 2 && shrunk.size(0) == x.size(0) && shrunk.size(1) == lora_b.size(1), who,
+         ": shrunk must be [M, slices * rank] = [", x.size(0), ", ", lora_b.size(1), "], got ", shrunk.sizes());
+  QCHECK(mask.numel() == x.size(0) && mask.dim() <= 2 && (mask.dim() < 2 || mask.size(1) == 1), who,
+         ": mask must be [M] or [M, 1] with M=", x.size(0), ", got ", mask.sizes());
+  for (const auto* t : {&shrunk, &lora_b, &mask}) {
+    const char* name = t == &shrunk ? "shrunk" : (t == &lora_b ? "lora_b" : "mask");
+    QCHECK(t->device() == x.device(), who, ": ", name, " is on ", t->device(), ", x on ", x.device());
+    QCHECK(at::isFloatingType(t->scalar_type()), who, ": ", name, " must be floating point, got ", t->scalar_type());
+  }
+  return rank;
+}
+
+// The epilogue description when the operands fit the kernel (bf16, unit column stride, 16-byte aligned rows).
+bool lora_epilogue_for(const at::Tensor& shrunk, const at::Tensor& lora_b, const at::Tensor& mask, int64_t rank,
+                       at::IntArrayRef bounds, QerlLoraEpilogue* ep) {
+  auto rows_ok = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 && t.stride(1) == 1 && t.stride(0) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (!rows_ok(shrunk) || !rows_ok(lora_b) || mask.scalar_type() != at::kBFloat16) return false;
+  if (rank > std::numeric_limits<int>::max() / 4 || shrunk.stride(0) > std::numeric_limits<int>::max() ||
+      lora_b.stride(0) > std::numeric_limits<int>::max())
+    return false;
+  *ep = QerlLoraEpilogue{};
+  ep->shrunk = shrunk.data_ptr();
+  ep->lora_b = lora_b.data_ptr();
+  ep->mask = mask.data_ptr();
+  ep->ld_shrunk = int(shrunk.stride(0));
+  ep->ld_b = int(lora_b.stride(0));
+  ep->mask_stride = int(mask.dim() == 0 ? 0 : mask.stride(0));
+  ep->rank = int(rank);
+  ep->n_slices = int(bounds.size()) - 1;
+  for (int i = 0; i < ep->n_slices; ++i) ep->slice_end[i] = int(bounds[i + 1]);
+  return true;
+}
+
+at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                          const c10::optional<at::Tensor>& bias, int64_t n, const at::Tensor& shrunk,
+                          const at::Tensor& lora_b, const at::Tensor& mask, at::IntArrayRef slice_bounds,
+                          int64_t mode_value, int64_t splits) {
+  const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm_lora");
+  const int64_t rank = check_lora_args(x, n, shrunk, lora_b, mask, slice_bounds);
+  c10::cuda::CUDAGuard g(x.device());
+  const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
+  bool done = false;
+  at::Tensor out;
+  if (r.kernel) {
+    QerlLoraEpilogue ep;
+    const bool fits = lora_epilogue_for(shrunk, lora_b, mask, rank, slice_bounds, &ep);
+    out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, fits ? &ep : nullptr, &done);
+  } else {
+    out = dequant_cublas_cuda(x, qw, qs, gs, bias, n);
+  }
+  return done ? out : lora_expand_op(out, shrunk, lora_b.t(), mask);
 }
 
 // What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: one of
@@ -607,6 +709,7 @@ int64_t splits_for(int64_t m, int64_t n, int64_t k) {
 
 TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
   m.impl("nvfp4_gemm", &gemm_cuda);
+  m.impl("nvfp4_gemm_lora", &gemm_lora_cuda);
   m.impl("nvfp4_dequant", &dequant_cuda);
   m.impl("nvfp4_dequant_repacked", &dequant_repacked_cuda);
 }

@@ -591,10 +591,12 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     llm = _llm_kwargs(tiny_bf16, enable_lora=True, max_lora_rank=LORA_RANK, max_loras=1, worker_extension_cls=ext)
     # the opt-in for unquantized (BF16 baseline) layers, against vLLM's path on the same unquantized engine
     plain = {**llm, "quantization": None}
-    plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "mixed")]
-    # "fast" runs under the default mode (auto), with the variable removed from the driver's environment
-    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: ""}},
-                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off"}},
+    plain_tasks = [t for t in tasks if t["id"] in ("summary", "base", "lora_dir", "lora_ops", "mixed")]
+    # "fast" runs under the default mode (auto), with the variable removed from the driver's environment; both
+    # qerl engines keep the FP4 GEMM's kernel layout (the CUDA default), so the fast one runs the fused op
+    kernel_layout = {BACKEND_ENV: "kernel"}
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "", **kernel_layout}},
+                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off", **kernel_layout}},
                        {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
                        {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
     res = run_driver(job, multiproc=False, extra_pythonpath=extra, verl=via == "verl")
@@ -641,10 +643,65 @@ def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
     assert ops == ["qerl::lora_shrink", "qerl::lora_expand"], ops
 
 
-# the most top-level ops (= CUDA kernel launches at decode token counts) the fast path may add to one linear layer's
-# forward, and which they are
-FAST_PATH_MAX_LORA_OPS = 2
-FAST_PATH_LORA_OPS = ["qerl::lora_expand", "qerl::lora_shrink"]  # sorted, as lora_layer_ops lists them
+# the top-level ops (= CUDA kernel launches at decode token counts) of a fast-path qerl_nvfp4 layer's whole forward,
+# base GEMM included (the shrink, the GEMM with the expand in its epilogue), sorted as lora_layer_ops lists them
+FAST_PATH_LAYER_OPS = ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"]
+# what the LoRA term adds to a fast-path layer whose GEMM has no epilogue for it (unquantized under "all")
+FAST_PATH_SEPARATE_LORA_OPS = ["qerl::lora_expand", "qerl::lora_shrink"]
+
+
+def test_lora_fast_path_fuses_the_expand_into_the_nvfp4_gemm(monkeypatch):
+    """A flagged ``qerl_nvfp4`` layer in the kernel layout runs as two ops through both places vLLM runs a layer's
+    base GEMM and LoRA term (``_apply_sync``, what ``apply`` calls; 0.24's ``_mcp_apply``): ``qerl::lora_shrink`` and
+    ``qerl::nvfp4_gemm_lora``, with the numbers of the GEMM followed by the separate expand. Per-part global scales
+    (the GEMM's columns rescaled after it) and a layer not flagged for the fusion keep the separate expand."""
+    import types
+
+    from vllm.lora.layers import column_parallel_linear
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    from verl_qerl import kernels
+    from verl_qerl.vllm import lora_fast_path
+    from verl_qerl.vllm.linear_method import LAYOUT_REPACKED, QeRLLayerState, QeRLNvFp4LinearMethod
+
+    assert lora_fast_path.install()
+    gen = torch.Generator().manual_seed(0)
+    n, k, rank, bounds = 208, 128, 4, [0, 48, 80, 208]  # three slices (qkv) of uneven widths
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(1, 0x7F, (n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    rw = kernels.repack(packed, scale)
+    base = torch.nn.Module()
+    base.weight_packed, base.weight_scale = rw.qweight, rw.qscale
+    base.weight_global_scale = torch.tensor([300.0])
+    base.output_size_per_partition = n
+    base.qerl_state = QeRLLayerState(prefix="stand_in", checkpoint_format="compressed-tensors",
+                                     layout=LAYOUT_REPACKED, backend="kernel")
+    method = QeRLNvFp4LinearMethod(config=None)
+    x, bias = torch.randn(5, k, generator=gen), torch.randn(n, generator=gen)
+    a = torch.randn(3 * rank, k, generator=gen)
+    b = torch.zeros(n, 3 * rank)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        b[lo:hi, i * rank:(i + 1) * rank] = torch.randn(hi - lo, rank, generator=gen)
+    mask = torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0], [1.0]])  # a static buffer longer than the batch
+    layer = types.SimpleNamespace(qerl_lora_fast_path=True, qerl_lora_fused=True, qerl_lora_a=a, qerl_lora_b=b,
+                                  qerl_lora_b_t=b.t(), qerl_token_mask=mask, qerl_slice_bounds=bounds,
+                                  base_layer=base, _get_quant_method=lambda: method)
+    want = method.apply(base, x, bias) + mask[:5] * (x @ a.T) @ b.T
+    for run in (lambda: BaseLinearLayerWithLoRA._apply_sync(layer, x, bias),
+                lambda: column_parallel_linear._mcp_apply(x, bias, layer)):
+        torch.testing.assert_close(run(), want)
+        ops, _ = lora_fast_path._top_level_ops(run)
+        assert ops == ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"], ops
+    # no fusion: the layer not flagged for it, or per-part global scales; same numbers, the separate expand
+    for change in (lambda: setattr(layer, "qerl_lora_fused", False),
+                   lambda: setattr(base.qerl_state, "col_scale", torch.ones(n))):
+        change()
+        got = BaseLinearLayerWithLoRA._apply_sync(layer, x, bias)
+        torch.testing.assert_close(got, want)
+        ops, _ = lora_fast_path._top_level_ops(BaseLinearLayerWithLoRA._apply_sync, layer, x, bias)
+        assert "qerl::nvfp4_gemm_lora" not in ops and ops[-2:] == ["qerl::lora_shrink", "qerl::lora_expand"], ops
+        layer.qerl_lora_fused, base.qerl_state.col_scale = True, None
+    assert BaseLinearLayerWithLoRA._apply_sync.__wrapped__.__module__.startswith("vllm.")
 
 
 def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
@@ -664,6 +721,10 @@ def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
     for mode in ("off", "on", "all", "auto"):
         monkeypatch.setenv(FAST_PATH_ENV, mode)
         keys[mode] = config.compute_hash()
+    # the expand fused into the GEMM or not is another graph too
+    monkeypatch.setenv(lora_fast_path.FUSED_EXPAND_ENV, "off")
+    keys["auto, separate expand"] = config.compute_hash()
+    monkeypatch.delenv(lora_fast_path.FUSED_EXPAND_ENV)
     assert len(set(keys.values())) == len(keys), keys
     assert config.lora_config.compute_hash.__wrapped__(config.lora_config) == \
         (monkeypatch.setenv(FAST_PATH_ENV, "off") or config.lora_config.compute_hash())
@@ -683,16 +744,21 @@ def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_p
 
 
 def test_lora_fast_path_adds_two_ops_per_layer(engines_fast_path):
-    """Per LoRA layer and forward, the fast path adds ``FAST_PATH_MAX_LORA_OPS`` top-level ops (the shrink, the
-    fused expand + mask + residual), fewer than vLLM's path on the same layers; a count that grows fails."""
+    """Per qerl_nvfp4 LoRA layer and forward, the fast path runs two top-level ops in all, base GEMM included: the
+    shrink and the FP4 GEMM with the expand in its epilogue (``FAST_PATH_LAYER_OPS``); vLLM's path runs more than
+    two for the LoRA term alone. Unquantized layers on the fast path (``all``) add the shrink and the separate
+    expand to their GEMM. A list that grows or changes fails."""
     fast, ref = engines_fast_path["fast"]["lora_ops"][0], engines_fast_path["vllm"]["lora_ops"][0]
     qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
-    assert len(qerl) == 8 and all(v["fast_path"] for v in qerl.values())
+    assert len(qerl) == 8 and all(v["fast_path"] and v["fused_expand"] for v in qerl.values())
     for name, v in qerl.items():
-        assert v["lora_ops"] == FAST_PATH_LORA_OPS, (name, v)
-        assert len(v["lora_ops"]) <= FAST_PATH_MAX_LORA_OPS
-        assert not ref[name]["fast_path"] and len(ref[name]["lora_ops"]) > FAST_PATH_MAX_LORA_OPS, ref[name]
-    TIMINGS["lora_ops_per_layer_fast_path"] = {n: len(v["lora_ops"]) for n, v in qerl.items()}
+        assert v["ops"] == FAST_PATH_LAYER_OPS, (name, v)
+        assert not ref[name]["fast_path"] and len(ref[name]["lora_ops"]) > len(FAST_PATH_LAYER_OPS), ref[name]
+    plain = {n: v for n, v in engines_fast_path["plain_all"]["lora_ops"][0].items() if n.endswith("_proj")}
+    assert len(plain) == 8
+    for name, v in plain.items():
+        assert v["fast_path"] and not v["fused_expand"] and v["lora_ops"] == FAST_PATH_SEPARATE_LORA_OPS, (name, v)
+    TIMINGS["ops_per_layer_fast_path"] = {n: v["ops"] for n, v in qerl.items()}
     TIMINGS["lora_ops_per_layer_vllm_path"] = {n: ref[n]["lora_ops"] for n in qerl}
 
 

@@ -164,9 +164,11 @@ def test_lora_fast_path_under_cuda_graphs_matches_hf_peft(gpu_fast_path_engines,
 
 
 def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
-    """On CUDA the fast path's LoRA term is two Triton kernels per layer at decode token counts,
-    ``_lora_shrink_kernel`` and ``_lora_expand_kernel`` (above ``TRITON_MAX_TOKENS`` the shrink is cuBLAS's GEMM
-    and at most a split-K reduce; printed: the kernels, and what vLLM's path launches)."""
+    """On CUDA a fast-path qerl layer is two ops, ``qerl::lora_shrink`` and ``qerl::nvfp4_gemm_lora``, and at decode
+    token counts two kernels in all, base GEMM included: ``_lora_shrink_kernel`` and the split-K GEMM with the expand
+    in its epilogue (no ``_lora_expand_kernel``); where the dispatch runs another GEMM the op adds
+    ``_lora_expand_kernel`` after it. Above ``TRITON_MAX_TOKENS`` the shrink is cuBLAS's GEMM (+ at most a split-K
+    reduce). Printed: the kernels, and what vLLM's path launches for the LoRA term."""
     from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
 
     fast = gpu_fast_path_engines["fast"]["lora_ops"][0]
@@ -174,12 +176,13 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
     qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
     assert len(qerl) == 8
     for name, v in qerl.items():
-        print(f"\n{name} (T={v['tokens']}): fast path kernels {v['lora_kernels']}; "
-              f"vLLM path {ref[name]['lora_kernels']}")
-        assert v["lora_ops"] == ["qerl::lora_expand", "qerl::lora_shrink"], (name, v)
-        assert sum("_lora_expand_kernel" in k for k in v["lora_kernels"]) == 1, (name, v)
+        print(f"\n{name} (T={v['tokens']}): fast path kernels {v['kernels']}; "
+              f"vLLM path LoRA kernels {ref[name]['lora_kernels']}")
+        assert v["fused_expand"] and v["ops"] == ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"], (name, v)
+        splitk = sum("nvfp4_gemm_splitk_kernel" in k for k in v["kernels"])
+        expand = sum("_lora_expand_kernel" in k for k in v["kernels"])
+        assert expand == (0 if splitk else 1), (name, v)
         if v["tokens"] <= TRITON_MAX_TOKENS:
-            assert sum("_lora_shrink_kernel" in k for k in v["lora_kernels"]) == 1, (name, v)
-            assert len(v["lora_kernels"]) == 2, (name, v)
-        else:
-            assert len(v["lora_kernels"]) <= 3, (name, v)  # cuBLAS's GEMM (+ a split-K reduce at most)
+            assert sum("_lora_shrink_kernel" in k for k in v["kernels"]) == 1, (name, v)
+            if splitk:
+                assert len(v["kernels"]) == 2, (name, v)

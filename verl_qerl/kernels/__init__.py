@@ -5,6 +5,8 @@ Public API (all of it works on CPU through the torch references):
 * :func:`repack` -- compressed-tensors NVFP4 -> the GEMM kernel's tile layout (run once at load);
 * :func:`linear` -- ``x @ W.T + bias`` for a frozen NVFP4 weight; on CUDA with the extension it
   dispatches by M inside the op (fused GEMM for small M, dequantize + cuBLAS for large M);
+* :func:`linear_lora` -- the same plus a single-adapter LoRA expand (``qerl::nvfp4_gemm_lora``: on CUDA in the
+  split-K kernel's epilogue at decode M);
 * :func:`dequantize` / :func:`dequantize_repacked` -- NVFP4 -> dense weight;
 * :func:`cuda_available` / :func:`cuda_unavailable_reason` / :func:`load_extension`.
 
@@ -47,6 +49,7 @@ __all__ = [
     "check_tuning_env",
     "gemm_supported",
     "linear",
+    "linear_lora",
     "load_extension",
     "repack",
 ]
@@ -313,3 +316,35 @@ def linear(
         w = torch.ops.qerl.nvfp4_dequant(packed, layout.scale_as_uint8(scale), global_scale, x.dtype)
         return F.linear(x, w, bias)
     return ops.linear_reference(x, packed, scale, global_scale, bias)
+
+
+def linear_lora(
+    x: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    kernel_weight: RepackedWeight,
+    n: int,
+    shrunk: torch.Tensor,
+    lora_b: torch.Tensor,
+    mask: torch.Tensor,
+    slice_bounds: list[int] | tuple[int, ...],
+) -> torch.Tensor:
+    """``x @ W.T + bias + mask * expand(shrunk, lora_b)`` for an NVFP4 weight in the kernel layout: one
+    ``qerl::nvfp4_gemm_lora`` op (see :mod:`verl_qerl.kernels.ops` for the operands). x is [M, K].
+
+    Why one op: at decode token counts the LoRA expand as its own kernel costs about as much as the GEMM's tail; on
+    CUDA the op adds it in the split-K kernel's epilogue wherever that kernel runs (the same ``$QERL_GEMM_KERNEL``
+    dispatch as :func:`linear`), and runs the GEMM then ``qerl::lora_expand`` elsewhere. On the CPU (or without the
+    extension) the op is the float32 reference.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"linear_lora: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if bias is not None and bias.dtype != x.dtype:
+        bias = bias.to(x.dtype)
+    mode = 0
+    if _ext_ready(x.device):
+        mode = int(GEMM_KERNEL_MODES[gemm_kernel_variant()])
+        check_tuning_env()
+    return torch.ops.qerl.nvfp4_gemm_lora(x, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n,
+                                          shrunk, lora_b, mask, [int(b) for b in slice_bounds], mode)

@@ -8,7 +8,9 @@ and the residual add of the base layer's output. In torch ops that is a multiply
 an ``addmm``, two kernel launches; at decode batch sizes every launch costs about as much as the work, and a
 7B model has 112 such layers per step, so on CUDA it is one Triton kernel. It returns a new tensor (no
 in-place mutation for torch.compile to functionalize) and allocates only a shape-determined output, so it
-captures into CUDA graphs.
+captures into CUDA graphs. For ``qerl_nvfp4`` layers the expand usually runs inside the FP4 GEMM instead
+(``qerl::nvfp4_gemm_lora``, :mod:`verl_qerl.kernels.ops`); that op calls this one wherever its GEMM has no LoRA
+epilogue (larger M, other kernels).
 
 Shapes: out [T, N]; shrunk [T, R]; b_t [R, N] (any strides: vLLM's B is stored [N, R], ``b_t`` is its
 transpose view); mask [T, 1] or [T]. Accumulation in float32, output in ``out``'s dtype. CPU tensors, or CUDA

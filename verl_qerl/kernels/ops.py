@@ -14,6 +14,18 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
   the fused FP4xBF16 GEMM up to a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests) is one
   of :data:`verl_qerl.kernels.modes.GEMM_MODES`, defined once in ``cuda/gemm_modes.h`` with what each runs;
   ``splits`` (mode ``splitk`` only) fixes the split-K kernel's K-split count (0: its heuristic).
+* ``nvfp4_gemm_lora(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,
+  splits=0) -> [M, n]``: ``nvfp4_gemm`` plus a single-adapter LoRA expand, ``out[m, c] += mask[m] *
+  shrunk[m, s r:(s+1) r] . lora_b[c, s r:(s+1) r]`` with ``s`` the slice of output column ``c`` (``slice_bounds =
+  [0, end_0, ..., n]``, 1-3 slices of one rank ``r``: a fused qkv or gate_up layer). ``shrunk`` [M, S r] is the
+  shrink ``x @ A_cat^T`` (``qerl::lora_shrink``), ``lora_b`` [n, S r] the slices' B on a block diagonal (zero
+  elsewhere: the single-adapter fast path's layout), ``mask`` [M] or [M, 1] (1: the token's request has the
+  adapter). On CUDA, wherever the split-K kernel runs (auto dispatch at decode M), the LoRA term is added in that
+  kernel's epilogue in FP32 before the one bf16 rounding, so no expand kernel runs and the result is *more* exact
+  than ``nvfp4_gemm`` followed by ``qerl::lora_expand`` (which rounds the base output to bf16 first); elsewhere
+  (other kernels, larger M, operands the epilogue does not take) the op runs the GEMM and then ``qerl::lora_expand``.
+  The CPU implementation is the reference (float32, the diagonal blocks of ``lora_b`` only). Inference only (no
+  autograd).
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
@@ -25,12 +37,17 @@ import torch
 import torch.nn.functional as F
 
 from . import layout, reference
+from . import lora_expand as _lora_expand  # noqa: F401 - defines qerl::lora_expand, which nvfp4_gemm_lora's CUDA op calls
 from .op_library import LIB_NAME, library
 
 _lib = library()
 _lib.define(
     "nvfp4_gemm(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
     "int mode=0, int splits=0) -> Tensor"
+)
+_lib.define(
+    "nvfp4_gemm_lora(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
+    "Tensor shrunk, Tensor lora_b, Tensor mask, int[] slice_bounds, int mode=0, int splits=0) -> Tensor"
 )
 _lib.define("nvfp4_dequant(Tensor packed, Tensor scale, Tensor global_scale, ScalarType dtype) -> Tensor")
 _lib.define(
@@ -54,6 +71,64 @@ def _gemm_cpu(
     return out.to(x.dtype)
 
 
+class LoRAOperandError(ValueError):
+    """Operands of ``qerl::nvfp4_gemm_lora`` that do not fit each other; the message names the tensor."""
+
+
+def check_lora_operands(x: torch.Tensor, n: int, shrunk: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
+                        slice_bounds: list[int] | tuple[int, ...]) -> int:
+    """Raise :class:`LoRAOperandError` naming the tensor when the LoRA operands of ``nvfp4_gemm_lora`` do not fit
+    ``x`` [M, K] and ``n`` output columns (the CUDA op checks the same in C++); returns the rank per slice."""
+    who = "qerl::nvfp4_gemm_lora"
+    bounds = [int(b) for b in slice_bounds]
+    slices = len(bounds) - 1
+    if not 1 <= slices <= 3 or bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise LoRAOperandError(f"{who}: slice_bounds must be [0, end of slice 0, ..., n={n}], increasing, for 1 to 3 "
+                               f"slices; got {bounds}")
+    if lora_b.dim() != 2 or lora_b.shape[0] != n or lora_b.shape[1] == 0 or lora_b.shape[1] % slices:
+        raise LoRAOperandError(f"{who}: lora_b must be [n, slices * rank] = [{n}, {slices} * rank], got "
+                               f"{tuple(lora_b.shape)}")
+    m = x.shape[0]
+    if shrunk.dim() != 2 or tuple(shrunk.shape) != (m, lora_b.shape[1]):
+        raise LoRAOperandError(f"{who}: shrunk must be [M, slices * rank] = [{m}, {lora_b.shape[1]}], got "
+                               f"{tuple(shrunk.shape)}")
+    if mask.numel() != m or mask.dim() > 2 or (mask.dim() == 2 and mask.shape[1] != 1):
+        raise LoRAOperandError(f"{who}: mask must be [M] or [M, 1] with M={m}, got {tuple(mask.shape)}")
+    for name, t in (("shrunk", shrunk), ("lora_b", lora_b), ("mask", mask)):
+        if t.device != x.device:
+            raise LoRAOperandError(f"{who}: {name} is on {t.device}, x on {x.device}")
+        if not t.dtype.is_floating_point:
+            raise LoRAOperandError(f"{who}: {name} must be floating point, got {t.dtype}")
+    return lora_b.shape[1] // slices
+
+
+def lora_expand_reference(
+    shrunk: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor, slice_bounds: list[int] | tuple[int, ...],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``mask[m] * shrunk[m, s r:(s+1) r] . lora_b[c, s r:(s+1) r]`` for every token m and output column c of slice
+    s, in ``dtype``: what ``nvfp4_gemm_lora`` adds to the GEMM (only the diagonal blocks of ``lora_b`` are read)."""
+    slices = len(slice_bounds) - 1
+    rank = lora_b.shape[1] // slices
+    s = shrunk.to(dtype)
+    parts = [s[:, i * rank:(i + 1) * rank] @ lora_b[lo:hi, i * rank:(i + 1) * rank].to(dtype).T
+             for i, (lo, hi) in enumerate(zip(slice_bounds, slice_bounds[1:]))]
+    return torch.cat(parts, dim=1) * mask.reshape(-1, 1).to(dtype)
+
+
+def _gemm_lora_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
+    bias: torch.Tensor | None, n: int, shrunk: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
+    slice_bounds: list[int], mode: int = 0, splits: int = 0,
+) -> torch.Tensor:
+    check_lora_operands(x, n, shrunk, lora_b, mask, slice_bounds)
+    w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
+    out = x.to(torch.float32) @ w.T
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return (out + lora_expand_reference(shrunk, lora_b, mask, slice_bounds)).to(x.dtype)
+
+
 def _dequant_cpu(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -72,6 +147,7 @@ def _repack_any(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
 
 
 _lib.impl("nvfp4_gemm", _gemm_cpu, "CPU")
+_lib.impl("nvfp4_gemm_lora", _gemm_lora_cpu, "CPU")
 _lib.impl("nvfp4_dequant", _dequant_cpu, "CPU")
 _lib.impl("nvfp4_dequant_repacked", _dequant_repacked_cpu, "CPU")
 _lib.impl("nvfp4_repack", _repack_any, "CompositeExplicitAutograd")
@@ -84,6 +160,7 @@ def register_cuda_fallbacks() -> None:
     work on GPU tensors (slowly). The extension registers the real kernels from C++ otherwise.
     """
     _lib.impl("nvfp4_gemm", _gemm_cpu, "CUDA")
+    _lib.impl("nvfp4_gemm_lora", _gemm_lora_cpu, "CUDA")
     _lib.impl("nvfp4_dequant", _dequant_cpu, "CUDA")
     _lib.impl("nvfp4_dequant_repacked", _dequant_repacked_cpu, "CUDA")
 
@@ -95,6 +172,14 @@ def register_cuda_fallbacks() -> None:
 def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0):  # noqa: ANN001, ANN202
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm: x must be 2-D [M, K]")
     torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm: K mismatch")
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm_lora")
+def _gemm_lora_fake(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,  # noqa: ANN001, ANN202
+                    splits=0):
+    torch._check(x.dim() == 2, lambda: "nvfp4_gemm_lora: x must be 2-D [M, K]")
+    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm_lora: K mismatch")
     return x.new_empty((x.shape[0], n))
 
 

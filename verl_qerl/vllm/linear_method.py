@@ -307,6 +307,25 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         y = (y.to(torch.float32) * col_scale).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
+    # -- 5. forward with a LoRA expand in the GEMM's epilogue (verl_qerl.vllm.lora_fast_path) -------------------
+
+    @staticmethod
+    def lora_epilogue_supported(layer: torch.nn.Module) -> bool:
+        """Whether :meth:`apply_with_lora` can serve this layer: the kernel layout with one global scale (per-part
+        scales rescale the GEMM's columns after it, which a LoRA term added inside the GEMM must not see)."""
+        state: QeRLLayerState = layer.qerl_state
+        return state.layout == LAYOUT_REPACKED and state.col_scale is None
+
+    @staticmethod
+    def apply_with_lora(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, shrunk: torch.Tensor,
+                        lora_b: torch.Tensor, mask: torch.Tensor, slice_bounds: list[int]) -> torch.Tensor:
+        """:meth:`apply` plus ``mask * expand(shrunk, lora_b)`` as one op (:func:`verl_qerl.kernels.linear_lora`);
+        x is [T, K]. Only for layers where :meth:`lora_epilogue_supported` holds."""
+        repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
+        return kernels.linear_lora(x, layer.weight_global_scale[:1], bias, kernel_weight=repacked,
+                                   n=layer.output_size_per_partition, shrunk=shrunk, lora_b=lora_b, mask=mask,
+                                   slice_bounds=slice_bounds)
+
     @staticmethod
     def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed uint8 [N, K/2], E4M3 scale [N, K/16], global scale divisor(s)) whatever the stored layout."""

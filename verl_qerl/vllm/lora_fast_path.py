@@ -1,4 +1,4 @@
-"""Single-adapter LoRA for vLLM linear layers: two ops per layer (shrink; fused expand + mask + residual).
+"""Single-adapter LoRA for vLLM linear layers: the shrink, then the expand inside the FP4 GEMM (two ops per layer).
 
 vLLM's LoRA layers serve many adapters at once: every linear layer runs the punica shrink and
 expand kernels over per-token adapter indices, slice by slice. In RL every request of a rollout
@@ -10,11 +10,16 @@ adapter slot the LoRA term is simply::
 with ``A_cat`` the concatenated A matrices of all fused slices (q/k/v, gate/up), ``B_blockdiag`` the
 slices' B matrices on a block diagonal (slice i's B in slice i's output rows and its rank columns,
 zeros elsewhere) and ``mask`` 1 for tokens whose request has the adapter and 0 for those without.
-The scaling ``alpha / r`` is already folded into vLLM's stored B. Two ops, two kernel launches on CUDA at
-decode token counts: ``qerl::lora_shrink`` (``x @ A_cat^T``, one Triton kernel up to
-``lora_shrink.TRITON_MAX_TOKENS`` tokens, where cuBLAS would run a split-K GEMM and its reduce, and cuBLAS above;
-:mod:`verl_qerl.kernels.lora_shrink`) and ``qerl::lora_expand`` (one Triton kernel: expand, token mask and
-residual add; :mod:`verl_qerl.kernels.lora_expand`); no per-token indexing, static shapes: it traces under
+The scaling ``alpha / r`` is already folded into vLLM's stored B. For a ``qerl_nvfp4`` layer in the kernel layout
+the whole layer, base GEMM included, is two ops, two kernel launches on CUDA at decode token counts:
+``qerl::lora_shrink`` (``x @ A_cat^T``, one Triton kernel up to ``lora_shrink.TRITON_MAX_TOKENS`` tokens, where
+cuBLAS would run a split-K GEMM and its reduce, and cuBLAS above; :mod:`verl_qerl.kernels.lora_shrink`) and
+``qerl::nvfp4_gemm_lora`` (the FP4 GEMM with the expand, token mask and residual add in its epilogue where the
+split-K kernel runs, in FP32 before the output's one rounding; elsewhere the GEMM and then ``qerl::lora_expand``:
+:mod:`verl_qerl.kernels.ops`). Every other served layer (unquantized under ``all``, per-part global scales, the
+torch layout) runs its base GEMM and then the shrink and ``qerl::lora_expand`` (one Triton kernel: expand, token
+mask and residual add; :mod:`verl_qerl.kernels.lora_expand`). ``QERL_LORA_FUSED_EXPAND=off`` keeps that separate
+expand everywhere (a before / after switch for benchmarks). No per-token indexing, static shapes: it traces under
 torch.compile and captures into CUDA graphs.
 
 How it plugs in (no vLLM file is edited):
@@ -22,12 +27,13 @@ How it plugs in (no vLLM file is edited):
 * :func:`install` wraps ``LoRAModelManager._create_lora_modules``. After vLLM has built its LoRA
   layers, every ``BaseLinearLayerWithLoRA`` whose base layer we serve gets its ``lora_a_stacked`` /
   ``lora_b_stacked`` re-laid as *views* of one concatenated A and one block-diagonal B (same
-  shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``; the class method
-  ``BaseLinearLayerWithLoRA._apply_lora_to_output`` (and, for vLLM 0.24's fused column-parallel
-  layers, the function ``_mcp_apply`` their ``apply`` calls instead), wrapped once, runs the two ops
-  for flagged layers and vLLM's own code for all others. vLLM keeps writing adapters through those views
-  (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for the same id (verl's
-  ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
+  shapes, zero-initialised like vLLM's) and is flagged ``qerl_lora_fast_path``. Wrapped once, for flagged
+  layers only (vLLM's own code runs for all others): ``BaseLinearLayerWithLoRA._apply_sync`` (base GEMM + LoRA:
+  what ``apply`` runs) and, for vLLM 0.24's fused column-parallel layers, the function ``_mcp_apply`` their
+  ``apply`` calls instead, run the layer as described above; ``_apply_lora_to_output`` (LoRA on an output the
+  base layer computed, e.g. ``_apply_base_forward``) runs the shrink and the separate expand. vLLM keeps
+  writing adapters through those views (``set_lora`` / ``reset_lora``), so a new adapter, or new weights for
+  the same id (verl's ``TensorLoRARequest`` sync), is what the next forward reads; nothing is copied.
 * The per-token mask is one static buffer per punica wrapper, refreshed in ``update_metadata``
   (host side, once per batch mapping, outside any graph) from the wrapper's own token-to-slot
   indices: slot 0 -> 1, no adapter (-1) -> 0. Batches mixing requests with and without the
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import os
 from typing import Any
@@ -67,6 +74,12 @@ FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
 _MODES = ("auto", "on", "all", "off")
 _DEFAULT_MODE = "auto"
 
+#: ``auto`` (default): on the fast path, ``qerl_nvfp4`` layers in the kernel layout run the expand inside the FP4
+#: GEMM (``qerl::nvfp4_gemm_lora``); ``off``: every fast-path layer runs its GEMM and a separate
+#: ``qerl::lora_expand`` (as before the fused op; for before / after measurements).
+FUSED_EXPAND_ENV = "QERL_LORA_FUSED_EXPAND"
+_FUSED_MODES = ("auto", "off")
+
 # vLLM configures handlers for its own logger tree only: a child of it prints the per-engine summary at INFO in
 # the engine's log, where a benchmark can read it.
 summary_logger = logging.getLogger("vllm.qerl_lora_fast_path")
@@ -79,6 +92,14 @@ def fast_path_mode() -> str:
     mode = os.environ.get(FAST_PATH_ENV, _DEFAULT_MODE).strip().lower() or _DEFAULT_MODE
     if mode not in _MODES:
         raise QeRLNvFp4Error(f"{FAST_PATH_ENV}={mode!r}; expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def fused_expand_mode() -> str:
+    """The ``QERL_LORA_FUSED_EXPAND`` setting, validated (read when an engine builds its LoRA layers)."""
+    mode = os.environ.get(FUSED_EXPAND_ENV, "auto").strip().lower() or "auto"
+    if mode not in _FUSED_MODES:
+        raise QeRLNvFp4Error(f"{FUSED_EXPAND_ENV}={mode!r}; expected one of {', '.join(_FUSED_MODES)}")
     return mode
 
 
@@ -121,10 +142,30 @@ def install() -> bool:
 
     LoRAModelManager._create_lora_modules = create_lora_modules
     BaseLinearLayerWithLoRA._apply_lora_to_output = apply_lora_to_output
+    _wrap_apply_sync(BaseLinearLayerWithLoRA)
     _wrap_merged_column_apply()
     _key_compile_cache_on_mode()
     _installed = True
     return True
+
+
+def _wrap_apply_sync(cls: Any) -> None:
+    """``_apply_sync(x, bias)`` is where vLLM's linear LoRA layers run their base GEMM and then the LoRA term
+    (``apply``, without the dual-stream option). For flagged layers the wrap runs :func:`_apply_layer`, which can put
+    the expand inside the GEMM; without the method (another vLLM) the LoRA term still runs through the wrapped
+    ``_apply_lora_to_output``, only not fused."""
+    original = getattr(cls, "_apply_sync", None)
+    if not callable(original):
+        logger.info("qerl LoRA fast path: this vLLM has no _apply_sync; the expand stays a separate kernel")
+        return
+
+    @functools.wraps(original)
+    def apply_sync(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(self, "qerl_lora_fast_path", False):
+            return _apply_layer(self, x, bias)
+        return original(self, x, bias)
+
+    cls._apply_sync = apply_sync
 
 
 def _wrap_merged_column_apply() -> None:
@@ -143,8 +184,7 @@ def _wrap_merged_column_apply() -> None:
     @functools.wraps(original)
     def mcp_apply(x: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
         if getattr(layer, "qerl_lora_fast_path", False):
-            output = layer._get_quant_method().apply(layer.base_layer, x, bias)
-            return _apply_lora_single(layer, x, output)
+            return _apply_layer(layer, x, bias)
         return original(x, bias, layer)
 
     column_parallel_linear._mcp_apply = mcp_apply
@@ -173,7 +213,8 @@ def _key_compile_cache_on_mode() -> None:
         mode = fast_path_mode()
         if mode == "off" or getattr(self, "max_loras", None) != 1 or getattr(self, "fully_sharded_loras", False):
             return key
-        return hashlib.sha256(f"{key}|{FAST_PATH_ENV}={mode}".encode()).hexdigest()
+        return hashlib.sha256(f"{key}|{FAST_PATH_ENV}={mode}|{FUSED_EXPAND_ENV}={fused_expand_mode()}".encode()
+                              ).hexdigest()
 
     compute_hash.qerl_keyed = True  # type: ignore[attr-defined]
     LoRAConfig.compute_hash = compute_hash
@@ -286,13 +327,38 @@ def convert_layer(layer: Any) -> str | None:
         layer.lora_a_stacked = tuple(a_views)
         layer.lora_b_stacked = tuple(b_views)
     layer.qerl_lora_a = a_cat[0, 0]  # [n*r, K]
-    layer.qerl_lora_b_t = b_diag[0, 0].t()  # [n*r, N]: the expand's right operand, no copy
+    layer.qerl_lora_b = b_diag[0, 0]  # [N, n*r]: qerl::nvfp4_gemm_lora's lora_b
+    layer.qerl_lora_b_t = b_diag[0, 0].t()  # [n*r, N]: qerl::lora_expand's right operand, no copy
+    layer.qerl_slice_bounds = [0, *itertools.accumulate(slices)]  # [0, end of slice 0, ..., N]
     layer.qerl_token_mask = attach_token_mask(wrapper, dtype)
+    layer.qerl_lora_fused = fused_expand_mode() == "auto" and _has_lora_epilogue(layer)
     layer.qerl_lora_fast_path = True  # read by the patched _apply_lora_to_output
     base = getattr(layer, "base_layer", None)
     if base is not None:
         base.qerl_lora_fast_path = True
     return None
+
+
+def _has_lora_epilogue(layer: Any) -> bool:
+    """Whether the layer's base quant method can run the expand inside its GEMM (``qerl_nvfp4``)."""
+    from .linear_method import QeRLNvFp4LinearMethod
+
+    return isinstance(getattr(getattr(layer, "base_layer", None), "quant_method", None), QeRLNvFp4LinearMethod)
+
+
+def _apply_layer(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A flagged layer's forward, base GEMM included: shrink + ``qerl::nvfp4_gemm_lora`` where the layer's GEMM takes
+    the expand in its epilogue (kernel layout, one global scale: checked per call, a weight reload may change it),
+    else the base GEMM and :func:`_apply_lora_single`."""
+    method = layer._get_quant_method()
+    base = layer.base_layer
+    if getattr(layer, "qerl_lora_fused", False) and method.lora_epilogue_supported(base):
+        x2 = x.reshape(-1, x.shape[-1])
+        shrunk = lora_shrink(x2, layer.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
+        out = method.apply_with_lora(base, x2, bias, shrunk, layer.qerl_lora_b, layer.qerl_token_mask[: x2.shape[0]],
+                                     layer.qerl_slice_bounds)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return _apply_lora_single(layer, x, method.apply(base, x, bias))
 
 
 def _apply_lora_single(self: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -334,8 +400,10 @@ def _top_level_ops(fn: Any, *args: Any) -> tuple[list[str], list[str]]:
 
 
 def lora_layer_ops(model: Any, tokens: int | None = None) -> dict[str, dict[str, Any]]:
-    """Per linear LoRA layer of ``model``: the ops (and on CUDA the kernels) its LoRA term adds to one forward of
-    ``tokens`` tokens, i.e. what ``layer.apply`` runs beyond the base layer's ``quant_method.apply``.
+    """Per linear LoRA layer of ``model``: the top-level ops (and on CUDA the kernels) of one forward of ``tokens``
+    tokens through ``layer.apply`` (``ops`` / ``kernels``: base GEMM and LoRA together), and what that adds to the
+    base layer's ``quant_method.apply`` alone (``lora_ops`` / ``lora_kernels``; where the expand runs inside the
+    GEMM, ``fused_expand``, the fused op replaces the base GEMM's, so the difference lists it in full).
 
     ``tokens`` defaults to the token count of the punica wrapper's current mapping (vLLM's own path indexes its
     per-token adapter slots, so it needs that count). Runs under ``torch.inference_mode``; the model's weights
@@ -358,7 +426,9 @@ def lora_layer_ops(model: Any, tokens: int | None = None) -> dict[str, dict[str,
             lora_ops = Counter(all_ops) - Counter(base_ops)
             lora_kernels = Counter(all_kernels) - Counter(base_kernels)
             out[name] = {"fast_path": bool(getattr(layer, "qerl_lora_fast_path", False)), "tokens": n,
+                         "fused_expand": bool(getattr(layer, "qerl_lora_fused", False)),
                          "method": type(base.quant_method).__name__,
+                         "ops": sorted(all_ops), "kernels": sorted(all_kernels),
                          "lora_ops": sorted(lora_ops.elements()), "lora_kernels": sorted(lora_kernels.elements())}
     return out
 

@@ -1,0 +1,142 @@
+// The LoRA expand of one GEMM output tile, for the split-K kernel's epilogue (cuda/nvfp4_gemm.cu).
+//
+// Why in the epilogue: at decode token counts a separate expand kernel costs a launch and a dependent memory round
+// trip (~2.5 us) for a few KB of work, and a 7B model has 112 LoRA layers per step. Here the CTA that writes an output
+// tile adds the tile's LoRA term in FP32 before the one bf16 rounding, so the base output is never rounded on its own
+// (the separate expand rounds it once more) and no extra kernel runs.
+//
+// Work split: 128 threads build the tile's LoRA term in shared memory, one column each (all of the tile's tokens),
+// while the other 128 threads sum the split-K partials; then the threads holding the accumulators add it as they
+// store. The B rows are prefetched into L2 when the kernel starts, so the epilogue's loads are L2 hits. Operands (QerlLoraEpilogue, cuda/qerl_nvfp4.h): shrunk [M, S*r] = x @ A_cat^T, lora_b [N, S*r] with only the
+// diagonal blocks read (row n, columns s(n) * r ..), a bf16 token mask.
+#pragma once
+
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+
+namespace qerl {
+
+// Row pitch (floats) of the LoRA tile in shared memory: 4 more than the tile's columns, so the accumulator-layout
+// reads (rows 2 * (lane % 4), columns lane / 4) hit 32 different banks.
+template <int BN>
+constexpr int lora_tile_pitch() {
+  return BN + 4;
+}
+
+// Shared-memory bytes of the LoRA tile of a BM x BN output tile.
+template <int BM, int BN>
+constexpr int lora_tile_bytes() {
+  return BM * lora_tile_pitch<BN>() * 4;
+}
+
+// Slice of output column n (< N): slice_end holds the slices' exclusive ends, padded with N past n_slices.
+__device__ __forceinline__ int lora_slice(const QerlLoraEpilogue& p, int n) {
+  return (n >= p.slice_end[0]) + (n >= p.slice_end[1]);
+}
+
+// 8 bf16 (one 16-byte load) -> 8 floats, exactly.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float f[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+// Pull the B rows of output columns [n0, n0 + BN) into L2 at the start of the kernel, so that the epilogue's loads,
+// several microseconds later, are L2 hits instead of DRAM round trips. One CTA per tile calls it (split 0).
+template <int BN, int THREADS>
+__device__ __forceinline__ void lora_prefetch_b(const QerlLoraEpilogue& p, int n0, int N, int tid) {
+  const int n = n0 + tid % BN;
+  if (n >= N) return;
+  const char* row = static_cast<const char*>(p.lora_b) +
+                    (size_t(n) * p.ld_b + size_t(lora_slice(p, n)) * p.rank) * sizeof(__nv_bfloat16);
+  const int bytes = p.rank * int(sizeof(__nv_bfloat16));
+  for (int o = (tid / BN) * 32; o < bytes; o += 32 * (THREADS / BN))
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + o));
+}
+
+// lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
+// slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
+// Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA:
+// their own named barrier 1): the tile's rows of `shrunk` are staged in `s_sm` first (one round of loads, then every
+// column reads them from shared memory), the B row of each column is read once per 8 tokens (from L1 after the first).
+template <int BM, int BN>
+__device__ __forceinline__ void lora_tile(float* lt, __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0, int m0,
+                                          int M, int N, int c) {
+  constexpr int PITCH = lora_tile_pitch<BN>();
+  const int ranks = p.n_slices * p.rank;  // staged row length (elements), a multiple of 8
+  const int rows = min(BM, M - m0);
+  const int row_chunks = ranks / 8;
+  for (int q = c; q < rows * row_chunks; q += BN) {
+    const int t = q / row_chunks, ch = q % row_chunks;
+    reinterpret_cast<uint4*>(s_sm + t * ranks)[ch] =
+        __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.shrunk) +
+                                             size_t(m0 + t) * p.ld_shrunk) + ch);
+  }
+  asm volatile("bar.sync 1, %0;\n" ::"n"(BN) : "memory");
+  const int n = n0 + c;
+  const bool col_ok = n < N;
+  const int off = col_ok ? lora_slice(p, n) * p.rank : 0;
+  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
+                                                     size_t(col_ok ? n : 0) * p.ld_b + off);
+  const __nv_bfloat16* mask = static_cast<const __nv_bfloat16*>(p.mask);
+  const int chunks = p.rank / 8;
+#pragma unroll 1
+  for (int t0 = 0; t0 < rows; t0 += 8) {
+    float sum[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+#pragma unroll 2
+    for (int j = 0; j < chunks; ++j) {
+      float b[8];
+      bf16x8_to_float(__ldg(brow + j), b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (t0 + i < rows) {
+          float s[8];
+          bf16x8_to_float(reinterpret_cast<const uint4*>(s_sm + (t0 + i) * ranks + off)[j], s);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sum[i] = fmaf(s[e], b[e], sum[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (t0 + i < rows) {
+        const float mk = __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
+        lt[(t0 + i) * PITCH + c] = col_ok ? sum[i] * mk : 0.0f;
+      }
+    }
+  }
+}
+
+// store_bf16 (nvfp4_common.cuh) plus the LoRA tile: out[m, n] = bf16(acc * alpha + bias[n] + lt[m - m0, n - n0]).
+template <int NB, int MT, int BN>
+__device__ __forceinline__ void store_bf16_lora(const float (&acc)[NB][MT][4], __nv_bfloat16* out,
+                                                const __nv_bfloat16* bias, float alpha, const float* lt, int blk0,
+                                                int n0, int m0, int lane, int M, int N) {
+  constexpr int PITCH = lora_tile_pitch<BN>();
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (blk0 + nb) * 16 + (lane >> 2) + 8 * h;
+      if (n >= N) continue;
+      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int t = mt * 8 + (lane & 3) * 2 + e;
+          if (m0 + t < M)
+            out[size_t(m0 + t) * N + n] =
+                __float2bfloat16_rn(acc[nb][mt][2 * h + e] * alpha + bv + lt[t * PITCH + (n - n0)]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace qerl
