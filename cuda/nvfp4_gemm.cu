@@ -339,7 +339,10 @@ int ctas_per_sm() {
 
 extern "C" int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora) {
   QerlLoraEpilogue norm{};
-  return lora != nullptr && N > 0 && qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm) ? 1 : 0;
+  return lora != nullptr && N > 0 && block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M &&
+                 qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)
+             ? 1
+             : 0;
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,

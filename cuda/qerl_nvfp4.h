@@ -57,6 +57,12 @@ typedef struct {
 // what the kernel stages in shared memory (>= 96; block_m 64: 312); else 0 (then run the GEMM and a separate expand).
 int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 
+// The largest block_m whose launches take the LoRA epilogue (qerl_nvfp4_gemm_lora_supported is 0 above it): the
+// epilogue runs in the tile's last CTA after its main loop, so its cost grows with the tile's tokens. Measured on one
+// H200 (7B decode step, benchmarks/NOTES.md "fused LoRA expand"): a gain at M = 1 (3.60 vs 3.66 ms per step), even
+// at M = 8 (3.91 vs 3.87), a loss at M = 64 where the table routes o_proj to split-K (7.06 vs 6.45 ms).
+#define QERL_LORA_EPILOGUE_MAX_BLOCK_M 8
+
 // qerl_nvfp4_gemm_launch with the LoRA expand above in its epilogue (lora == NULL: exactly that launch). The LoRA
 // term is added where the bf16 output is written: by every CTA with one split, by the last CTA of a tile (after the
 // deterministic sum of the partials) with several.

@@ -679,6 +679,14 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
   return done ? out : lora_expand_op(out, shrunk, lora_b.t(), mask);
 }
 
+// Whether qerl::nvfp4_gemm_lora adds the LoRA term in the split-K kernel's epilogue for these sizes (with operands
+// that fit it) rather than running qerl::lora_expand after the GEMM (tests and benchmarks ask; no launch).
+bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
+  const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
+  return r.kernel && r.wgmma == Wgmma::kNone && streamk_launch_grid(m, n, k, r.policy) == 0 &&
+         pick_block_m(m) <= QERL_LORA_EPILOGUE_MAX_BLOCK_M;
+}
+
 // What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: one of
 // gemm_kernel_names() (benchmarks label their rows with it; no launch).
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
@@ -724,6 +732,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");
+  m.def("lora_epilogue_runs", &lora_epilogue_runs,
+        "whether qerl::nvfp4_gemm_lora adds the LoRA term in the split-K epilogue for (M, N, K, mode)");
   m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");
