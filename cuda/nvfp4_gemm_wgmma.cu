@@ -31,6 +31,7 @@
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
 #include "tma_sm90.cuh"
+#include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace qerl {
@@ -116,7 +117,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int STAGES = C::STAGES;
   constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
-  constexpr int NQ = ACC / 4;     // float4 partials per m64 block per thread
   constexpr int SLOT_FLOATS = T * streamk::kTileRows;  // one partial slot: T tokens x 256 weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
@@ -251,70 +251,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
-    // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
-    const int tok_lane = 2 * (lane & 3);
-    const int c_first = range.first_cta(tile);
-    const int c_last = range.last_cta(tile);
-    bool do_store = true;
-    if (c_first != c_last) {
-      do_store = streamk::fix_up_split_tile(
-          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
-          [&] {
-            float4* mine = streamk::partial_slot<SLOT_FLOATS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
-            if (active) {
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int q = 0; q < NQ; ++q)
-                  if (m0 + 8 * q + tok_lane < M)
-                    mine[(h * NQ + q) * WG_THREADS + tid] =
-                        make_float4(acc[h][4 * q], acc[h][4 * q + 1], acc[h][4 * q + 2], acc[h][4 * q + 3]);
-            }
-          },
-          [&] {
-            if (active) {
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                for (int q = 0; q < NQ; ++q)
-                  acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-                streamk::for_each_partial<SLOT_FLOATS>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-                  const float4* part = slot + h * NQ * WG_THREADS + tid;
-#pragma unroll
-                  for (int q = 0; q < NQ; ++q) {
-                    const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WG_THREADS)
-                                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-                    acc[h][4 * q] += v.x;
-                    acc[h][4 * q + 1] += v.y;
-                    acc[h][4 * q + 2] += v.z;
-                    acc[h][4 * q + 3] += v.w;
-                  }
-                });
-              }
-            }
-          });
-    }
-
-    // ---- epilogue: acc[h][4 q + c] is weight row 128 wg + 64 h + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
-    if (do_store && active) {
-      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const int n = ntile * streamk::kTileRows + wg * 128 + h * 64 + wl * 16 + (lane >> 2) + 8 * rh;
-          if (n >= N) continue;
-          const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-          for (int q = 0; q < NQ; ++q)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int m = m0 + 8 * q + tok_lane + e;
-              if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[h][4 * q + 2 * rh + e] * alpha + bv);
-            }
-        }
-      }
-    }
+    // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+    wgmma_rs::finish_tile<2, ACC, WG_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                         ntile * streamk::kTileRows, m0, M, N, active, gscale, bias,
+                                                         out);
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
   }

@@ -22,6 +22,7 @@
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
 #include "tma_sm90.cuh"
+#include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace qerl {
@@ -47,34 +48,9 @@ static_assert(WD_X_BYTES / 16 == 8 * WD_THREADS, "activations: eight 16-byte chu
 __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
-        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
-        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
-        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " QERL_WGMMA_D128_PTX
+      ", {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+      : QERL_WGMMA_D128_OPS(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 #endif  // QERL_WGMMA_DEVICE
@@ -88,7 +64,6 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #ifdef QERL_WGMMA_DEVICE
   constexpr int PF = WD_SLOTS - 2;  // prefetch distance in half-stages
   constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
-  constexpr int WD_NQ = WD_ACC / 4;  // float4 partials per thread
   constexpr int WD_STAGE_W_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 32;  // uint4 per tile-stage: 512
   constexpr int WD_STAGE_S_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 4;   // 64
   constexpr int SLOT_FLOATS = WD_T * WD_ROWS;
@@ -131,9 +106,9 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * WD_T;
 
-    float acc[WD_ACC];
+    float acc[1][WD_ACC];  // one m64 block (the layout wgmma_rs::finish_tile takes)
 #pragma unroll
-    for (int i = 0; i < WD_ACC; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < WD_ACC; ++i) acc[0][i] = 0.0f;
 
     const uint4* w_thr = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC + w_blk * 64 + (tid & 31);
     const uint4* s_thr = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC + s_blk * 8 + (tid & 3);
@@ -169,7 +144,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
           kWgmmaDescSwizzle128 | uint64_t(((smem_base + slot * WD_SLOT_BYTES) >> 4) & 0x3FFF);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc, a[j], desc0 + uint64_t((j * 32) >> 4));
+      for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
       wgmma_commit();
       wgmma_wait<1>();
     };
@@ -202,60 +177,14 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
     g0 += halves;
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[i]);
+    for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[0][i]);
     cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
-    // ---- partials and the fix-up (CTAs c_first .. c_last share this tile)
-    const int tok_lane = 2 * (lane & 3);
-    const int c_first = range.first_cta(tile);
-    const int c_last = range.last_cta(tile);
-    bool do_store = true;
-    if (c_first != c_last) {
-      do_store = streamk::fix_up_split_tile(
-          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
-          [&] {
-            float4* mine = streamk::partial_slot<SLOT_FLOATS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
-#pragma unroll
-            for (int q = 0; q < WD_NQ; ++q)
-              if (m0 + 8 * q + tok_lane < M)
-                mine[q * WD_THREADS + tid] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-          },
-          [&] {
-#pragma unroll
-            for (int i = 0; i < WD_ACC; ++i) acc[i] = 0.f;
-            streamk::for_each_partial<SLOT_FLOATS>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-              const float4* part = slot + tid;
-#pragma unroll
-              for (int q = 0; q < WD_NQ; ++q) {
-                const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * WD_THREADS)
-                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
-                acc[4 * q] += v.x;
-                acc[4 * q + 1] += v.y;
-                acc[4 * q + 2] += v.z;
-                acc[4 * q + 3] += v.w;
-              }
-            });
-          });
-    }
-
-    // ---- epilogue: acc[4 q + c] is weight row 64 wg + 16 wl + lane/4 + 8 (c/2), token 8 q + 2 (lane%4) + c%2
-    if (do_store) {
-      const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int n = ntile * WD_ROWS + nb * 16 + (lane >> 2) + 8 * rh;
-        if (n >= N) continue;
-        const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-        for (int q = 0; q < WD_NQ; ++q)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int m = m0 + 8 * q + tok_lane + e;
-            if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[4 * q + 2 * rh + e] * alpha + bv);
-          }
-      }
-    }
+    // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+    wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
+                                                            my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
+                                                            bias, out);
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
   }
