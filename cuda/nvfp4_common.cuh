@@ -135,6 +135,17 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
   return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
+// k16 step j (0..3) of a warp's 16-row x 64-K block of the repacked layout (this lane's 16 bytes wv, its two rows'
+// 8 scale bytes sv) -> the scaled A fragment: e2m1 * scale / 128 as bf16x2 (the wgmma kernels' per-step decode).
+__device__ __forceinline__ void decode_scaled(const uint4& wv, const uint2& sv, int j, uint32_t (&a)[4]) {
+  const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
+  decode_raw(word_of(wv, j), a);
+  a[0] = bf16x2_mul_lo(a[0], s2);
+  a[1] = bf16x2_mul_hi(a[1], s2);
+  a[2] = bf16x2_mul_lo(a[2], s2);
+  a[3] = bf16x2_mul_hi(a[3], s2);
+}
+
 // ---- the pipeline both GEMM kernels drive (one definition: a fix to the ring protocol reaches both)
 
 // Streams `count` K stages through a STAGES-deep cp.async ring: STAGES - 1 stages in flight ahead of the one

@@ -207,14 +207,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
           const uint4 wv = wsm[blk * 32 + lane];
           const uint2 sv = ssm[blk * 8 + (lane >> 2)];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
-            decode_raw(word_of(wv, j), a[h][j]);
-            a[h][j][0] = bf16x2_mul_lo(a[h][j][0], s2);
-            a[h][j][1] = bf16x2_mul_hi(a[h][j][1], s2);
-            a[h][j][2] = bf16x2_mul_lo(a[h][j][2], s2);
-            a[h][j][3] = bf16x2_mul_hi(a[h][j][3], s2);
-          }
+          for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[h][j]);
         }
         wgmma_fence();
 #pragma unroll

@@ -132,14 +132,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
       const uint4 wv = reinterpret_cast<const uint4*>(base + WD_X_BYTES)[nb * 32 + lane];
       const uint2 sv = reinterpret_cast<const uint2*>(base + WD_X_BYTES + WD_W_BYTES)[nb * 8 + (lane >> 2)];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
-        decode_raw(word_of(wv, j), a[j]);
-        a[j][0] = bf16x2_mul_lo(a[j][0], s2);
-        a[j][1] = bf16x2_mul_hi(a[j][1], s2);
-        a[j][2] = bf16x2_mul_lo(a[j][2], s2);
-        a[j][3] = bf16x2_mul_hi(a[j][3], s2);
-      }
+      for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[j]);
       const uint64_t desc0 =
           kWgmmaDescSwizzle128 | uint64_t(((smem_base + slot * WD_SLOT_BYTES) >> 4) & 0x3FFF);
       wgmma_fence();
