@@ -57,15 +57,12 @@ __device__ __forceinline__ void lora_prefetch_b(const QerlLoraEpilogue& p, int n
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + o));
 }
 
-// lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
-// slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
-// Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA:
-// their own named barrier 1): the tile's rows of `shrunk` are staged in `s_sm` first (one round of loads, then every
-// column reads them from shared memory), the B row of each column is read once per 8 tokens (from L1 after the first).
+// The tile's rows of `shrunk` (m0 + t < M) -> s_sm, row t at t * n_slices * rank: one round of 16-byte loads by BN
+// threads (c = 0 .. BN - 1), so that every column then reads them from shared memory. The caller's CTA barrier
+// orders these writes before lora_tile's reads (a CTA-wide barrier, not a named one over the BN threads: with the
+// named barrier compute-sanitizer's racecheck reports hazards on correct code, benchmarks/NOTES.md).
 template <int BM, int BN>
-__device__ __forceinline__ void lora_tile(float* lt, __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0, int m0,
-                                          int M, int N, int c) {
-  constexpr int PITCH = lora_tile_pitch<BN>();
+__device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int m0, int M, int c) {
   const int ranks = p.n_slices * p.rank;  // staged row length (elements), a multiple of 8
   const int rows = min(BM, M - m0);
   const int row_chunks = ranks / 8;
@@ -75,7 +72,19 @@ __device__ __forceinline__ void lora_tile(float* lt, __nv_bfloat16* s_sm, const 
         __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.shrunk) +
                                              size_t(m0 + t) * p.ld_shrunk) + ch);
   }
-  asm volatile("bar.sync 1, %0;\n" ::"n"(BN) : "memory");
+}
+
+// lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
+// slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
+// Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA)
+// after lora_stage_shrunk and a CTA barrier; the B row of each column is read once per 8 tokens (from L1 after the
+// first).
+template <int BM, int BN>
+__device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
+                                          int m0, int M, int N, int c) {
+  constexpr int PITCH = lora_tile_pitch<BN>();
+  const int ranks = p.n_slices * p.rank;
+  const int rows = min(BM, M - m0);
   const int n = n0 + c;
   const bool col_ok = n < N;
   const int off = col_ok ? lora_slice(p, n) * p.rank : 0;

@@ -229,9 +229,10 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
   // reduction buffer.
   if constexpr (LORA) {
-    if (kh == 1)
-      lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET),
-                        reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET), lora, nb0 * 16, m0, M, N, rt);
+    __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
+    if (kh == 1) lora_stage_shrunk<BM, BN>(s_sm, lora, m0, M, rt);
+    __syncthreads();
+    if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, lora, nb0 * 16, m0, M, N, rt);
     __syncthreads();
   }
   if (kh != 0) return;
@@ -283,7 +284,11 @@ cudaError_t launch(const void* x, const void* qweight, const void* qscale, const
   if (lora == nullptr)
     return launch_as<BM, false>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
                                 QerlLoraEpilogue{}, stream);
-  return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, stream);
+  // LoRA kernels exist only up to QERL_LORA_EPILOGUE_MAX_BLOCK_M tokens per tile (qerl_nvfp4_gemm_lora_supported)
+  if constexpr (BM <= QERL_LORA_EPILOGUE_MAX_BLOCK_M)
+    return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, stream);
+  else
+    return cudaErrorInvalidValue;
 }
 
 // Most shrunk columns (n_slices x rank) the LoRA epilogue of the BM kernel stages in its drained ring (0: no kernel).
@@ -354,7 +359,9 @@ extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qw
     return cudaErrorInvalidValue;
   if (splits > 1 && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
   QerlLoraEpilogue norm{};
-  if (lora != nullptr && !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)) return cudaErrorInvalidValue;
+  if (lora != nullptr && (block_m > QERL_LORA_EPILOGUE_MAX_BLOCK_M ||
+                          !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)))
+    return cudaErrorInvalidValue;
   const QerlLoraEpilogue* ep = lora != nullptr ? &norm : nullptr;
   switch (block_m) {
     case 8:

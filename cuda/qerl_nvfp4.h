@@ -54,7 +54,8 @@ typedef struct {
 
 // 1 when qerl_nvfp4_gemm_lora_launch accepts `lora` for an output of N columns with this block_m: operands present
 // and 16-byte aligned, rank a positive multiple of 8, 1..3 increasing slices ending at N, and n_slices x rank within
-// what the kernel stages in shared memory (>= 96; block_m 64: 312); else 0 (then run the GEMM and a separate expand).
+// what the kernel stages in shared memory (>= 96), block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M; else 0 (then run the
+// GEMM and a separate expand).
 int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 
 // The largest block_m whose launches take the LoRA epilogue (qerl_nvfp4_gemm_lora_supported is 0 above it): the
