@@ -38,6 +38,11 @@ warning). Result files written before the names by role have ``kernel`` (split-K
 Writes ``benchmarks/results/kernel-<gpu>.json`` (``<gpu>`` from the device name: h100, h200, ...; into
 ``--out``/``$OUT`` when that is a folder) and prints the ratio table last.
 
+This file is the command line and the timing run; its parts live beside it: ``kernel_variants.py`` (the fused-kernel
+variants), ``kernel_marlin.py`` (the vLLM Marlin anchor), ``kernel_results.py`` (sums, targets, table, file name),
+``kernel_diagnostics.py`` (``--sanitize``, ``--profile``, ``--repro-throw``, ``--ncu-summary``, ``--sass``) and
+``kernel_common.py`` (the device and the random weights).
+
     python benchmarks/kernel.py                 # full run
     python benchmarks/kernel.py --quick         # fewer shapes/iterations (smoke test)
     python benchmarks/kernel.py --sanitize      # tiny correctness run for compute-sanitizer
@@ -50,8 +55,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
-import importlib
 import json
 import os
 import platform
@@ -66,10 +69,31 @@ from results_format import target_met, target_status  # benchmarks/: this script
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import dispatch, reference  # noqa: E402
+# the siblings import verl_qerl too: after the repository is on sys.path
+from kernel_common import DEV, random_nvfp4  # noqa: E402 - scripts import random_nvfp4 from here
+from kernel_diagnostics import ncu_summary, parse_modes, profile_run, repro_throw, sanitize_run, sass_summary  # noqa: E402
+from kernel_marlin import add_marlin_ratio, load_marlin, marlin_meta, prepare_marlin  # noqa: E402
+from kernel_results import (  # noqa: E402
+    DEFAULT_MODELS,
+    build_targets,
+    result_path,
+    streamk_calibration,
+    sum_layers,
+    table_lines,
+)
+from kernel_variants import (  # noqa: E402
+    BASELINE,
+    TILE_VARIANTS,
+    add_variant_ratios,
+    narrow_wgmma_tiles,
+    parse_variants,
+    variant_applies,
+    variant_lines,
+)
 
-DEV = "cuda"
+from verl_qerl import kernels  # noqa: E402
+from verl_qerl.kernels import dispatch  # noqa: E402
+
 MODELS = {
     "qwen2.5-7b": dict(h=3584, i=18944, q=3584, kv=512),
     "qwen2.5-32b": dict(h=5120, i=27648, q=5120, kv=1024),
@@ -79,126 +103,8 @@ MODELS = {
     "qwen2.5-3b": dict(h=2048, i=11008, q=2048, kv=256),
     "qwen2.5-14b": dict(h=5120, i=13824, q=5120, kv=1024),
 }
-#: the issue's table (and the only models whose rows become targets)
-DEFAULT_MODELS = ("qwen2.5-7b", "qwen2.5-32b")
 MS = [1, 4, 16, 64, 128, 256, 1024, 4096]
 ROT = 4
-TARGETS = [  # (M predicate, target ratio vs bf16), issue 18's per-layer targets on the H200
-    (lambda m: m <= 16, 2.5),
-    (lambda m: m == 64, 2.0),
-    (lambda m: m == 128, 1.5),
-    (lambda m: m == 256, 1.0),
-    (lambda m: m >= 1024, 0.95),
-]
-MARLIN_TARGET = 1.0  # ours per-layer speedup vs vLLM's Marlin FP4, every M (issue 3 stretch)
-MARLIN_TOL = 1e-2  # relative norm error vs the float64 reference, checked before Marlin is timed
-#: ``is_fp4_marlin_supported()``'s threshold in vLLM 0.24 (``has_device_capability(75)``); checked here
-#: first so an old GPU is skipped before vLLM is imported, and vLLM's own check is asked as well.
-MARLIN_MIN_CAPABILITY = (7, 5)
-MARLIN_MODULE = "vllm.model_executor.layers.quantization.utils.marlin_utils_fp4"
-MARLIN_FUNCS = ("prepare_fp4_layer_for_marlin", "apply_fp4_marlin_linear", "is_fp4_marlin_supported")
-#: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (cuda/gemm_modes.h)
-VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
-#: the variant every other one is compared with (always timed, first)
-BASELINE = "splitk"
-#: benchmark-only variants: a kernel the op also runs, with its tile choice moved (variant -> the kernel it times).
-#: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs 256-token ones (M >= 129),
-#: so both tile widths are timed side by side in one run.
-TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs"}
-#: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
-NARROW_WIDE_MIN_M = 1 << 40
-
-
-def parse_variants(text: str | None) -> list[str]:
-    """``--variants`` ("splitk,streamk") -> ordered, de-duplicated variant names; split-K always first (the
-    baseline the ratios divide by). Former names (v5, wgmma) are accepted with a warning; unknown names raise
-    ValueError naming them and the known ones."""
-    names = [kernels.canonical_kernel_name(v, "--variants") for v in (text or BASELINE).split(",") if v.strip()]
-    known = set(VARIANT_KERNEL_MODES) | set(TILE_VARIANTS)
-    bad = [v for v in names if v not in known]
-    if bad:
-        raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(known)}")
-    return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
-
-
-def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa: ANN001 - the extension module
-    """Whether timing ``variant`` at (M, N, K) measures anything but split-K again: the extension says which fused
-    kernel the variant's forced mode runs on this device (stream-K: block_m 32 / 64 where the device grants its
-    ring, split-K elsewhere); the fused kernels are not timed above M = 1024."""
-    if variant == BASELINE:
-        return True
-    if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
-        kernel = TILE_VARIANTS[variant]
-        return m >= 129 and variant_applies(ext, kernel, m, n, k)
-    return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
-
-
-def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
-    """``fn`` run with the register-A wgmma kernel held at 128-token tiles (the op reads the knob at each call,
-    so a CUDA graph captured through this keeps them)."""
-    def run(r):  # noqa: ANN001, ANN202
-        prev = ext.set_wgmma_wide_min_m(NARROW_WIDE_MIN_M)
-        try:
-            return fn(r)
-        finally:
-            ext.set_wgmma_wide_min_m(prev)
-    return run
-
-
-def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
-    """(variant, op mode) pairs ``--profile`` launches per shape: the ``--variants`` given (forced), else the one
-    ``$QERL_GEMM_KERNEL`` selects (forced; ``auto``, the default: the op's own choice)."""
-    names = variants if variants else [env_variant]
-    tiles = [v for v in names if v in TILE_VARIANTS]
-    if tiles:
-        raise ValueError(f"--profile: {tiles} are timing-only variants; profile {sorted(set(TILE_VARIANTS.values()))} "
-                         "and move its tile width with the extension's set_wgmma_wide_min_m")
-    return [(v, int(VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v]))) for v in names]
-
-
-def add_variant_ratios(row: dict, variants: list[str]) -> dict:
-    """``row["<v>/splitk"]`` = kernel_splitk_graph_ms / kernel_<v>_graph_ms (the variant's speedup over split-K,
-    CUDA-graph timing; > 1 means the variant is faster), where both are present."""
-    base = row.get(f"kernel_{BASELINE}_graph_ms")
-    for v in variants:
-        if v != BASELINE and base and row.get(f"kernel_{v}_graph_ms"):
-            row[f"{v}/{BASELINE}"] = round(base / row[f"kernel_{v}_graph_ms"], 3)
-    return row
-
-
-def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
-    """Printed comparison of the fused-kernel variants: per GEMM and per layer, graph ms and ratio to split-K."""
-    others = [v for v in variants if v != BASELINE]
-    if not others:
-        return []
-    head = f"{'model':12s} {'layer':8s} {'M':>5s} | {BASELINE + ' g':>8s}"
-    for v in others:
-        head += f" {v + ' g':>10s} {v + '/' + BASELINE:>15s}"
-    lines = [f"# fused-kernel variants, CUDA graph ms; <v>/{BASELINE} = {BASELINE} / variant (> 1: variant faster)",
-             head]
-    for r in rows:
-        if not any(r.get(f"kernel_{v}_graph_ms") for v in others):
-            continue
-        base = r.get(f"kernel_{BASELINE}_graph_ms")
-        line = f"{r['model']:12s} {r['layer']:8s} {r['M']:5d} | " + (f"{base:8.4f}" if base else f"{'-':>8s}")
-        for v in others:
-            t, q = r.get(f"kernel_{v}_graph_ms"), r.get(f"{v}/{BASELINE}")
-            line += (f" {t:10.4f}" if t else f" {'-':>10s}") + (f" {q:15.3f}" if q else f" {'-':>15s}")
-        lines.append(line)
-    return lines
-
-
-MARLIN_OPS = ("marlin_gemm", "gptq_marlin_repack")
-
-
-def parse_modes(text: str) -> set[str]:
-    """``--sanitize-modes`` ("streamk,wgmma_ss") -> op mode names (cuda/gemm_modes.h); unknown names raise
-    ValueError naming them and the known ones."""
-    names = {v.strip().lower() for v in text.split(",") if v.strip()}
-    bad = sorted(names - set(kernels.GEMM_MODES))
-    if bad:
-        raise ValueError(f"--sanitize-modes: unknown mode(s) {bad}; known: {sorted(kernels.GEMM_MODES)}")
-    return names
 
 
 def select_models(text: str | None) -> dict:
@@ -282,273 +188,6 @@ def ceilings() -> tuple[float, float]:
     return bw, tf
 
 
-def random_nvfp4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random codes and E4M3 scales in [0.5, 2.5] (as anchors.py); not zeros (see METHOD.md)."""
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV)
-    scale = (torch.rand(n, k // 16, device=DEV) * 2 + 0.5).to(torch.float8_e4m3fn)
-    return packed, scale, torch.tensor([100.0], device=DEV)
-
-
-def _one_line(ex: BaseException, limit: int = 240) -> str:
-    msg = " ".join(str(ex).split())
-    return f"{type(ex).__name__}: {msg}"[:limit]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _has_c_op(name: str) -> bool:
-    try:
-        return hasattr(torch.ops._C, name)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def load_marlin(capability: tuple[int, int] | None, importer=importlib.import_module, has_op=_has_c_op):
-    """vLLM's Marlin FP4 helpers module, or ``(None, one-line reason)`` why the column is skipped.
-
-    ``capability`` is the GPU's (major, minor) or None without a GPU. ``importer`` and ``has_op``
-    are injectable so the skip logic is testable without vLLM or a GPU. Never raises.
-    """
-    if capability is None:
-        return None, "no CUDA GPU"
-    if tuple(capability) < MARLIN_MIN_CAPABILITY:
-        return None, (f"GPU capability {capability[0]}.{capability[1]} is below Marlin FP4's "
-                      f"{MARLIN_MIN_CAPABILITY[0]}.{MARLIN_MIN_CAPABILITY[1]}")
-    try:
-        importer("vllm")
-    except Exception as ex:  # noqa: BLE001 -- any failure means "no vLLM here", not a crash
-        return None, f"vllm does not import: {_one_line(ex)}"
-    try:
-        importer("vllm._custom_ops")  # imports vllm._C_stable_libtorch, which registers torch.ops._C
-    except Exception as ex:  # noqa: BLE001
-        return None, f"vllm._custom_ops does not import: {_one_line(ex)}"
-    missing = [op for op in MARLIN_OPS if not has_op(op)]
-    if missing:
-        return None, f"vLLM's compiled ops lack torch.ops._C.{', '.join(missing)} (no vllm._C_stable_libtorch?)"
-    try:
-        mod = importer(MARLIN_MODULE)
-    except Exception as ex:  # noqa: BLE001
-        return None, f"{MARLIN_MODULE} does not import: {_one_line(ex)}"
-    missing = [f for f in MARLIN_FUNCS if not callable(getattr(mod, f, None))]
-    if missing:
-        return None, f"{MARLIN_MODULE} lacks {', '.join(missing)}"
-    try:
-        ok = bool(mod.is_fp4_marlin_supported())
-    except Exception as ex:  # noqa: BLE001
-        return None, f"is_fp4_marlin_supported() failed: {_one_line(ex)}"
-    if not ok:
-        return None, f"vLLM's is_fp4_marlin_supported() is False on capability {capability[0]}.{capability[1]}"
-    return mod, None
-
-
-def marlin_meta() -> tuple[str, dict]:
-    """(vLLM version, what the Marlin column calls) for the JSON; only after :func:`load_marlin` succeeded."""
-    try:
-        import vllm
-        from vllm.scalar_type import scalar_types
-
-        version, type_id = vllm.__version__, scalar_types.float4_e2m1f.id
-    except Exception as ex:  # noqa: BLE001 -- metadata only
-        version, type_id = f"unknown ({_one_line(ex)})", None
-    return version, {
-        "source": f"vllm {version} {MARLIN_MODULE}: prepare_fp4_layer_for_marlin(layer) once per weight set, "
-                  "apply_fp4_marlin_linear(...) per call (-> torch.ops._C.gptq_marlin_repack, torch.ops._C.marlin_gemm "
-                  "with scalar_types.float4_e2m1f)",
-        "float4_e2m1f_id": type_id,
-        "VLLM_MARLIN_USE_ATOMIC_ADD": os.environ.get("VLLM_MARLIN_USE_ATOMIC_ADD", "unset"),
-        "check": f"every weight set and M: relative norm error vs x @ dequantize_f64(W).T <= {MARLIN_TOL}, else the "
-                 "shape is not timed",
-    }
-
-
-def marlin_layer(mod, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor, n: int, k: int):
-    """One NVFP4 weight (our compressed-tensors tensors) through vLLM's own Marlin preparation.
-
-    The layer carries what vLLM's compressed-tensors NVFP4 W4A16 scheme hands to
-    ``MarlinNvFp4LinearKernel.process_weights_after_loading``: ``weight`` packed E2M1 uint8 [N, K/2],
-    ``weight_scale`` E4M3 [N, K/16] and ``weight_global_scale`` as a *multiplier* (the scheme stores
-    ``1 / weight_global_scale``; our global scale is compressed-tensors' divisor).
-    """
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(packed.clone(), requires_grad=False)
-    layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
-    gmul = 1.0 / gs.to(torch.float32).reshape(-1).max()
-    layer.weight_global_scale = torch.nn.Parameter(gmul, requires_grad=False)
-    layer.output_size_per_partition = n
-    layer.input_size_per_partition = k
-    layer.params_dtype = torch.bfloat16
-    mod.prepare_fp4_layer_for_marlin(layer)
-    return layer
-
-
-def marlin_apply(mod, layer, n: int, k: int):
-    """``x -> apply_fp4_marlin_linear(...)`` with the arguments ``MarlinNvFp4LinearKernel.apply_weights`` passes."""
-    return lambda x: mod.apply_fp4_marlin_linear(
-        input=x, weight=layer.weight, weight_scale=layer.weight_scale,
-        weight_global_scale=layer.weight_global_scale, workspace=layer.workspace, size_n=n, size_k=k)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius-norm error of ``out`` vs the float64 ``ref`` (inf for a shape mismatch or NaN)."""
-    if tuple(out.shape) != tuple(ref.shape):
-        return float("inf")
-    err = float((out.to(torch.float64) - ref).norm() / ref.norm())
-    return err if err == err else float("inf")
-
-
-def check_against_f64(apply_fns, q4, xs: dict[int, torch.Tensor]) -> float:
-    """Largest relative error of ``apply_fns[r](x)`` vs ``x @ W_r.T`` in float64, over every weight set r
-    (the exact dequantized weight, ``reference.dequantize_f64``) and every activation in ``xs``."""
-    worst = 0.0
-    for fn, (packed, scale, gs) in zip(apply_fns, q4, strict=True):
-        w64 = reference.dequantize_f64(packed, scale, gs)
-        for x in xs.values():
-            worst = max(worst, rel_err(fn(x), x.to(torch.float64) @ w64.T))
-        del w64
-    return worst
-
-
-def sum_layers(recs: list[dict], nlayers: int) -> dict[int, dict[str, float]]:
-    """Per M, the sum over the layer's GEMMs of every ``*_ms`` value; a key some GEMM lacks is dropped
-    (a sum with a missing layer would mislead)."""
-    sums: dict[int, dict[str, float]] = {}
-    counts: dict[int, dict[str, int]] = {}
-    for rec in recs:
-        m = rec["M"]
-        for key, v in rec.items():
-            if key.endswith("_ms") and v is not None:
-                sums.setdefault(m, {})[key] = sums.setdefault(m, {}).get(key, 0.0) + v
-                counts.setdefault(m, {})[key] = counts.setdefault(m, {}).get(key, 0) + 1
-    return {m: {k: round(v, 5) for k, v in d.items() if counts[m][k] == nlayers} for m, d in sums.items()}
-
-
-def add_marlin_ratio(row: dict) -> dict:
-    """``row["ours/marlin"]`` = marlin_graph_ms / ours_graph_ms (ours' speedup over vLLM's Marlin, CUDA-graph
-    timing; > 1 means ours is faster), where both are present."""
-    if row.get("marlin_graph_ms") and row.get("ours_graph_ms"):
-        row["ours/marlin"] = round(row["marlin_graph_ms"] / row["ours_graph_ms"], 3)
-    return row
-
-
-def build_targets(rows: list[dict]) -> list[dict]:
-    """Targets on the per-layer ("sum") rows: speedup vs BF16 cuBLAS per M band, and (where the Marlin
-    column was measured) speedup vs vLLM's Marlin FP4 at every M."""
-    targets = []
-    rows = [r for r in rows if r["model"] in DEFAULT_MODELS]
-    for r in rows:
-        if r["layer"] != "sum" or not r.get("ours_graph_ms"):
-            continue
-        for pred, tgt in TARGETS:
-            if pred(r["M"]) and r.get("bf16_graph_ms"):
-                targets.append({
-                    "name": f"{r['model']} M={r['M']} per-layer speedup vs BF16 cuBLAS (CUDA graph timing)",
-                    "measured": round(r["bf16_graph_ms"] / r["ours_graph_ms"], 3), "op": ">=", "target": tgt,
-                })
-    for r in rows:
-        if r["layer"] == "sum" and r.get("ours/marlin") is not None:
-            targets.append({
-                "name": f"{r['model']} M={r['M']} per-layer speedup vs vLLM Marlin FP4 (CUDA graph timing)",
-                "measured": r["ours/marlin"], "op": ">=", "target": MARLIN_TARGET,
-            })
-    return targets
-
-
-def device_tag(name: str | None) -> str:
-    """Short GPU tag for the result file name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'."""
-    words = (name or "").lower().replace("nvidia", " ").split()
-    tag = "".join(c for c in (words[0] if words else "") if c.isalnum() or c in "-_")
-    return tag or "gpu"
-
-
-def result_path(out_arg: str | None, env_out: str | None, device_name: str | None, default_dir: Path) -> Path:
-    """``--out`` (else ``$OUT``, else ``default_dir``); a folder (or a suffix-less path) gets
-    ``kernel-<gpu>.json`` so runs on different GPUs write different files."""
-    path = Path(out_arg) if out_arg else Path(env_out) if env_out else default_dir
-    if path.is_dir() or not path.suffix:
-        path = path / f"kernel-{device_tag(device_name)}.json"
-    return path
-
-
-def table_lines(rows: list[dict], device_name: str) -> list[str]:
-    """The printed per-layer table (one line per model and M)."""
-    lines = [
-        f"# {device_name}; per decoder layer (qkv+o+gate_up+down), ms; ratio = bf16 / method (higher is "
-        "better); ours/marlin = marlin / ours (CUDA graph)",
-        f"{'model':12s} {'M':>5s} | {'bf16 g':>8s} {'ours g':>8s} {'x':>5s} | {'bf16 e':>8s} {'ours e':>8s} "
-        f"{'x':>5s} | {'splitk g':>8s} {'dq+cubl g':>9s} {'nf4 g':>8s} {'x nf4':>5s} | {'marlin g':>8s} "
-        f"{'o/mar':>5s} | {'fp4 floor':>9s}",
-    ]
-    for r in rows:
-        if r["layer"] != "sum":
-            continue
-
-        def f(key: str, r=r) -> str:
-            v = r.get(key)
-            return f"{v:8.4f}" if v else f"{'-':>8s}"
-
-        def ratio(a: str, b: str, r=r) -> str:
-            return f"{r[a] / r[b]:5.2f}" if r.get(a) and r.get(b) else f"{'-':>5s}"
-
-        floor = r.get("floor_fp4_ms")
-        lines.append(
-            f"{r['model']:12s} {r['M']:5d} | {f('bf16_graph_ms')} {f('ours_graph_ms')} "
-            f"{ratio('bf16_graph_ms', 'ours_graph_ms')} | {f('bf16_eager_ms')} {f('ours_eager_ms')} "
-            f"{ratio('bf16_eager_ms', 'ours_eager_ms')} | {f('kernel_splitk_graph_ms')} "
-            f"{f('dequant_cublas_graph_ms')} "
-            f"{f('nf4_graph_ms')} {ratio('bf16_graph_ms', 'nf4_graph_ms')} | {f('marlin_graph_ms')} "
-            f"{ratio('marlin_graph_ms', 'ours_graph_ms')} | "
-            + (f"{floor:9.4f}" if floor is not None else f"{'-':>9s}"))
-    return lines
-
-
-def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> int:
-    """Small shapes through every kernel and split path, checked; meant for compute-sanitizer. ``modes``: only the
-    cases of these op modes (names, cuda/gemm_modes.h), ``max_nk``: only weights with N x K <= max_nk (racecheck /
-    synccheck are slow)."""
-    kernels.load_extension()
-    torch.manual_seed(0)
-    bad = 0
-    # (M, N, K, mode, split-K splits (0: the heuristic))
-    for m, n, k, mode, splits in [
-            (1, 256, 256, "splitk", 0), (5, 272, 512, "splitk", 2), (16, 128, 384, "splitk", 3),
-            (40, 384, 256, "splitk", 0), (70, 128, 256, "splitk", 1), (3, 256, 512, "dequant_cublas", 0),
-            (300, 2048, 256, "dequant_cublas", 0),
-            # the stream-K kernel: whole tiles, many partials, half tiles, M tails
-            (17, 272, 128, "streamk", 0), (33, 400, 640, "streamk", 0), (100, 1040, 768, "streamk", 0),
-            (200, 528, 896, "streamk", 0), (64, 4352, 3584, "streamk", 0),
-            # the register-A wgmma kernel (stream-K / split-K where it is unavailable): both token tiles,
-            # half 256-row tiles, partial segments, M tails
-            (1, 272, 128, "wgmma_rs", 0), (64, 1136, 640, "wgmma_rs", 0), (65, 4352, 3584, "wgmma_rs", 0),
-            (300, 528, 896, "wgmma_rs", 0), (129, 256, 1024, "wgmma_rs", 0),
-            # the wgmma SS kernel: the same, plus a tile split among several CTAs
-            (1, 272, 128, "wgmma_ss", 0), (64, 1136, 640, "wgmma_ss", 0), (65, 4352, 3584, "wgmma_ss", 0),
-            (300, 528, 896, "wgmma_ss", 0), (129, 256, 1024, "wgmma_ss", 0), (64, 3584, 3584, "wgmma_ss", 0),
-            # small weights whose tiles are split among CTAs (two segments per CTA, ring wrap across
-            # segments, fix-up), both token tiles: small enough for racecheck / synccheck
-            (64, 1024, 1280, "wgmma_ss", 0), (200, 512, 1280, "wgmma_ss", 0)]:
-        if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
-            continue
-        packed, scale, gs = random_nvfp4(n, k)
-        rw = kernels.repack(packed, scale)
-        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        b = torch.randn(n, device=DEV).to(torch.bfloat16)
-        out = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, kernels.GEMM_MODES[mode], splits)
-        ref = reference.linear_f64(x, packed, scale, gs, b)
-        err = float((out.double() - ref).norm() / ref.norm())
-        w1 = kernels.dequantize(packed, scale, gs)
-        w2 = kernels.dequantize_repacked(rw, gs, n)
-        ok = err < 1e-2 and torch.equal(w1, w2)
-        bad += not ok
-        print(f"sanitize M={m} N={n} K={k} mode={mode} splits={splits}: rel err {err:.2e} "
-              f"dequant equal {torch.equal(w1, w2)}")
-    torch.cuda.synchronize()
-    print("SANITIZE", "OK" if bad == 0 else f"{bad} FAILED")
-    return 1 if bad else 0
-
-
 def tune_splits(models: dict, ms: list[int]) -> dict:
     """Graph-time the fused kernel over split-K penalties on decode shapes; keep the best."""
     ext = kernels.extension()
@@ -571,25 +210,6 @@ def tune_splits(models: dict, ms: list[int]) -> dict:
     best = min(totals, key=totals.get)
     ext.set_tuning(-1, best)
     return {"split_penalty": best, "totals_ms": totals}
-
-
-def prepare_marlin(mod, q4, n: int, k: int, xs: dict[int, torch.Tensor]) -> tuple[list | None, dict]:
-    """vLLM-Marlin-prepared copies of the ROT weight sets, checked against the float64 reference at every M;
-    ``(apply functions or None, record fields)``. A preparation error or an error above MARLIN_TOL drops
-    the Marlin column for this shape (so a wrong layout cannot produce a speed)."""
-    try:
-        layers = [marlin_layer(mod, p, s, g, n, k) for p, s, g in q4]
-        fns = [marlin_apply(mod, lay, n, k) for lay in layers]
-        err = check_against_f64(fns, q4, xs)
-    except Exception as ex:  # noqa: BLE001
-        _sync()
-        return None, {"marlin_error": _one_line(ex)}
-    _sync()
-    info = {"marlin_rel_err": float(f"{err:.3e}")}
-    if not err <= MARLIN_TOL:
-        info["marlin_error"] = f"relative error {err:.3e} vs float64 reference > {MARLIN_TOL}: not timed"
-        return None, info
-    return fns, info
 
 
 def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods,
@@ -645,93 +265,6 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
     return recs
 
 
-def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = float("inf")) -> dict:
-    """How well auto's rule -- stream-K when tiles >= ``rule`` x CTAs or each CTA's range has >= ``rule_stages``
-    K stages (cuda/qerl_torch.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
-
-    Per GEMM row with both ``kernel_splitk_graph_ms`` and ``kernel_streamk_graph_ms``: its tiles per CTA
-    (``streamk_tiles`` / ``streamk_grid``, both recorded from the extension when the row was timed), stages per
-    CTA (ceil(tiles x K stages / grid)) and which kernel is faster. Returns the points, how many the rule gets
-    right, the summed time under the rule vs best-of-both, and the tiles threshold (among the observed values,
-    and 0 / inf) that minimizes the summed time on these rows with the stages part of the rule kept.
-    """
-    pts = []
-    for r in rows:
-        sp, sk, grid = r.get("kernel_splitk_graph_ms"), r.get("kernel_streamk_graph_ms"), r.get("streamk_grid")
-        tiles = r.get("streamk_tiles")
-        if r.get("layer") == "sum" or not (sp and sk and grid and tiles):
-            continue
-        pts.append({"model": r["model"], "layer": r["layer"], "M": r["M"], "tiles_per_cta": round(tiles / grid, 4),
-                    "stages_per_cta": -(-tiles * (r["K"] // kernels.K_STAGE) // grid), "splitk_ms": sp,
-                    "streamk_ms": sk})
-
-    def picks(p: dict, th: float) -> bool:
-        return p["tiles_per_cta"] >= th or p["stages_per_cta"] >= rule_stages
-
-    def total(th: float) -> float:
-        return sum(p["streamk_ms"] if picks(p, th) else p["splitk_ms"] for p in pts)
-
-    cands = sorted({0.0, float("inf"), *(p["tiles_per_cta"] for p in pts)})
-    best = min(cands, key=lambda th: (total(th), th))
-    right = sum(picks(p, rule) == (p["streamk_ms"] < p["splitk_ms"]) for p in pts)
-    return {"rule": rule, "rule_stages": rule_stages, "rule_right": right, "rule_ms": round(total(rule), 5),
-            "oracle_ms": round(sum(min(p["splitk_ms"], p["streamk_ms"]) for p in pts), 5),
-            "best_threshold": best if best != float("inf") else None, "best_ms": round(total(best), 5),
-            "points": sorted(pts, key=lambda p: p["tiles_per_cta"])}
-
-
-def repro_throw() -> int:
-    """Call the op with a shape it must refuse; print the error (run under cuda-gdb if it crashes)."""
-    kernels.load_extension()
-    packed, scale, gs = random_nvfp4(64, 256)
-    rw = kernels.repack(packed, scale)
-    try:
-        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 128, device=DEV).to(torch.bfloat16), rw.qweight, rw.qscale,
-                                  gs, None, 64, kernels.GemmMode.SPLITK)
-    except RuntimeError as ex:
-        print("REPRO caught:", str(ex).splitlines()[0][:200])
-    try:
-        torch.ops.qerl.nvfp4_gemm(torch.randn(4, 256, device=DEV).half(), rw.qweight, rw.qscale, gs, None, 64,
-                                  kernels.GemmMode.SPLITK)
-    except RuntimeError as ex:
-        print("REPRO caught:", str(ex).splitlines()[0][:200])
-    print("REPRO done")
-    return 0
-
-
-#: (M, N, K) of the profiled GEMMs: 7B gate_up / o / down at decode, gate_up at M = 16, 64, 256
-PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584),
-                  (256, 37888, 3584)]
-
-
-def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list[str] | None = None) -> int:
-    """One fused-kernel call per shape and variant (for ncu), after a warm-up call each; with ``marlin`` vLLM's
-    Marlin FP4 GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the GEMMs:
-    split-K is ``nvfp4_gemm_splitk_kernel``, stream-K ``nvfp4_gemm_streamk_kernel``)."""
-    kernels.load_extension()
-    modes = profile_modes(variants, kernels.gemm_kernel_variant())
-    mod = None
-    if marlin:
-        mod, why = load_marlin(torch.cuda.get_device_capability())
-        if mod is None:
-            print(f"# marlin profile skipped: {why}", flush=True)
-    for m, n, k in [s for s in PROFILE_SHAPES if ms is None or s[0] in ms]:
-        packed, scale, gs = random_nvfp4(n, k)
-        rw = kernels.repack(packed, scale)
-        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        calls = [functools.partial(torch.ops.qerl.nvfp4_gemm, x, rw.qweight, rw.qscale, gs, None, n, mode)
-                 for _, mode in modes]
-        if mod is not None:
-            calls.append(functools.partial(marlin_apply(mod, marlin_layer(mod, packed, scale, gs, n, k), n, k), x))
-        for call in calls:
-            for _ in range(2):
-                call()
-                torch.cuda.synchronize()
-        print(f"# profiled M={m} N={n} K={k} ({', '.join(v for v, _ in modes)}): {len(calls)} GEMM(s) x 2 calls",
-              flush=True)
-    return 0
-
-
 def _dequant_times(n: int, k: int) -> dict[str, float]:
     packed, scale, gs = random_nvfp4(n, k)
     rw = kernels.repack(packed, scale)
@@ -750,56 +283,6 @@ def dequant_bandwidth(bw: float) -> dict:
         torch.cuda.empty_cache()
     print("# dequant kernels:", json.dumps(res), flush=True)
     return res
-
-
-#: the ncu "details" metrics the NOTES tables quote, per profiled kernel
-NCU_METRICS = ("Duration", "DRAM Throughput", "Compute (SM) Throughput", "Executed Ipc Active", "Issue Slots Busy",
-               "Warp Cycles Per Issued Instruction", "Registers Per Thread", "Theoretical Occupancy",
-               "Dynamic Shared Memory Per Block", "Waves Per SM", "L2 Hit Rate")
-
-
-def ncu_summary(path: str) -> list[dict]:
-    """One row per kernel launch of an ``ncu --csv --page details`` listing (plain or .gz): ID, kernel, grid,
-    block and :data:`NCU_METRICS` (values as ncu prints them, with their unit)."""
-    import csv
-    import gzip
-    import io
-
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", errors="replace") as fh:
-        lines = fh.read().splitlines()
-    head = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if head is None:
-        raise SystemExit(f"{path}: no ncu CSV header (\"ID\", ...); run ncu with --csv --page details")
-    rows: dict[str, dict] = {}
-    for rec in csv.DictReader(io.StringIO("\n".join(lines[head:]))):
-        row = rows.setdefault(rec["ID"], {"ID": int(rec["ID"]), "kernel": rec["Kernel Name"].split("(")[0],
-                                          "grid": rec["Grid Size"], "block": rec["Block Size"]})
-        if rec["Metric Name"] in NCU_METRICS:
-            row[rec["Metric Name"]] = f"{rec['Metric Value']} {rec['Metric Unit']}".strip()
-    return sorted(rows.values(), key=lambda r: r["ID"])
-
-
-def sass_summary(path: str) -> int:
-    """Opcode histogram per kernel of a ``cuobjdump -sass`` listing (instruction mix of the loops)."""
-    import collections
-    import re
-
-    funcs: dict[str, collections.Counter] = {}
-    cur = None
-    for line in Path(path).read_text(errors="replace").splitlines():
-        mf = re.search(r"Function : (\S+)", line)
-        if mf:
-            cur = mf.group(1)
-            funcs[cur] = collections.Counter()
-            continue
-        mi = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
-        if cur and mi:
-            funcs[cur][mi.group(1)] += 1
-    for name, c in funcs.items():
-        print(f"{name} ({sum(c.values())} instructions)")
-        print("   " + " ".join(f"{op}:{n}" for op, n in c.most_common(28)))
-    return 0
 
 
 def main() -> int:

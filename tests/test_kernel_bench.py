@@ -1,5 +1,7 @@
-"""benchmarks/kernel.py's pure pieces on CPU: the vLLM Marlin column's skip logic, its correctness gate,
-per-layer sums, ratios, targets, the result file name and the printed table."""
+"""benchmarks/kernel.py's pure pieces on CPU: the vLLM Marlin column's skip logic, its correctness gate
+(kernel_marlin.py), per-layer sums, ratios, targets, the result file name and the printed table
+(kernel_results.py), the fused-kernel variants (kernel_variants.py), --profile's modes and the ncu reader
+(kernel_diagnostics.py), and the command line's options (kernel.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,32 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def kb():
+    """benchmarks/kernel.py: the command line and the timing run."""
     return load_script("benchmarks/kernel.py", "kernel_bench")
+
+
+@pytest.fixture(scope="module")
+def kb_marlin():
+    """benchmarks/kernel_marlin.py: the vLLM Marlin FP4 anchor."""
+    return load_script("benchmarks/kernel_marlin.py")
+
+
+@pytest.fixture(scope="module")
+def kb_results():
+    """benchmarks/kernel_results.py: sums, targets, table, result file name, stream-K calibration."""
+    return load_script("benchmarks/kernel_results.py")
+
+
+@pytest.fixture(scope="module")
+def kb_diag():
+    """benchmarks/kernel_diagnostics.py: --sanitize, --profile, the ncu / SASS listing readers."""
+    return load_script("benchmarks/kernel_diagnostics.py")
+
+
+@pytest.fixture(scope="module")
+def kb_variants():
+    """benchmarks/kernel_variants.py: the fused-kernel variants."""
+    return load_script("benchmarks/kernel_variants.py")
 
 
 class FakeMarlin(types.SimpleNamespace):
@@ -76,9 +103,9 @@ def _importer(fail: dict[str, BaseException] | None = None, module=None):
     return imp
 
 
-def test_load_marlin_skips_without_gpu_or_old_gpu(kb):
-    assert kb.load_marlin(None, importer=_importer(), has_op=lambda n: True) == (None, "no CUDA GPU")
-    mod, reason = kb.load_marlin((7, 0), importer=_importer(), has_op=lambda n: True)
+def test_load_marlin_skips_without_gpu_or_old_gpu(kb_marlin):
+    assert kb_marlin.load_marlin(None, importer=_importer(), has_op=lambda n: True) == (None, "no CUDA GPU")
+    mod, reason = kb_marlin.load_marlin((7, 0), importer=_importer(), has_op=lambda n: True)
     assert mod is None and "7.0" in reason and "7.5" in reason
 
 
@@ -86,31 +113,32 @@ def test_load_marlin_skips_without_gpu_or_old_gpu(kb):
                                                                     "marlin_utils_fp4"])
 @pytest.mark.parametrize("exc", [ImportError("No module named 'vllm'\nmore"), OSError("libcudart.so.13: cannot"),
                                  RuntimeError("boom")])
-def test_load_marlin_import_failures_are_one_line_reasons(kb, failing, exc):
-    mod, reason = kb.load_marlin((9, 0), importer=_importer({failing: exc}, FakeMarlin()), has_op=lambda n: True)
+def test_load_marlin_import_failures_are_one_line_reasons(kb_marlin, failing, exc):
+    mod, reason = kb_marlin.load_marlin((9, 0), importer=_importer({failing: exc}, FakeMarlin()), has_op=lambda n: True)
     assert mod is None
     assert "\n" not in reason and failing in reason and type(exc).__name__ in reason
 
 
-def test_load_marlin_missing_ops_functions_or_support(kb):
-    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=FakeMarlin()), has_op=lambda n: n != "marlin_gemm")
+def test_load_marlin_missing_ops_functions_or_support(kb_marlin):
+    mod, reason = kb_marlin.load_marlin((9, 0), importer=_importer(module=FakeMarlin()),
+                                        has_op=lambda n: n != "marlin_gemm")
     assert mod is None and "marlin_gemm" in reason and "gptq_marlin_repack" not in reason
     partial = types.SimpleNamespace(prepare_fp4_layer_for_marlin=lambda layer: None)
-    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=partial), has_op=lambda n: True)
+    mod, reason = kb_marlin.load_marlin((9, 0), importer=_importer(module=partial), has_op=lambda n: True)
     assert mod is None and "apply_fp4_marlin_linear" in reason
-    mod, reason = kb.load_marlin((9, 0), importer=_importer(module=FakeMarlin(supported=False)),
+    mod, reason = kb_marlin.load_marlin((9, 0), importer=_importer(module=FakeMarlin(supported=False)),
                                  has_op=lambda n: True)
     assert mod is None and "is_fp4_marlin_supported" in reason
 
 
-def test_load_marlin_ok(kb):
+def test_load_marlin_ok(kb_marlin):
     fake = FakeMarlin()
-    assert kb.load_marlin((9, 0), importer=_importer(module=fake), has_op=lambda n: True) == (fake, None)
+    assert kb_marlin.load_marlin((9, 0), importer=_importer(module=fake), has_op=lambda n: True) == (fake, None)
 
 
-def test_load_marlin_real_environment_never_raises(kb):
+def test_load_marlin_real_environment_never_raises(kb_marlin):
     """Whatever vLLM is (or is not) installed here, the answer is a module or a one-line reason."""
-    mod, reason = kb.load_marlin((9, 0))
+    mod, reason = kb_marlin.load_marlin((9, 0))
     assert (mod is None) != (reason is None)
     if reason is not None:
         assert "\n" not in reason
@@ -118,41 +146,41 @@ def test_load_marlin_real_environment_never_raises(kb):
 
 # --- correctness gate ------------------------------------------------------------------------------
 
-def test_marlin_layer_passes_global_scale_as_multiplier(kb):
+def test_marlin_layer_passes_global_scale_as_multiplier(kb_marlin):
     fake = FakeMarlin()
     (packed, scale, gs), = _q4(32, 64, sets=1)
-    layer = kb.marlin_layer(fake, packed, scale, gs, 32, 64)
+    layer = kb_marlin.marlin_layer(fake, packed, scale, gs, 32, 64)
     assert fake.prepared == [(32, 64)]
     assert float(layer.weight_global_scale) == pytest.approx(0.01)
     assert torch.equal(packed, _q4(32, 64, sets=1)[0][0])  # the caller's weight is not modified
 
 
-def test_prepare_marlin_correct_layout_is_timed(kb):
+def test_prepare_marlin_correct_layout_is_timed(kb_marlin):
     q4 = _q4(64, 256)
     xs = {m: torch.randn(m, 256).to(torch.bfloat16) for m in (1, 5, 16)}
-    fns, info = kb.prepare_marlin(FakeMarlin(), q4, 64, 256, xs)
+    fns, info = kb_marlin.prepare_marlin(FakeMarlin(), q4, 64, 256, xs)
     assert fns is not None and len(fns) == len(q4)
-    assert "marlin_error" not in info and 0 < info["marlin_rel_err"] <= kb.MARLIN_TOL
+    assert "marlin_error" not in info and 0 < info["marlin_rel_err"] <= kb_marlin.MARLIN_TOL
     assert fns[1](xs[5]).shape == (5, 64)
 
 
-def test_prepare_marlin_wrong_layout_is_not_timed(kb):
+def test_prepare_marlin_wrong_layout_is_not_timed(kb_marlin):
     q4 = _q4(64, 256)
     xs = {m: torch.randn(m, 256).to(torch.bfloat16) for m in (1, 16)}
-    fns, info = kb.prepare_marlin(FakeMarlin(swap_nibbles=True), q4, 64, 256, xs)
-    assert fns is None and info["marlin_rel_err"] > kb.MARLIN_TOL and "not timed" in info["marlin_error"]
+    fns, info = kb_marlin.prepare_marlin(FakeMarlin(swap_nibbles=True), q4, 64, 256, xs)
+    assert fns is None and info["marlin_rel_err"] > kb_marlin.MARLIN_TOL and "not timed" in info["marlin_error"]
 
 
-def test_prepare_marlin_error_is_recorded(kb):
-    fns, info = kb.prepare_marlin(FakeMarlin(fail=True), _q4(64, 256), 64, 256, {1: torch.randn(1, 256)})
+def test_prepare_marlin_error_is_recorded(kb_marlin):
+    fns, info = kb_marlin.prepare_marlin(FakeMarlin(fail=True), _q4(64, 256), 64, 256, {1: torch.randn(1, 256)})
     assert fns is None and "RuntimeError" in info["marlin_error"] and "\n" not in info["marlin_error"]
 
 
-def test_rel_err(kb):
+def test_rel_err(kb_marlin):
     ref = torch.ones(2, 3, dtype=torch.float64)
-    assert kb.rel_err(ref.float(), ref) == 0.0
-    assert kb.rel_err(torch.ones(3, 2), ref) == float("inf")
-    assert kb.rel_err(torch.full((2, 3), float("nan")), ref) == float("inf")
+    assert kb_marlin.rel_err(ref.float(), ref) == 0.0
+    assert kb_marlin.rel_err(torch.ones(3, 2), ref) == float("inf")
+    assert kb_marlin.rel_err(torch.full((2, 3), float("nan")), ref) == float("inf")
 
 
 # --- sums, ratios, targets, table, file name -------------------------------------------------------
@@ -169,21 +197,21 @@ def _recs(marlin: bool = True, missing_marlin_layer: bool = False):
     return recs
 
 
-def test_sum_layers_and_ratio(kb):
-    sums = kb.sum_layers(_recs(), 4)
+def test_sum_layers_and_ratio(kb_marlin, kb_results):
+    sums = kb_results.sum_layers(_recs(), 4)
     assert sums[1]["bf16_graph_ms"] == pytest.approx(0.16) and sums[1]["marlin_graph_ms"] == pytest.approx(0.1)
-    row = kb.add_marlin_ratio({"model": "m", "M": 1, "layer": "sum", **sums[1]})
+    row = kb_marlin.add_marlin_ratio({"model": "m", "M": 1, "layer": "sum", **sums[1]})
     assert row["ours/marlin"] == pytest.approx(1.25)
-    sums = kb.sum_layers(_recs(missing_marlin_layer=True), 4)
+    sums = kb_results.sum_layers(_recs(missing_marlin_layer=True), 4)
     assert "marlin_graph_ms" not in sums[1] and "ours_graph_ms" in sums[1]
-    assert "ours/marlin" not in kb.add_marlin_ratio({"M": 1, **sums[1]})
+    assert "ours/marlin" not in kb_marlin.add_marlin_ratio({"M": 1, **sums[1]})
 
 
-def test_build_targets(kb):
+def test_build_targets(kb_marlin, kb_results):
     rows = _recs()
-    for m, s in kb.sum_layers(_recs(), 4).items():
-        rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
-    targets = kb.build_targets(rows)
+    for m, s in kb_results.sum_layers(_recs(), 4).items():
+        rows.append(kb_marlin.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
+    targets = kb_results.build_targets(rows)
     marlin = [t for t in targets if "vLLM Marlin FP4" in t["name"]]
     assert [t["name"] for t in marlin] == [
         "qwen2.5-7b M=1 per-layer speedup vs vLLM Marlin FP4 (CUDA graph timing)",
@@ -194,18 +222,19 @@ def test_build_targets(kb):
     assert [(t["measured"], t["target"]) for t in bf16] == [(2.0, 2.5), (2.0, 1.0)]  # per-layer targets vs BF16
     # without the Marlin column: only the BF16 targets
     rows = _recs(marlin=False)
-    for m, s in kb.sum_layers(rows, 4).items():
-        rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
-    assert all("Marlin" not in t["name"] for t in kb.build_targets(rows)) and len(kb.build_targets(rows)) == 2
+    for m, s in kb_results.sum_layers(rows, 4).items():
+        rows.append(kb_marlin.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}))
+    targets = kb_results.build_targets(rows)
+    assert all("Marlin" not in t["name"] for t in targets) and len(targets) == 2
 
 
-def test_table_lines(kb):
+def test_table_lines(kb_marlin, kb_results):
     rows = []
     for marlin in (True, False):
-        for m, s in kb.sum_layers(_recs(marlin=marlin), 4).items():
-            rows.append(kb.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum", "floor_fp4_ms": 0.044,
-                                             **s}))
-    lines = kb.table_lines(rows, "NVIDIA H200")
+        for m, s in kb_results.sum_layers(_recs(marlin=marlin), 4).items():
+            rows.append(kb_marlin.add_marlin_ratio({"model": "qwen2.5-7b", "M": m, "layer": "sum",
+                                                    "floor_fp4_ms": 0.044, **s}))
+    lines = kb_results.table_lines(rows, "NVIDIA H200")
     assert "marlin g" in lines[1] and "o/mar" in lines[1]
     assert len(lines) == 2 + 4
     assert "  0.1000  1.25 |" in lines[2]  # marlin sum and ours/marlin at M=1
@@ -214,24 +243,25 @@ def test_table_lines(kb):
 
 @pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                       ("NVIDIA H200 NVL", "h200"), ("", "gpu"), (None, "gpu"), ("NVIDIA", "gpu")])
-def test_device_tag(kb, name, tag):
-    assert kb.device_tag(name) == tag
+def test_device_tag(kb_results, name, tag):
+    assert kb_results.device_tag(name) == tag
 
 
-def test_result_path(kb, tmp_path):
-    assert kb.result_path(str(tmp_path), None, "NVIDIA H200", Path("x")) == tmp_path / "kernel-h200.json"
-    assert kb.result_path(None, str(tmp_path), "NVIDIA H100 80GB HBM3", Path("x")) == tmp_path / "kernel-h100.json"
-    assert kb.result_path(None, None, "NVIDIA H200", tmp_path) == tmp_path / "kernel-h200.json"
+def test_result_path(kb_results, tmp_path):
+    assert kb_results.result_path(str(tmp_path), None, "NVIDIA H200", Path("x")) == tmp_path / "kernel-h200.json"
+    assert (kb_results.result_path(None, str(tmp_path), "NVIDIA H100 80GB HBM3", Path("x"))
+            == tmp_path / "kernel-h100.json")
+    assert kb_results.result_path(None, None, "NVIDIA H200", tmp_path) == tmp_path / "kernel-h200.json"
     f = tmp_path / "mine.json"
-    assert kb.result_path(str(f), str(tmp_path / "other"), "NVIDIA H200", Path("x")) == f
+    assert kb_results.result_path(str(f), str(tmp_path / "other"), "NVIDIA H200", Path("x")) == f
 
 
-def test_marlin_meta_never_raises(kb):
-    version, meta = kb.marlin_meta()
-    assert isinstance(version, str) and "marlin_gemm" in meta["source"] and str(kb.MARLIN_TOL) in meta["check"]
+def test_marlin_meta_never_raises(kb_marlin):
+    version, meta = kb_marlin.marlin_meta()
+    assert isinstance(version, str) and "marlin_gemm" in meta["source"] and str(kb_marlin.MARLIN_TOL) in meta["check"]
 
 
-def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_path):
+def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb_diag, tmp_path):
     import gzip
 
     header = ('"ID","Process ID","Kernel Name","Block Size","Grid Size","Section Name","Metric Name","Metric Unit",'
@@ -246,34 +276,34 @@ def test_ncu_summary_reads_one_row_per_launch_from_plain_or_gzipped_csv(kb, tmp_
     plain.write_text(text)
     packed.write_bytes(gzip.compress(text.encode()))
     for path in (plain, packed):
-        rows = kb.ncu_summary(str(path))
+        rows = kb_diag.ncu_summary(str(path))
         assert [r["kernel"] for r in rows] == ["void qerl::nvfp4_gemm_splitk_kernel<8>", "void marlin::Marlin<1>"]
         assert rows[0]["Duration"] == "35,072 ns" and rows[0]["Registers Per Thread"] == "90 register/thread"
         assert "Block Limit SM" not in rows[0] and rows[1]["grid"] == "(132, 1, 1)"
     (tmp_path / "bad.csv").write_text("no header here\n")
     with pytest.raises(SystemExit, match="no ncu CSV header"):
-        kb.ncu_summary(str(tmp_path / "bad.csv"))
+        kb_diag.ncu_summary(str(tmp_path / "bad.csv"))
 
 
 # --- fused-kernel variants (split-K vs the stream-K and wgmma kernels) ------------------------------------
 
-def test_parse_variants_and_models(kb, monkeypatch):
+def test_parse_variants_and_models(kb, kb_results, kb_diag, kb_variants, monkeypatch):
     from verl_qerl import kernels
 
-    assert kb.parse_variants(None) == ["splitk"]
-    assert kb.parse_variants("streamk") == ["splitk", "streamk"]  # split-K is always the baseline, first
-    assert kb.parse_variants(" StreamK,splitk,streamk ") == ["splitk", "streamk"]
+    assert kb_variants.parse_variants(None) == ["splitk"]
+    assert kb_variants.parse_variants("streamk") == ["splitk", "streamk"]  # split-K is always the baseline, first
+    assert kb_variants.parse_variants(" StreamK,splitk,streamk ") == ["splitk", "streamk"]
     with pytest.raises(ValueError, match=r"unknown kernel variant\(s\) \['v6'\]"):
-        kb.parse_variants("splitk,v6")
+        kb_variants.parse_variants("splitk,v6")
     monkeypatch.setattr(kernels, "_warned_aliases", set())
     with pytest.warns(FutureWarning) as caught:
-        assert kb.parse_variants("v5,wgmma") == ["splitk", "wgmma_rs"]  # former names still work
+        assert kb_variants.parse_variants("v5,wgmma") == ["splitk", "wgmma_rs"]  # former names still work
     assert sorted(str(w.message) for w in caught) == ["--variants: 'v5' is a deprecated name; use 'splitk'",
                                                       "--variants: 'wgmma' is a deprecated name; use 'wgmma_rs'"]
-    assert kb.parse_modes("streamk, WGMMA_SS") == {"streamk", "wgmma_ss"}
+    assert kb_diag.parse_modes("streamk, WGMMA_SS") == {"streamk", "wgmma_ss"}
     with pytest.raises(ValueError, match=r"--sanitize-modes: unknown mode\(s\) \['8'\]"):
-        kb.parse_modes("8")
-    assert list(kb.select_models(None)) == ["qwen2.5-7b", "qwen2.5-32b"] == list(kb.DEFAULT_MODELS)
+        kb_diag.parse_modes("8")
+    assert list(kb.select_models(None)) == ["qwen2.5-7b", "qwen2.5-32b"] == list(kb_results.DEFAULT_MODELS)
     assert list(kb.select_models("all")) == list(kb.MODELS) and len(kb.MODELS) == 5
     assert list(kb.select_models("qwen2.5-7b")) == ["qwen2.5-7b"]
     with pytest.raises(ValueError, match="qwen9"):
@@ -293,19 +323,21 @@ class FakeExt:
         return "streamk" if mode == GemmMode.STREAMK and m >= 17 else "splitk"
 
 
-def test_variant_applies_and_profile_modes(kb):
+def test_variant_applies_and_profile_modes(kb_diag, kb_variants):
     from verl_qerl.kernels import GEMM_MODES as M
 
     ext = FakeExt()
-    assert kb.variant_applies(ext, "splitk", 1, 512, 256) and kb.variant_applies(ext, "splitk", 4096, 512, 256)
+    assert kb_variants.variant_applies(ext, "splitk", 1, 512, 256)
+    assert kb_variants.variant_applies(ext, "splitk", 4096, 512, 256)
     ms = (1, 4, 16, 17, 64, 256, 1024, 4096)
-    assert [m for m in ms if kb.variant_applies(ext, "streamk", m, 512, 256)] == [17, 64, 256, 1024]
+    assert [m for m in ms if kb_variants.variant_applies(ext, "streamk", m, 512, 256)] == [17, 64, 256, 1024]
     assert {a[3] for a in ext.asked} == {M["streamk"]} and (64, 512, 256, M["streamk"]) in ext.asked
     # --profile follows $QERL_GEMM_KERNEL unless --variants is given
-    assert kb.profile_modes(None, "splitk") == [("splitk", M["splitk"])]
-    assert kb.profile_modes(None, "streamk") == [("streamk", M["streamk"])]
-    assert kb.profile_modes(["splitk", "wgmma_rs"], "splitk") == [("splitk", M["splitk"]), ("wgmma_rs", M["wgmma_rs"])]
-    assert kb.profile_modes(None, "auto") == [("auto", M["auto"])]  # the default: the op's own choice
+    assert kb_diag.profile_modes(None, "splitk") == [("splitk", M["splitk"])]
+    assert kb_diag.profile_modes(None, "streamk") == [("streamk", M["streamk"])]
+    assert kb_diag.profile_modes(["splitk", "wgmma_rs"], "splitk") == [("splitk", M["splitk"]),
+                                                                        ("wgmma_rs", M["wgmma_rs"])]
+    assert kb_diag.profile_modes(None, "auto") == [("auto", M["auto"])]  # the default: the op's own choice
 
 
 class FakeWgmmaExt:
@@ -324,31 +356,32 @@ class FakeWgmmaExt:
         return prev
 
 
-def test_tile_variant_times_narrow_tiles_and_restores(kb):
+def test_tile_variant_times_narrow_tiles_and_restores(kb_diag, kb_variants):
     ext = FakeWgmmaExt()
-    assert kb.parse_variants("wgmma_rs,wgmma_rs_t128") == ["splitk", "wgmma_rs", "wgmma_rs_t128"]
+    assert kb_variants.parse_variants("wgmma_rs,wgmma_rs_t128") == ["splitk", "wgmma_rs", "wgmma_rs_t128"]
     # only where the op would run 256-token tiles (M >= 129) and the wgmma kernel runs at all
     ms = (1, 64, 128, 129, 256, 1024, 4096)
-    assert [m for m in ms if kb.variant_applies(ext, "wgmma_rs_t128", m, 512, 256)] == [129, 256, 1024]
+    assert [m for m in ms if kb_variants.variant_applies(ext, "wgmma_rs_t128", m, 512, 256)] == [129, 256, 1024]
     seen = []
-    run = kb.narrow_wgmma_tiles(ext, lambda r: seen.append((r, ext.wide_min_m)))
+    run = kb_variants.narrow_wgmma_tiles(ext, lambda r: seen.append((r, ext.wide_min_m)))
     run(3)
-    assert seen == [(3, kb.NARROW_WIDE_MIN_M)] and ext.wide_min_m == 129  # narrow during the call, restored after
+    # narrow during the call, restored after
+    assert seen == [(3, kb_variants.NARROW_WIDE_MIN_M)] and ext.wide_min_m == 129
     with pytest.raises(RuntimeError):
-        kb.narrow_wgmma_tiles(ext, lambda r: (_ for _ in ()).throw(RuntimeError("boom")))(0)
+        kb_variants.narrow_wgmma_tiles(ext, lambda r: (_ for _ in ()).throw(RuntimeError("boom")))(0)
     assert ext.wide_min_m == 129  # restored on error too
     with pytest.raises(ValueError, match="timing-only"):
-        kb.profile_modes(["wgmma_rs_t128"], "splitk")
+        kb_diag.profile_modes(["wgmma_rs_t128"], "splitk")
 
 
-def test_build_targets_only_for_the_issue_models(kb):
+def test_build_targets_only_for_the_issue_models(kb_results):
     rows = [{"model": name, "layer": "sum", "M": 64, "bf16_graph_ms": 0.3, "ours_graph_ms": 0.2}
             for name in ("qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b")]
-    assert [t["name"].split()[0] for t in kb.build_targets(rows)] == ["qwen2.5-7b", "qwen2.5-32b"]
-    assert [t["measured"] for t in kb.build_targets(rows)] == [1.5, 1.5]
+    assert [t["name"].split()[0] for t in kb_results.build_targets(rows)] == ["qwen2.5-7b", "qwen2.5-32b"]
+    assert [t["measured"] for t in kb_results.build_targets(rows)] == [1.5, 1.5]
 
 
-def test_streamk_calibration(kb):
+def test_streamk_calibration(kb_results):
     """Tiles per CTA from the row's shape and grid; the rule's hits, summed times and the best threshold."""
     def row(layer, n, m, sp, sk):  # tiles as the extension reports them: ceil(N / 256) x ceil(M / 64) here
         return {"model": "x", "layer": layer, "N": n, "K": 3584, "M": m, "streamk_grid": 132,
@@ -362,42 +395,42 @@ def test_streamk_calibration(kb):
             row("down", 3584, 128, 0.084, 0.085),  # 28 tiles: 0.2121, split-K faster
             {"model": "x", "layer": "sum", "M": 64, "kernel_splitk_graph_ms": 1.0, "kernel_streamk_graph_ms": 0.5},
             row("o", 3584, 1, 0.008, None)]  # stream-K not timed: ignored
-    cal = kb.streamk_calibration(rows, 0.5)
+    cal = kb_results.streamk_calibration(rows, 0.5)
     assert [p["tiles_per_cta"] for p in cal["points"]] == [0.1364, 0.2121, 0.5303, 1.1212, 2.2424]
     assert cal["rule_right"] == 5 and cal["rule_ms"] == pytest.approx(0.020 + 0.084 + 0.045 + 0.080 + 0.140)
     assert cal["oracle_ms"] == cal["rule_ms"] and cal["best_threshold"] == 0.5303
     assert [p["stages_per_cta"] for p in cal["points"]] == [4, 6, 15, 32, 63]  # ceil(tiles x 28 / 132)
-    cal = kb.streamk_calibration(rows, 0.1)  # too low: qkv and down go to stream-K
+    cal = kb_results.streamk_calibration(rows, 0.1)  # too low: qkv and down go to stream-K
     assert cal["rule_right"] == 3 and cal["rule_ms"] == pytest.approx(0.030 + 0.085 + 0.045 + 0.080 + 0.140)
-    assert kb.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # split-K everywhere: never stream-K
+    assert kb_results.streamk_calibration(rows[:1], 0.5)["best_threshold"] is None  # split-K everywhere: never stream-K
     # the stages part of the rule: a 0.2-tiles-per-CTA shape with long K ranges goes to stream-K
     long_k = {**row("down", 5120, 64, 0.083, 0.074), "K": 27648}  # 20 tiles x 216 stages: 33 per CTA
-    cal = kb.streamk_calibration([*rows, long_k], 0.25, 24)
+    cal = kb_results.streamk_calibration([*rows, long_k], 0.25, 24)
     assert cal["rule_stages"] == 24 and cal["rule_right"] == 6 and cal["rule_ms"] == pytest.approx(cal["oracle_ms"])
-    assert kb.streamk_calibration([*rows, long_k], 0.25)["rule_right"] == 5  # tiles alone: split-K, the slower
+    assert kb_results.streamk_calibration([*rows, long_k], 0.25)["rule_right"] == 5  # tiles alone: split-K, the slower
 
 
-def test_variant_ratios_sums_and_lines(kb):
+def test_variant_ratios_sums_and_lines(kb_results, kb_variants):
     recs = []
     for lname in ("qkv", "o", "gate_up", "down"):
         for m in (1, 64):
             rec = {"model": "qwen2.5-7b", "layer": lname, "N": 64, "K": 128, "M": m, "kernel_splitk_graph_ms": 0.02}
-            if kb.variant_applies(FakeExt(), "streamk", m, 64, 128):
+            if kb_variants.variant_applies(FakeExt(), "streamk", m, 64, 128):
                 rec["kernel_streamk_graph_ms"] = 0.016
-            recs.append(kb.add_variant_ratios(rec, ["splitk", "streamk"]))
+            recs.append(kb_variants.add_variant_ratios(rec, ["splitk", "streamk"]))
     assert recs[1]["streamk/splitk"] == 1.25 and "streamk/splitk" not in recs[0]
-    sums = kb.sum_layers(recs, 4)
+    sums = kb_results.sum_layers(recs, 4)
     assert sums[64]["kernel_streamk_graph_ms"] == pytest.approx(0.064) and "kernel_streamk_graph_ms" not in sums[1]
-    rows = recs + [kb.add_variant_ratios({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s}, ["splitk", "streamk"])
-                   for m, s in sums.items()]
-    lines = kb.variant_lines(rows, ["splitk", "streamk"])
+    rows = recs + [kb_variants.add_variant_ratios({"model": "qwen2.5-7b", "M": m, "layer": "sum", **s},
+                                                  ["splitk", "streamk"]) for m, s in sums.items()]
+    lines = kb_variants.variant_lines(rows, ["splitk", "streamk"])
     assert "streamk g" in lines[1] and "streamk/splitk" in lines[1]
     assert len(lines) == 2 + 4 + 1  # four GEMMs and the layer sum at M = 64; nothing at M = 1
     assert lines[-1].split()[:3] == ["qwen2.5-7b", "sum", "64"] and lines[-1].endswith("1.250")
-    assert kb.variant_lines(rows, ["splitk"]) == []
+    assert kb_variants.variant_lines(rows, ["splitk"]) == []
 
 
-def test_gpu_kernel_check_script_uses_real_options(kb):
+def test_gpu_kernel_check_script_uses_real_options(kb, kb_variants):
     """benchmarks/gpu/kernel_check.sh runs on a GPU machine with no second chance: every kernel.py option,
     model and variant it passes must exist here (a renamed flag would otherwise cost a device call)."""
     import re
@@ -413,13 +446,13 @@ def test_gpu_kernel_check_script_uses_real_options(kb):
         used |= set(re.findall(r"(--[a-z0-9-]+)", cmd))
     assert used and used <= known, sorted(used - known)
     assert {"--variants", "--sanitize", "--profile", "--ms"} <= used
-    assert kb.parse_variants("splitk,streamk") == ["splitk", "streamk"]
+    assert kb_variants.parse_variants("splitk,streamk") == ["splitk", "streamk"]
     models = re.search(r"--models ([a-z0-9.,-]+)", text).group(1)
     assert set(kb.select_models(models)) == (set(kb.MODELS) if models == "all" else set(models.split(",")))
     assert "tests/test_kernels_gpu.py" in text and (REPO / "tests" / "test_kernels_gpu.py").is_file()
 
 
-def test_gpu_scripts_use_current_kernel_and_mode_names(kb):
+def test_gpu_scripts_use_current_kernel_and_mode_names(kb_diag, kb_variants):
     """Every ``--variants`` / ``--sanitize-modes`` value in benchmarks/gpu/*.sh is a current name (a former one
     would warn, an unknown one would cost a device call), and the ncu kernel regexes name kernels in cuda/."""
     import re
@@ -432,10 +465,10 @@ def test_gpu_scripts_use_current_kernel_and_mode_names(kb):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             for value in re.findall(r'--variants "?(?:\$\{[A-Z_]+:-)?([a-z0-9_,]+)', text):
-                kb.parse_variants(value)
+                kb_variants.parse_variants(value)
                 seen += 1
             for value in re.findall(r"--sanitize-modes ([a-z0-9_,]+)", text):
-                kb.parse_modes(value)
+                kb_diag.parse_modes(value)
                 seen += 1
         for rx in re.findall(r"regex:(nvfp4_gemm_[a-z0-9_]+)", text):
             assert re.search(rf"\b{rx}\w*\s*\(", cuda), (script.name, rx)

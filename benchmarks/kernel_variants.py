@@ -1,0 +1,89 @@
+"""The fused-kernel variants ``benchmarks/kernel.py --variants`` times side by side: their names, where each one
+measures anything, the tile-width variant's knob, and their ratios to split-K in rows and printed lines.
+
+Kept apart from the timing loop so the variant rules (which kernel a forced mode runs at which shape, which names
+are timing-only) are read and tested in one place; ``kernel_diagnostics.py``'s ``--profile`` uses the same names.
+"""
+
+from __future__ import annotations
+
+from verl_qerl import kernels
+
+#: fused-kernel variant -> the ``qerl::nvfp4_gemm`` mode that forces it (cuda/gemm_modes.h)
+VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
+#: the variant every other one is compared with (always timed, first)
+BASELINE = "splitk"
+#: benchmark-only variants: a kernel the op also runs, with its tile choice moved (variant -> the kernel it times).
+#: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs 256-token ones (M >= 129),
+#: so both tile widths are timed side by side in one run.
+TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs"}
+#: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
+NARROW_WIDE_MIN_M = 1 << 40
+
+
+def parse_variants(text: str | None) -> list[str]:
+    """``--variants`` ("splitk,streamk") -> ordered, de-duplicated variant names; split-K always first (the
+    baseline the ratios divide by). Former names (v5, wgmma) are accepted with a warning; unknown names raise
+    ValueError naming them and the known ones."""
+    names = [kernels.canonical_kernel_name(v, "--variants") for v in (text or BASELINE).split(",") if v.strip()]
+    known = set(VARIANT_KERNEL_MODES) | set(TILE_VARIANTS)
+    bad = [v for v in names if v not in known]
+    if bad:
+        raise ValueError(f"--variants: unknown kernel variant(s) {bad}; known: {sorted(known)}")
+    return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
+
+
+def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa: ANN001 - the extension module
+    """Whether timing ``variant`` at (M, N, K) measures anything but split-K again: the extension says which fused
+    kernel the variant's forced mode runs on this device (stream-K: block_m 32 / 64 where the device grants its
+    ring, split-K elsewhere); the fused kernels are not timed above M = 1024."""
+    if variant == BASELINE:
+        return True
+    if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
+        kernel = TILE_VARIANTS[variant]
+        return m >= 129 and variant_applies(ext, kernel, m, n, k)
+    return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
+
+
+def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
+    """``fn`` run with the register-A wgmma kernel held at 128-token tiles (the op reads the knob at each call,
+    so a CUDA graph captured through this keeps them)."""
+    def run(r):  # noqa: ANN001, ANN202
+        prev = ext.set_wgmma_wide_min_m(NARROW_WIDE_MIN_M)
+        try:
+            return fn(r)
+        finally:
+            ext.set_wgmma_wide_min_m(prev)
+    return run
+
+
+def add_variant_ratios(row: dict, variants: list[str]) -> dict:
+    """``row["<v>/splitk"]`` = kernel_splitk_graph_ms / kernel_<v>_graph_ms (the variant's speedup over split-K,
+    CUDA-graph timing; > 1 means the variant is faster), where both are present."""
+    base = row.get(f"kernel_{BASELINE}_graph_ms")
+    for v in variants:
+        if v != BASELINE and base and row.get(f"kernel_{v}_graph_ms"):
+            row[f"{v}/{BASELINE}"] = round(base / row[f"kernel_{v}_graph_ms"], 3)
+    return row
+
+
+def variant_lines(rows: list[dict], variants: list[str]) -> list[str]:
+    """Printed comparison of the fused-kernel variants: per GEMM and per layer, graph ms and ratio to split-K."""
+    others = [v for v in variants if v != BASELINE]
+    if not others:
+        return []
+    head = f"{'model':12s} {'layer':8s} {'M':>5s} | {BASELINE + ' g':>8s}"
+    for v in others:
+        head += f" {v + ' g':>10s} {v + '/' + BASELINE:>15s}"
+    lines = [f"# fused-kernel variants, CUDA graph ms; <v>/{BASELINE} = {BASELINE} / variant (> 1: variant faster)",
+             head]
+    for r in rows:
+        if not any(r.get(f"kernel_{v}_graph_ms") for v in others):
+            continue
+        base = r.get(f"kernel_{BASELINE}_graph_ms")
+        line = f"{r['model']:12s} {r['layer']:8s} {r['M']:5d} | " + (f"{base:8.4f}" if base else f"{'-':>8s}")
+        for v in others:
+            t, q = r.get(f"kernel_{v}_graph_ms"), r.get(f"{v}/{BASELINE}")
+            line += (f" {t:10.4f}" if t else f" {'-':>10s}") + (f" {q:15.3f}" if q else f" {'-':>15s}")
+        lines.append(line)
+    return lines
