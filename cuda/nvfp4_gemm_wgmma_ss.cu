@@ -214,12 +214,7 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               uint32_t a[4];
-              const uint32_t s2 = scale_two(j < 2 ? sv.x : sv.y, (j & 1) * 2);  // {S(row r), S(row r + 8)}
-              decode_raw(word_of(wv, j), a);
-              a[0] = bf16x2_mul_lo(a[0], s2);
-              a[1] = bf16x2_mul_hi(a[1], s2);
-              a[2] = bf16x2_mul_lo(a[2], s2);
-              a[3] = bf16x2_mul_hi(a[3], s2);
+              decode_scaled(wv, sv, j, a);
               stmatrix_x4(dst + lane_off[j], a);
             }
           }
