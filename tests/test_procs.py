@@ -102,16 +102,22 @@ def test_already_exited_and_empty():
 def test_kill_marked_stops_only_the_marked_and_spares_the_caller(tmp_path):
     """A shell launcher stops the leftovers of its own run (marked through the environment), never another run's,
     and never itself although it carries the marker too (`ray stop` would stop every cluster on the machine)."""
+    # Each child says it is ready only once its SIGTERM disposition is set: on a loaded machine the one meant to
+    # ignore SIGTERM could otherwise receive it before ``signal.signal`` ran and die of it.
     code = "import signal, sys, time\nif sys.argv[1] == 'ignore': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" \
-           "time.sleep(300)"
+           "open(sys.argv[2], 'w').close()\ntime.sleep(300)"
     mine = dict(os.environ, QERL_TEST_MARK=str(tmp_path))
     others = dict(os.environ, QERL_TEST_MARK=str(tmp_path) + "-other")
-    started = [subprocess.Popen([sys.executable, "-c", code, how], env=env, start_new_session=True)
-               for env, how in ((mine, "term"), (mine, "ignore"), (others, "term"))]
+    ready = [tmp_path / f"ready-{i}" for i in range(3)]
+    started = [subprocess.Popen([sys.executable, "-c", code, how, str(flag)], env=env, start_new_session=True)
+               for (env, how), flag in zip(((mine, "term"), (mine, "ignore"), (others, "term")), ready)]
     try:
-        deadline = time.monotonic() + 20
-        while len(procs.marked_processes("QERL_TEST_MARK", str(tmp_path))) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while not all(flag.exists() for flag in ready):
+            assert all(proc.poll() is None for proc in started), "a child exited before it was ready"
+            assert time.monotonic() < deadline, "children never became ready"
             time.sleep(0.05)
+        assert len(procs.marked_processes("QERL_TEST_MARK", str(tmp_path))) == 2
         # the caller is a shell carrying the same marker, as examples/tiny/grpo.sh is
         out = subprocess.run(["sh", "-c", f"{sys.executable} -m verl_qerl.testing.procs kill-marked QERL_TEST_MARK "
                               f"'{tmp_path}' && echo caller-alive"], env=mine, capture_output=True, text=True,
