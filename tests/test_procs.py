@@ -74,8 +74,8 @@ def test_kills_grandchild_in_its_own_session(tmp_path):
         assert os.getsid(grandchild) != os.getsid(proc.pid)  # out of the child's session and group
         assert os.getpgid(grandchild) != proc.pid
         t0 = time.monotonic()
-        procs.kill_process_trees([proc], grace_s=3.0)
-        assert time.monotonic() - t0 < 3.0  # SIGTERM was enough: no need to sit out the grace period
+        procs.kill_process_trees([proc], grace_s=30.0)
+        assert time.monotonic() - t0 < 15.0  # SIGTERM was enough: no need to sit out the grace period
         assert proc.returncode == -signal.SIGTERM
         assert _gone(grandchild)
 
