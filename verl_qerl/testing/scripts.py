@@ -26,5 +26,7 @@ def load_script(relpath: str | Path, name: str | None = None) -> ModuleType:
         sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name or f"_script_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    # registered before it runs, as an import would: dataclasses (and pickling) look the module up by name
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module

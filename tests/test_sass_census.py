@@ -1,0 +1,134 @@
+"""benchmarks/sass_census.py against the real compiler and disassembler: nvcc builds small kernels whose SASS is
+known in part (a loop of four independent FMAs, an mma.sync loop), nvdisasm reads them back, and the census must
+find those loops, their counts, the register report and, against a second build, what changed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from verl_qerl.testing.scripts import load_script
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sc():
+    mod = load_script("benchmarks/sass_census.py", "sass_census")
+    if not shutil.which("nvcc"):
+        pytest.skip("nvcc not installed")
+    try:
+        mod.find_nvdisasm()
+    except mod.CensusError as exc:
+        pytest.skip(str(exc))
+    return mod
+
+
+# four independent FMA chains in a loop that must not unroll: exactly four FFMA per iteration
+FMA_LOOP = r"""
+__global__ void fma4(float* out, const float* a, int n) {
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  const float x = a[threadIdx.x];
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const float y = a[i];
+    s0 = fmaf(x, y, s0); s1 = fmaf(y, y, s1); s2 = fmaf(x, s2, y); s3 = fmaf(s3, y, x);
+  }
+  out[threadIdx.x] = s0 + s1 + s2 + s3;  // COMMENT
+}
+"""
+
+# a small loop without tensor work before a loop of two mma.sync: the census's main loop is the MMA one
+MMA_LOOP = r"""
+__global__ void mma2(float* out, const unsigned* a, int n) {
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  unsigned t = 0;
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) t = t * 3u + a[i];
+  const unsigned b0 = a[threadIdx.x] ^ t, b1 = a[threadIdx.x + 32];
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const unsigned a0 = a[i], a1 = a[i + 1], a2 = a[i + 2], a3 = a[i + 3];
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a3), "r"(a2), "r"(a1), "r"(a0), "r"(b1), "r"(b0));
+  }
+  out[threadIdx.x] = c[0] + c[1] + c[2] + c[3];
+}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_finds_the_loop_and_its_four_fmas(sc, tmp_path):
+    (kernel,) = sc.census(_write(tmp_path, "fma4.cu", FMA_LOOP))
+    assert kernel.name.startswith("fma4(")  # demangled
+    assert isinstance(kernel.registers, int) and kernel.registers > 0 and kernel.spill_bytes == 0
+    loop = kernel.main_loop()
+    assert loop is not None and loop.counts.get("FFMA") == 4
+    assert loop.counts.get("BRA", 0) >= 1 and loop.start < loop.end
+    assert kernel.counts["FFMA"] >= 4 and sum(kernel.counts.values()) == len(kernel.instructions)
+
+
+def test_main_loop_is_the_tensor_core_loop(sc, tmp_path):
+    (kernel,) = sc.census(_write(tmp_path, "mma2.cu", MMA_LOOP))
+    loops = kernel.loops()
+    assert len(loops) >= 2
+    main = kernel.main_loop()
+    assert main.counts.get("HMMA") == 2
+    assert any(not lp.counts.get("HMMA") for lp in loops)  # the other loop exists and was passed over
+
+
+def test_compare_tells_identical_from_changed(sc, tmp_path):
+    base = sc.census(_write(tmp_path, "a.cu", FMA_LOOP))
+    same = sc.census(_write(tmp_path, "b.cu", FMA_LOOP.replace("COMMENT", "another comment")))
+    (row,) = sc.compare(same, base)
+    assert row["status"] == "identical" and row["instructions"] == len(base[0].instructions)
+    changed = sc.census(_write(tmp_path, "c.cu", FMA_LOOP.replace("s3 = fmaf(s3, y, x);", "s3 = fmaf(s3, y, x) * y;")))
+    (row,) = sc.compare(changed, base)
+    assert row["status"] == "changed" and row["now"] != row["was"]
+    assert 0 <= row["first_difference"] <= min(row["instructions"], row["before"])
+    renamed = sc.census(_write(tmp_path, "d.cu", FMA_LOOP.replace("fma4", "fma4b")))
+    assert sorted(r["status"] for r in sc.compare(renamed, base)) == ["added", "removed"]
+
+
+def test_against_a_revision_of_the_repository(sc, tmp_path):
+    """The real sources at HEAD against the working tree: the dequant kernels compile to the same stream unless
+    the working tree changed them (then the test says which)."""
+    src = REPO / "cuda" / "nvfp4_dequant.cu"
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "cuda"], capture_output=True, text=True)
+    if dirty.returncode != 0:
+        pytest.skip("not a git checkout")
+    if dirty.stdout.strip():
+        pytest.skip(f"cuda/ has uncommitted changes: {dirty.stdout.split()[:4]}")
+    out = tmp_path / "census.json"
+    assert sc.main([str(src), "--against", "HEAD", "--expect-identical", "--json", str(out)]) == 0
+    import json
+
+    doc = json.loads(out.read_text())
+    assert doc["kernels"] and all(r["status"] == "identical" for r in doc["comparison"])
+    assert {r["kernel"] for r in doc["comparison"]} == {k["kernel"] for k in doc["kernels"]}
+
+
+def test_clear_errors(sc, tmp_path, monkeypatch, capsys):
+    with pytest.raises(sc.CensusError, match="nope.cu: no such CUDA source"):
+        sc.census(tmp_path / "nope.cu")
+    bad = _write(tmp_path, "bad.cu", "__global__ void k() { undefined_thing(); }\n")
+    with pytest.raises(sc.CensusError, match="bad.cu: nvcc failed for sm_90a"):
+        sc.census(bad)
+    assert sc.main([str(bad)]) == 2 and "bad.cu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sc.main([str(bad), "--expect-identical"])  # only with --against
+    monkeypatch.setenv("NVDISASM", str(tmp_path / "missing-nvdisasm"))
+    with pytest.raises(sc.CensusError, match="NVDISASM=.*missing-nvdisasm: not an executable"):
+        sc.find_nvdisasm()
