@@ -189,22 +189,40 @@ def ceilings() -> tuple[float, float]:
     return bw, tf
 
 
+def run_header(device_name: str) -> dict:
+    """What every results JSON of this script starts with: device, versions, command, date."""
+    return {"device": device_name,
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+            "command": "python " + " ".join(sys.argv),
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+
+
+def rotated_weights(n: int, k: int) -> list:
+    """ROT random NVFP4 weights [n, k] in the kernel layout (graph timing cycles through them: no L2 reuse)."""
+    return [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
+
+
+def splitk_graph_ms(x: torch.Tensor, ws: list, n: int, splits: int = 0, reps: int = 20) -> float | None:
+    """Graph ms per call of the split-K kernel on ``x`` over the rotated weights ``ws`` (``splits`` 0: the
+    heuristic's count)."""
+    gs = torch.tensor([100.0], device=DEV)
+    return bench_graph(lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n,
+                                                           kernels.GemmMode.SPLITK, splits), reps=reps)
+
+
 def tune_splits(models: dict, ms: list[int]) -> dict:
     """Graph-time the fused kernel over split-K penalties on decode shapes; keep the best."""
     ext = kernels.extension()
     penalties = (0.0, 0.004, 0.015, 0.05)
     totals = dict.fromkeys(penalties, 0.0)
-    gs = torch.tensor([100.0], device=DEV)
     for cfg in models.values():
         for _, n, k in layer_shapes(cfg):
-            ws = [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
+            ws = rotated_weights(n, k)
             for m in ms:
                 x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
                 for pen in penalties:
                     ext.set_tuning(-1, pen)
-                    t = bench_graph(lambda r, x=x, ws=ws, n=n: torch.ops.qerl.nvfp4_gemm(
-                        x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, kernels.GemmMode.SPLITK), reps=10)
-                    totals[pen] += t or 0.0
+                    totals[pen] += splitk_graph_ms(x, ws, n, reps=10) or 0.0
             del ws
     for pen, tot in totals.items():
         print(f"# split penalty {pen}: decode GEMMs total {tot:.4f} ms", flush=True)
@@ -293,28 +311,21 @@ def sweep_splits_run(models: dict, ms: list[int], swept: list[int], out_arg: str
         print("extension failed:", kernels.cuda_unavailable_reason())
         return 1
     ext = kernels.extension()
-    gs = torch.tensor([100.0], device=DEV)
     weights: dict[tuple[int, int], list] = {}
 
     def time_gemm(m: int, n: int, k: int, splits: int) -> float | None:
-        if (n, k) not in weights:
+        if (n, k) not in weights:  # one shape at a time in memory (the sweep visits each shape's M in a row)
             weights.clear()
             torch.cuda.empty_cache()
-            weights[(n, k)] = [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
-        ws = weights[(n, k)]
-        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        return bench_graph(lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None,
-                                                               n, kernels.GemmMode.SPLITK, splits))
+            weights[(n, k)] = rotated_weights(n, k)
+        return splitk_graph_ms(torch.randn(m, k, device=DEV).to(torch.bfloat16), weights[(n, k)], n, splits)
 
     name = torch.cuda.get_device_name()
     rows = run_sweep(models, ms, swept, time_gemm, lambda m, n, k: int(ext.splits_for(m, n, k)), layer_shapes,
                      layout.K_STAGE)
     sums = layer_sums(rows)
-    out = {"device": name,
-           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-           "command": "python " + " ".join(sys.argv), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-           "swept_splits": swept, "split_penalty": ext.get_tuning()[1], "rows": rows, "layer_sums": sums,
-           "targets": sweep_targets(sums)}
+    out = {**run_header(name), "swept_splits": swept, "split_penalty": ext.get_tuning()[1], "rows": rows,
+           "layer_sums": sums, "targets": sweep_targets(sums)}
     path = result_path(out_arg, os.environ.get("OUT"), name, Path(__file__).parent / "results")
     path = path.with_name(path.name.replace("kernel-", "split-sweep-"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -384,10 +395,7 @@ def main() -> int:
     iters = 10 if args.quick else 30
     name = torch.cuda.get_device_name()
     out: dict = {
-        "device": name,
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
-        "command": "python " + " ".join(sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **run_header(name),
         "rot_weight_sets": ROT,
         "variants": variants,
         "gemm_kernel_env": os.environ.get(kernels.GEMM_KERNEL_ENV, ""),

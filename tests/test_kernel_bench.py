@@ -473,3 +473,11 @@ def test_gpu_scripts_use_current_kernel_and_mode_names(kb_diag, kb_variants):
         for rx in re.findall(r"regex:(nvfp4_gemm_[a-z0-9_]+)", text):
             assert re.search(rf"\b{rx}\w*\s*\(", cuda), (script.name, rx)
     assert seen >= 6
+
+
+def test_run_header_has_what_every_results_json_needs(kb):
+    """The timing table and the split sweep start their JSON from one header (results standard: device,
+    versions, command, date)."""
+    h = kb.run_header("NVIDIA H200")
+    assert h["device"] == "NVIDIA H200" and h["command"].startswith("python ")
+    assert {"torch", "cuda", "python"} <= set(h["versions"]) and "T" in h["date"]
