@@ -121,31 +121,13 @@ __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, 
   }
 }
 
-// store_bf16 (nvfp4_common.cuh) plus the LoRA tile: out[m, n] = bf16(acc * alpha + bias[n] + lt[m - m0, n - n0]).
-template <int NB, int MT, int BN>
-__device__ __forceinline__ void store_bf16_lora(const float (&acc)[NB][MT][4], __nv_bfloat16* out,
-                                                const __nv_bfloat16* bias, float alpha, const float* lt, int blk0,
-                                                int n0, int m0, int lane, int M, int N) {
-  constexpr int PITCH = lora_tile_pitch<BN>();
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = (blk0 + nb) * 16 + (lane >> 2) + 8 * h;
-      if (n >= N) continue;
-      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int t = mt * 8 + (lane & 3) * 2 + e;
-          if (m0 + t < M)
-            out[size_t(m0 + t) * N + n] =
-                __float2bfloat16_rn(acc[nb][mt][2 * h + e] * alpha + bv + lt[t * PITCH + (n - n0)]);
-        }
-      }
-    }
-  }
-}
+// store_bf16's addend for the LoRA tile: token row t of the tile, column n - n0 (the tile's first column n0).
+template <int BN>
+struct LoraTile {
+  static constexpr bool kActive = true;
+  const float* lt;
+  int n0;
+  __device__ __forceinline__ float operator()(int t, int n) const { return lt[t * lora_tile_pitch<BN>() + (n - n0)]; }
+};
 
 }  // namespace qerl

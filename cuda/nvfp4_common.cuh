@@ -237,12 +237,20 @@ __device__ __forceinline__ bool arrive_last(int* counters, int index, int arriva
   return arrive_last(counters, index, arrivals, tid == 0, flag, [] { __syncthreads(); });
 }
 
-// out[m, n] = bf16(acc * alpha + bias[n]) for the rows m < M and columns n < N this thread holds: fragment set
-// (nb, mt) covers columns (blk0 + nb) * 16 + lane / 4 (+ 8) and rows m0 + mt * 8 + 2 * (lane % 4) (+ 1).
-template <int NB, int MT>
+// What store_bf16 adds to a value before its rounding: nothing (the plain GEMM; no instruction is emitted for it), or
+// a tile of extra terms (the LoRA epilogue's LoraTile, cuda/lora_epilogue.cuh).
+struct NoAddend {
+  static constexpr bool kActive = false;
+  __device__ __forceinline__ float operator()(int, int) const { return 0.0f; }
+};
+
+// out[m, n] = bf16(acc * alpha + bias[n] (+ addend(m - m0, n))) for the rows m < M and columns n < N this thread
+// holds: fragment set (nb, mt) covers columns (blk0 + nb) * 16 + lane / 4 (+ 8) and rows m0 + mt * 8 + 2 * (lane % 4)
+// (+ 1).
+template <int NB, int MT, class Addend = NoAddend>
 __device__ __forceinline__ void store_bf16(const float (&acc)[NB][MT][4], __nv_bfloat16* out,
                                            const __nv_bfloat16* bias, float alpha, int blk0, int m0, int lane, int M,
-                                           int N) {
+                                           int N, const Addend& addend = {}) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
@@ -254,8 +262,12 @@ __device__ __forceinline__ void store_bf16(const float (&acc)[NB][MT][4], __nv_b
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int m = m0 + mt * 8 + (lane & 3) * 2 + e;
-          if (m < M) out[size_t(m) * N + n] = __float2bfloat16_rn(acc[nb][mt][2 * h + e] * alpha + bv);
+          const int t = mt * 8 + (lane & 3) * 2 + e;
+          if (m0 + t < M) {
+            float v = acc[nb][mt][2 * h + e] * alpha + bv;
+            if constexpr (Addend::kActive) v += addend(t, n);
+            out[size_t(m0 + t) * N + n] = __float2bfloat16_rn(v);
+          }
         }
       }
     }

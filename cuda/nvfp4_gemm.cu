@@ -238,9 +238,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   if (kh != 0) return;
   // ---- epilogue: scale by 128 / global_scale, add bias (and the LoRA tile), store bf16
   if constexpr (LORA) {
-    store_bf16_lora<2, C::MT, BN>(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)),
-                                  reinterpret_cast<const float*>(smem + C::LT_OFFSET), nb0 + wn * 2, nb0 * 16, m0,
-                                  lane, M, N);
+    store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N,
+               LoraTile<BN>{reinterpret_cast<const float*>(smem + C::LT_OFFSET), nb0 * 16});
   } else {
     store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
   }

@@ -230,50 +230,45 @@ __global__ void __launch_bounds__(THREADS, 1)
     float(&own)[2][MT][4] = reinterpret_cast<float(&)[2][MT][4]>(acc);
     const int own_nb0 = 2 * kh;  // first n16 block (of this warp's 4) whose totals this thread holds
 
-    // ---- CTAs whose ranges overlap this tile: c_first .. c_last (one: the segment is the whole tile)
-    const int c_first = range.first_cta(tile);
-    const int c_last = range.last_cta(tile);
-    bool do_store = true;
-    if (c_first != c_last) {
-      do_store = streamk::fix_up_split_tile(
-          counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
-          [&] {
-            float4* mine = streamk::partial_slot<BM * BN>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
-            store_partial(own, mine + own_nb0 * MT * 128, m0, lane, rt, M);
-          },
-          [&] {
-            // One n16 block at a time (MT float4 loads in flight per CTA), its sum replacing this thread's totals
-            // of that block.
+    // ---- CTAs whose ranges overlap this tile (c_first .. c_last) combine their partials; one of them stores it
+    const bool do_store = streamk::finish_segment(
+        range, counters, tile, tid == 0, s_is_last, [] { __syncthreads(); },
+        [&] {
+          float4* mine = streamk::partial_slot<BM * BN>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
+          store_partial(own, mine + own_nb0 * MT * 128, m0, lane, rt, M);
+        },
+        [&](int c_first, int c_last) {
+          // One n16 block at a time (MT float4 loads in flight per CTA), its sum replacing this thread's totals
+          // of that block.
 #pragma unroll
-            for (int nbw = 0; nbw < 2; ++nbw) {
-              float4 sum[MT];
+          for (int nbw = 0; nbw < 2; ++nbw) {
+            float4 sum[MT];
 #pragma unroll
-              for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
-              streamk::for_each_partial<BM * BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-                const float4* part = slot + (own_nb0 + nbw) * MT * 128 + rt;
-                float4 v[MT];
+            for (int mt = 0; mt < MT; ++mt) sum[mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+            streamk::for_each_partial<BM * BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+              const float4* part = slot + (own_nb0 + nbw) * MT * 128 + rt;
+              float4 v[MT];
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                  v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128)
-                                                             : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                  sum[mt].x += v[mt].x;
-                  sum[mt].y += v[mt].y;
-                  sum[mt].z += v[mt].z;
-                  sum[mt].w += v[mt].w;
-                }
-              });
+              for (int mt = 0; mt < MT; ++mt)
+                v[mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + mt * 128)
+                                                           : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
               for (int mt = 0; mt < MT; ++mt) {
-                own[nbw][mt][0] = sum[mt].x;
-                own[nbw][mt][1] = sum[mt].y;
-                own[nbw][mt][2] = sum[mt].z;
-                own[nbw][mt][3] = sum[mt].w;
+                sum[mt].x += v[mt].x;
+                sum[mt].y += v[mt].y;
+                sum[mt].z += v[mt].z;
+                sum[mt].w += v[mt].w;
               }
+            });
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              own[nbw][mt][0] = sum[mt].x;
+              own[nbw][mt][1] = sum[mt].y;
+              own[nbw][mt][2] = sum[mt].z;
+              own[nbw][mt][3] = sum[mt].w;
             }
-          });
-    }
+          }
+        });
 
     // ---- epilogue (split-K's math): scale by 128 / global_scale, add bias, store bf16
     if (do_store && active)

@@ -334,39 +334,34 @@ __global__ void __launch_bounds__(SS_THREADS, 1)
         return (tile % m_tiles) * T + 16 * (t >> 5) + ((t & 31) >> 2);
       };
       const int row_g = row_of();
-      const int c_first = range.first_cta(tile);
-      const int c_last = range.last_cta(tile);
-      bool do_store = true;
-      if (c_first != c_last) {
-        do_store = streamk::fix_up_split_tile(
-            counters, tile, c_first, c_last, mt == 0, s_is_last, [] { mma_sync(128 * NMMA); },
-            [&] {
-              float4* mine =
-                  streamk::partial_slot<T * SS_BN>(ws, blockIdx.x, range.my_slot(tile)) + mw * 32 * 128 + ltid;
-              if (row_g < M) {
+      const bool do_store = streamk::finish_segment(
+          range, counters, tile, mt == 0, s_is_last, [] { mma_sync(128 * NMMA); },
+          [&] {
+            float4* mine =
+                streamk::partial_slot<T * SS_BN>(ws, blockIdx.x, range.my_slot(tile)) + mw * 32 * 128 + ltid;
+            if (row_g < M) {
 #pragma unroll
-                for (int q = 0; q < 32; ++q)
-                  mine[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-              }
-            },
-            [&] {
+              for (int q = 0; q < 32; ++q)
+                mine[q * 128] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+            }
+          },
+          [&](int c_first, int c_last) {
 #pragma unroll
-              for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-              if (row_of() < M) {
-                streamk::for_each_partial<T * SS_BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-                  const float4* part = slot + mw * 32 * 128 + ltid;
+            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+            if (row_of() < M) {
+              streamk::for_each_partial<T * SS_BN>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+                const float4* part = slot + mw * 32 * 128 + ltid;
 #pragma unroll
-                  for (int q = 0; q < 32; ++q) {
-                    const float4 v = __ldcg(part + q * 128);
-                    acc[4 * q] += v.x;
-                    acc[4 * q + 1] += v.y;
-                    acc[4 * q + 2] += v.z;
-                    acc[4 * q + 3] += v.w;
-                  }
-                });
-              }
-            });
-      }
+                for (int q = 0; q < 32; ++q) {
+                  const float4 v = __ldcg(part + q * 128);
+                  acc[4 * q] += v.x;
+                  acc[4 * q + 1] += v.y;
+                  acc[4 * q + 2] += v.z;
+                  acc[4 * q + 3] += v.w;
+                }
+              });
+            }
+          });
 
       // ---- epilogue: out[token, n] = acc * 128 / global_scale + bias[n], tokens < M and n < N only
       if (do_store && row_of() < M) {

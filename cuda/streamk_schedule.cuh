@@ -271,5 +271,21 @@ __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int f
   return last_arrival;
 }
 
+// The end of a segment, for the threads that hold the tile's accumulators: where this CTA's segment is the whole
+// tile there is nothing to combine and it stores the tile (true); otherwise fix_up_split_tile with the CTAs sharing
+// the tile, first_cta(tile) .. last_cta(tile), passed to sum_all(first, last) for its for_each_partial. Returns
+// whether this CTA stores the tile.
+template <class Sync, class StoreMine, class SumAll>
+__device__ __forceinline__ bool finish_segment(const CtaRange& range, int* counters, int tile, bool leader, int& flag,
+                                               Sync&& sync, StoreMine&& store_mine, SumAll&& sum_all) {
+  const int first = range.first_cta(tile);
+  const int last = range.last_cta(tile);
+  bool stores = true;
+  if (first != last)
+    stores = fix_up_split_tile(counters, tile, first, last, leader, flag, sync, store_mine,
+                               [&] { sum_all(first, last); });
+  return stores;
+}
+
 }  // namespace streamk
 }  // namespace qerl

@@ -29,6 +29,8 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
   const int wg = tid >> 7;
   const int wl = (tid >> 5) & 3;
   const int tok_lane = 2 * (lane & 3);
+  // streamk::finish_segment written out: through the helper ptxas allocates these 255-register kernels differently
+  // (16-24 more instructions, sass_census.py --against), and this is the code that was measured
   const int c_first = range.first_cta(tile);
   const int c_last = range.last_cta(tile);
   bool do_store = true;
