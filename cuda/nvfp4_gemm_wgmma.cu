@@ -20,12 +20,12 @@
 //    and k16 step j of the half starts at +32 j. (The no-swizzle layout, core matrices of 8 tokens 2048 bytes
 //    apart, puts the 8 core matrices one wgmma reads together on the same banks: measured 1.3x slower,
 //    benchmarks/NOTES.md.)
-//  * Ring: STAGES slots of (weights 8 KB and scales 1 KB per 128-row tile, activations T x 256 B), cp.async,
+//  * Ring: STAGES slots of (weights 8 KB and scales 1 KB per 128-row tile, activations T x 256 B), all copied by
+//    the copy engine (bulk copies and TMA issued by thread 0 on the slot's mbarrier),
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
 //    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
-//    wgmmas every warpgroup has waited for before the barrier of iteration i. The activations come by TMA (the
-//    async proxy the wgmmas read through) on per-slot mbarriers; the weights and scales by cp.async, read by the
-//    decode with ordinary loads, so no proxy fence is needed.
+//    wgmmas every warpgroup has waited for before the barrier of iteration i. The slot's mbarrier completing makes
+//    the copies visible to the decode's loads and to the wgmmas alike; no proxy fence is needed.
 //  * Persistent stream-K as cuda/nvfp4_gemm_streamk.cu: the (m tile, n tile, k stage) units are cut into equal
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
@@ -157,9 +157,6 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
-  constexpr int W_PER_THREAD = TILE_W_VEC / THREADS;  // 16-byte weight chunks per thread and 128-row tile: 2 or 4
-  static_assert(TILE_W_VEC % THREADS == 0, "weights: whole chunks per thread");
-  static_assert(WGS * TILE_S_VEC <= THREADS, "scales: one chunk per thread at most");
 
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, STAGES, &x_map);
@@ -183,31 +180,25 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
 
-    // cp.async sources formed once per segment, advanced by a constant per stage
-    const size_t tile_stride = size_t(S) * TILE_W_VEC;
-    const uint4* w_thr = qw + (size_t(WGS * ntile) * S + kb) * TILE_W_VEC + tid;
-    const int s_h = tid / TILE_S_VEC;
-    const bool s_copies = tid < WGS * TILE_S_VEC && (s_h == 0 || has_hi);
-    const uint4* s_thr = qs + (size_t(WGS * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
+    // a stage's copies, all by thread 0 on the slot's mbarrier (transaction count first): per 128-row tile its
+    // stage's weights (8 KB) and scales (1 KB), each one contiguous run of the repacked layout and one bulk copy, and
+    // the activations as two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
+    // r * 128 with the 128-byte swizzle; rows past M zero-filled by the copy engine)
+    const uint4* w_seg = qw + (size_t(WGS * ntile) * S + kb) * TILE_W_VEC;
+    const uint4* s_seg = qs + (size_t(WGS * ntile) * S + kb) * TILE_S_VEC;
     auto load_stage = [&](int buf, int s_rel) {
+      if (tid != 0) return;
       const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-      const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
-#pragma unroll
-      for (int c = 0; c < W_PER_THREAD; ++c) cp_async16_u32(base + (tid + c * THREADS) * 16, w + c * THREADS, 16);
-      if (has_hi) {
-#pragma unroll
-        for (int c = 0; c < W_PER_THREAD; ++c)
-          cp_async16_u32(base + TILE_W_BYTES + (tid + c * THREADS) * 16, w + tile_stride + c * THREADS, 16);
-      }
-      if (s_copies) cp_async16_u32(base + WGS * TILE_W_BYTES + tid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
-      // the activations: two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
-      // r * 128 with the 128-byte swizzle), rows past M zero-filled by the copy engine
-      if (tid == 0) {
-        const uint32_t bar = bar0 + 8 * buf;
-        tma::mbar_expect_tx(bar, T * WG_BK * 2);
-        const int k0 = (kb + s_rel) * WG_BK;
-        tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
-        tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
+      const uint32_t bar = bar0 + 8 * buf;
+      const int tiles = has_hi ? 2 : 1;
+      tma::mbar_expect_tx(bar, T * WG_BK * 2 + tiles * (TILE_W_BYTES + TILE_S_BYTES));
+      const int k0 = (kb + s_rel) * WG_BK;
+      tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
+      tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
+      for (int h = 0; h < tiles; ++h) {
+        tma::bulk_copy(base + h * TILE_W_BYTES, w_seg + (size_t(h) * S + s_rel) * TILE_W_VEC, TILE_W_BYTES, bar);
+        tma::bulk_copy(base + WGS * TILE_W_BYTES + h * TILE_S_BYTES, s_seg + (size_t(h) * S + s_rel) * TILE_S_VEC,
+                       TILE_S_BYTES, bar);
       }
     };
 
@@ -239,18 +230,14 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
 
     // ---- the segment's stages [kb, ke)
 #pragma unroll
-    for (int s = 0; s < PF; ++s) {
+    for (int s = 0; s < PF; ++s)
       if (s < count) load_stage((g0 + s) % STAGES, s);
-      cp_async_commit();
-    }
     for (int it = 0; it < count; ++it) {
       const int slot = (g0 + it) % STAGES;
-      cp_async_wait<PF - 1>();  // this thread's weight / scale copies of stage it
-      __syncthreads();          // everyone's; and every warp has retired stage it - 2, whose slot is refilled next
+      __syncthreads();  // every warp has retired stage it - 2, whose slot is refilled next
       const int nxt = it + PF;
       if (nxt < count) load_stage((g0 + nxt) % STAGES, nxt);
-      cp_async_commit();
-      tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // the activations of stage it
+      tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // stage it's weights, scales and activations
       if (active) compute_stage(slot);
     }
     g0 += count;
@@ -259,7 +246,6 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
-    cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
