@@ -44,6 +44,10 @@ NVDISASM_WHEEL = "nvidia-cuda-nvdisasm==13.5.37"
 DEFAULT_ARCH = "sm_90a"
 #: opcode classes a main loop is recognised by (tensor-core work)
 MMA_CLASSES = ("HGMMA", "HMMA")
+#: copy-engine issue (bulk copy, TMA): a branch around them is one thread's producer path
+PRODUCER_CLASSES = ("UBLKCP", "UTMALDG")
+#: math and shared-memory reads: a branch region holding any of them is work, not a producer path
+WORK_CLASSES = ("FFMA", "FADD", "FMUL", "HMUL2", "HGMMA", "HMMA", "LDS", "LDSM")
 
 
 class CensusError(RuntimeError):
@@ -119,6 +123,34 @@ class Kernel:
         if mma:
             return mma[0]
         return loops[-1] if loops else None
+
+    def producer_only(self, loop: Loop) -> int:
+        """How many instructions of ``loop`` only the copy-issuing thread runs (:meth:`producer_offsets`)."""
+        return len(self.producer_offsets(loop))
+
+    def producer_offsets(self, loop: Loop) -> set[int]:
+        """Offsets of the instructions of ``loop`` that only a copy-issuing thread runs: for each copy-engine issue
+        (``UBLKCP``, ``UTMALDG``) the innermost forward branch inside the loop that skips over it, as ``if (tid == 0)
+        { issue copies }`` compiles -- unless that region also holds math or shared-memory reads (then the branch is
+        one every warp takes alike, e.g. ``if (next < count)``, and ptxas predicated the copy in place: nothing is
+        one thread's alone). A static reading: the loop's size minus this is what every other warp executes."""
+        inside = [i for i in self.instructions if loop.start <= i.offset <= loop.end]
+        regions = []
+        for ins in inside:
+            target = _branch_target(ins.operands) if ins.op_class == "BRA" and ins.predicate else None
+            if target is not None and ins.offset < target <= loop.end + 16:
+                regions.append((ins.offset, target))
+        skipped: set[int] = set()
+        for ins in inside:
+            if ins.op_class not in PRODUCER_CLASSES:
+                continue
+            around = [r for r in regions if r[0] < ins.offset < r[1]]
+            if around:
+                lo, hi = min(around, key=lambda r: r[1] - r[0])
+                body = [i for i in inside if lo < i.offset < hi]
+                if not any(i.op_class in WORK_CLASSES for i in body):
+                    skipped.update(i.offset for i in body)
+        return skipped
 
 
 def _branch_target(operands: str) -> int | None:
@@ -267,7 +299,8 @@ def kernel_row(k: Kernel) -> dict:
             "loops": [{"start": lp.start, "end": lp.end, "instructions": lp.size, "classes": lp.counts}
                       for lp in k.loops()],
             "main_loop": None if main is None else {"start": main.start, "end": main.end,
-                                                    "instructions": main.size, "classes": main.counts}}
+                                                    "instructions": main.size, "classes": main.counts,
+                                                    "producer_only": k.producer_only(main)}}
 
 
 def format_counts(counts: dict[str, int], top: int = 8) -> str:
@@ -306,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k.name}\n  {Path(k.source).name}, {args.arch}: {k.registers} registers, {k.spill_bytes} B spilled, "
               f"{len(k.instructions)} instructions: {format_counts(k.counts)}")
         if main_loop is not None:
-            print(f"  main loop [{main_loop.start:#x}..{main_loop.end:#x}] {main_loop.size} instructions: "
-                  f"{format_counts(main_loop.counts, 12)}")
+            producer = k.producer_only(main_loop)
+            print(f"  main loop [{main_loop.start:#x}..{main_loop.end:#x}] {main_loop.size} instructions"
+                  + (f" ({main_loop.size - producer} on every warp's path, {producer} only on the copy-issuing "
+                     f"thread's)" if producer else "") + f": {format_counts(main_loop.counts, 12)}")
     status = 0
     if comparison is not None:
         print(f"\nagainst {args.against}:")

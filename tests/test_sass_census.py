@@ -132,3 +132,48 @@ def test_clear_errors(sc, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NVDISASM", str(tmp_path / "missing-nvdisasm"))
     with pytest.raises(sc.CensusError, match="NVDISASM=.*missing-nvdisasm: not an executable"):
         sc.find_nvdisasm()
+
+
+# loops whose copies thread 0 issues inside a branch every thread takes: one copy (ptxas predicates it in place) or
+# four (ptxas branches around them on the thread test)
+PRODUCER_LOOP = r"""
+__global__ void prod(float* out, const float4* src, int n) {
+  extern __shared__ __align__(128) unsigned char sm[];
+  __shared__ __align__(8) unsigned long long bar;
+  const unsigned sa = unsigned(__cvta_generic_to_shared(sm)), ba = unsigned(__cvta_generic_to_shared(&bar));
+  float s = out[threadIdx.x];
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    if (i + 1 < n) {
+      s = fmaf(s, 1.5f, 2.0f);
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int b = 0; b < COPIES; ++b)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];\n"
+                       :: "r"(sa + 512 * b), "l"(src + 32 * (i + b * n)), "r"(ba) : "memory");
+      }
+    }
+    s = fmaf(s, s, 1.0f);
+  }
+  out[threadIdx.x] = s;
+}
+"""
+
+
+@pytest.mark.parametrize("copies", [1, 4])
+def test_producer_path_is_a_branch_around_the_copies_only(sc, tmp_path, copies):
+    """What only the copy-issuing thread runs is told apart from what every warp runs: the two FMAs (one inside the
+    enclosing branch every thread takes) are never counted as one thread's; the four copies are (ptxas branches
+    around them on the thread test); the single copy is not (ptxas predicates it in place, every warp runs the
+    instructions around it)."""
+    (kernel,) = sc.census(_write(tmp_path, f"prod{copies}.cu", PRODUCER_LOOP.replace("COPIES", str(copies))))
+    main = kernel.main_loop()
+    skipped = kernel.producer_offsets(main)
+    in_loop = [i for i in kernel.instructions if main.start <= i.offset <= main.end]
+    copy_ops = [i.offset for i in in_loop if i.op_class == "UBLKCP"]
+    fmas = [i.offset for i in in_loop if i.op_class == "FFMA"]
+    assert len(copy_ops) == copies and len(fmas) == 2 and not set(fmas) & skipped
+    if copies == 4:
+        assert set(copy_ops) <= skipped and 0 < kernel.producer_only(main) < main.size
+    else:
+        assert kernel.producer_only(main) == 0
