@@ -81,6 +81,7 @@ from kernel_results import (  # noqa: E402
     sum_layers,
     table_lines,
 )
+from kernel_splits import layer_sums, parse_splits, run_sweep, sweep_targets  # noqa: E402
 from kernel_variants import (  # noqa: E402
     BASELINE,
     TILE_VARIANTS,
@@ -92,7 +93,7 @@ from kernel_variants import (  # noqa: E402
 )
 
 from verl_qerl import kernels  # noqa: E402
-from verl_qerl.kernels import dispatch  # noqa: E402
+from verl_qerl.kernels import dispatch, layout  # noqa: E402
 
 MODELS = {
     "qwen2.5-7b": dict(h=3584, i=18944, q=3584, kv=512),
@@ -285,6 +286,45 @@ def dequant_bandwidth(bw: float) -> dict:
     return res
 
 
+def sweep_splits_run(models: dict, ms: list[int], swept: list[int], out_arg: str | None) -> int:
+    """``--sweep-splits``: the split-K kernel per decode GEMM at each swept split count and the heuristic's, in CUDA
+    graphs (kernel_splits.py says why); writes ``split-sweep-<gpu>.json``."""
+    if not kernels.load_extension(verbose=False):
+        print("extension failed:", kernels.cuda_unavailable_reason())
+        return 1
+    ext = kernels.extension()
+    gs = torch.tensor([100.0], device=DEV)
+    weights: dict[tuple[int, int], list] = {}
+
+    def time_gemm(m: int, n: int, k: int, splits: int) -> float | None:
+        if (n, k) not in weights:
+            weights.clear()
+            torch.cuda.empty_cache()
+            weights[(n, k)] = [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
+        ws = weights[(n, k)]
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        return bench_graph(lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None,
+                                                               n, kernels.GemmMode.SPLITK, splits))
+
+    name = torch.cuda.get_device_name()
+    rows = run_sweep(models, ms, swept, time_gemm, lambda m, n, k: int(ext.splits_for(m, n, k)), layer_shapes,
+                     layout.K_STAGE)
+    sums = layer_sums(rows)
+    out = {"device": name,
+           "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
+           "command": "python " + " ".join(sys.argv), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+           "swept_splits": swept, "split_penalty": ext.get_tuning()[1], "rows": rows, "layer_sums": sums,
+           "targets": sweep_targets(sums)}
+    path = result_path(out_arg, os.environ.get("OUT"), name, Path(__file__).parent / "results")
+    path = path.with_name(path.name.replace("kernel-", "split-sweep-"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"# wrote {path}")
+    for t in out["targets"]:
+        print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", default=None, help="summarize a cuobjdump -sass listing and exit")
@@ -299,6 +339,9 @@ def main() -> int:
                     help="with --sanitize: comma list of op mode names to run (default all; cuda/gemm_modes.h)")
     ap.add_argument("--sanitize-max-nk", type=int, default=None, help="with --sanitize: skip weights with N x K above")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--sweep-splits", default=None, metavar="LIST",
+                    help="time the split-K kernel at each split count of LIST and at the heuristic's, per decode GEMM "
+                    "of --models at --ms (default 1,16), write split-sweep-<gpu>.json and exit")
     ap.add_argument("--threshold", type=int, default=-1, help="force the dispatch threshold (M)")
     ap.add_argument("--no-marlin", action="store_true", help="skip the vLLM Marlin FP4 column")
     ap.add_argument("--variants", default=None,
@@ -314,6 +357,7 @@ def main() -> int:
         models = select_models(args.models)
         ms_arg = [int(v) for v in args.ms.split(",")] if args.ms else None
         sanitize_modes = parse_modes(args.sanitize_modes) if args.sanitize_modes else None
+        swept = parse_splits(args.sweep_splits) if args.sweep_splits is not None else None
     except ValueError as ex:
         ap.error(str(ex))
     if args.ncu_summary:
@@ -326,6 +370,8 @@ def main() -> int:
         return sanitize_run(sanitize_modes, args.sanitize_max_nk)
     if args.repro_throw:
         return repro_throw()
+    if swept:
+        return sweep_splits_run(models, ms_arg or [1, 16], swept, args.out)
     if args.profile:
         keep = {int(v) for v in args.profile_m.split(",")} if args.profile_m else None
         return profile_run(marlin=args.profile_marlin, ms=keep, variants=variants if args.variants else None)
