@@ -11,7 +11,9 @@ step() {
   return $rc
 }
 #   build_step TIMEOUT_S        step "build": JIT-build the kernels extension (or say why it does not load)
-build_step() {
-  step build "$1" python3 -c "from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
+QERL_BUILD_CHECK_PY="from verl_qerl.kernels import load_extension as l, cuda_unavailable_reason as r; \
 import sys; ok = l(); print('kernels loaded' if ok else 'NOT loaded: ' + r()); sys.exit(0 if ok else 1)"
+export QERL_BUILD_CHECK_PY
+build_step() {
+  step build "$1" python3 -c "$QERL_BUILD_CHECK_PY"
 }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# ON THE GPU MACHINE: kernel candidates checked and timed side by side in one call. Each argument is a repository
+# copy at one commit (benchmarks/gpu/stage_candidates.sh makes them); for each, in its own folder and JIT cache:
+# build, the wgmma GPU tests (stopping at the first failure: a wrong kernel is not timed), then the per-layer table
+# (7B and 32B, M = 1-1024, split-K / stream-K / wgmma_rs side by side, CUDA graphs).
+#   OUT=$OUT bash benchmarks/gpu/candidates_check.sh .xfer-cand/44fb047 .xfer-cand/51ade69   # ~2-3 min each
+# Writes to $OUT, two files per candidate (a call returns 8): <name>.log and <name>-kernel.json (kernel.py's
+# results: rows, per-layer ratios, targets). CAND_MS, CAND_MODELS override the table's M list and models.
+set -uo pipefail
+OUT=${OUT:?set OUT to an output folder}
+[ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
+mkdir -p "$OUT"
+ROOT=$(pwd)
+status=0
+for dir in "$@"; do
+  name=$(basename "$dir")
+  [ -f "$dir/cuda/qerl_nvfp4.h" ] || { echo "candidates_check: $dir is not a staged repository copy" >&2; status=2; continue; }
+  LOG="$OUT/$name.log"; : > "$LOG"
+  STEP_TAG=$name
+  fail=0
+  (
+    cd "$dir" || exit 2
+    export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="/tmp/qerl-ext-$name"
+    source "$ROOT/benchmarks/gpu/steps.sh"
+    export LOG
+    step build 150 bash -c 'python3 -c "$QERL_BUILD_CHECK_PY" >> "$LOG" 2>&1' || exit 1
+    step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
+      >> '$LOG' 2>&1" || { tail -30 "$LOG"; exit 1; }
+    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin --variants splitk,streamk,wgmma_rs \
+      --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
+      --out "/tmp/qerl-cand-$name/kernel-$name.json" >> "$LOG" 2>&1 || exit 1
+    cp "/tmp/qerl-cand-$name/kernel-$name.json" "$OUT/$name-kernel.json"  # its dispatch table is rebuilt from rows
+    exit $fail
+  )
+  rc=$?
+  echo "[candidates_check] $name rc=$rc" | tee -a "$LOG"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status

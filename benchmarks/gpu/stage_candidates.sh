@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# ON THE DEV MACHINE: copies of the repository at several commits, each as a folder the device tool can carry, so
+# one GPU call checks and times kernel candidates side by side (benchmarks/gpu/candidates_check.sh).
+#   bash benchmarks/gpu/stage_candidates.sh 44fb047 51ade69 main      # -> .xfer-cand/<commit>/ (~1 MB each)
+# Each folder holds what the kernel tests and kernel.py need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
+# benchmarks/results_format.py, benchmarks/gpu/, tests/test_kernels_gpu.py, tests/conftest.py, pytest.ini. It prints
+# the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then candidates_check.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+[ "$#" -ge 1 ] || { echo "usage: bash benchmarks/gpu/stage_candidates.sh COMMIT [COMMIT ...]" >&2; exit 2; }
+DEST=${DEST:-.xfer-cand}
+names=()
+for rev in "$@"; do
+  sha=$(git rev-parse --verify --quiet "$rev^{commit}") || { echo "stage_candidates: $rev is not a commit here" >&2; exit 2; }
+  name=${sha:0:7}
+  rm -rf "${DEST:?}/$name.tmp" && mkdir -p "$DEST/$name.tmp"
+  git archive "$sha" cuda verl_qerl pytest.ini tests/conftest.py tests/test_kernels_gpu.py benchmarks/gpu \
+    $(git ls-tree --name-only "$sha" benchmarks/ | grep -E '^benchmarks/(kernel[a-z_]*|results_format)\.py$') \
+    | tar -x -C "$DEST/$name.tmp"
+  rm -rf "${DEST:?}/$name" && mv "$DEST/$name.tmp" "$DEST/$name"  # no half-written folder under the final name
+  names+=("$DEST/$name")
+  echo "staged $rev -> $DEST/$name ($(du -sh "$DEST/$name" | cut -f1))"
+done
+echo "run: carry=['$DEST'], command: OUT=\$OUT bash benchmarks/gpu/candidates_check.sh ${names[*]}"

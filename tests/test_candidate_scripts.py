@@ -1,0 +1,81 @@
+"""benchmarks/gpu/stage_candidates.sh and candidates_check.sh on CPU: the staging makes complete, importable copies of
+the repository at the commits asked for (and refuses what is not a commit, leaving nothing half-written); the check
+refuses folders that are not staged copies and, without a GPU, stops a candidate at its build step with the reason
+in its log (on the GPU machine the same path goes on to the tests and the timing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STAGE = REPO / "benchmarks" / "gpu" / "stage_candidates.sh"
+CHECK = REPO / "benchmarks" / "gpu" / "candidates_check.sh"
+
+
+def _git_ok() -> bool:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    if not _git_ok():
+        pytest.skip("not a git checkout")
+    dest = tmp_path_factory.mktemp("cand")
+    out = subprocess.run(["bash", str(STAGE), "HEAD", "HEAD~1"], capture_output=True, text=True,
+                         env=dict(os.environ, DEST=str(dest)), timeout=120)
+    assert out.returncode == 0, out.stderr
+    return dest, out.stdout
+
+
+def test_stage_makes_complete_copies(staged):
+    dest, stdout = staged
+    folders = sorted(p for p in dest.iterdir())
+    assert len(folders) == 2 and not any(p.name.endswith(".tmp") for p in folders)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    copy = dest / head
+    for rel in ("cuda/qerl_nvfp4.h", "verl_qerl/kernels/__init__.py", "benchmarks/kernel.py",
+                "benchmarks/kernel_results.py", "benchmarks/results_format.py", "benchmarks/gpu/steps.sh",
+                "tests/test_kernels_gpu.py", "tests/conftest.py", "pytest.ini"):
+        assert (copy / rel).is_file(), rel
+    assert (copy / "cuda" / "nvfp4_gemm_wgmma.cu").read_bytes() == subprocess.run(
+        ["git", "-C", str(REPO), "show", "HEAD:cuda/nvfp4_gemm_wgmma.cu"], capture_output=True).stdout
+    assert "candidates_check.sh" in stdout and str(copy) in stdout
+    # the copy's kernel.py and its sibling modules import from the copy alone (the GPU machine runs it there)
+    out = subprocess.run([sys.executable, "benchmarks/kernel.py", "--sweep-splits", "x"], cwd=copy,
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(copy)))
+    assert out.returncode == 2 and "--sweep-splits" in out.stderr  # parsed by the copy's own option table
+
+
+def test_stage_refuses_what_is_not_a_commit(tmp_path):
+    if not _git_ok():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["bash", str(STAGE), "no-such-rev-x"], capture_output=True, text=True,
+                         env=dict(os.environ, DEST=str(tmp_path / "c")), timeout=60)
+    assert out.returncode == 2 and "no-such-rev-x is not a commit" in out.stderr
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_check_refuses_unstaged_folders_and_stops_at_the_build_without_a_gpu(staged, tmp_path):
+    dest, _ = staged
+    out_dir = tmp_path / "out"
+    bad = subprocess.run(["bash", str(CHECK), str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, OUT=str(out_dir)), timeout=60)
+    assert bad.returncode == 2 and "is not a staged repository copy" in bad.stderr
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the check would build and time for real")
+    folder = sorted(dest.iterdir())[0]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # python3 = this venv's, as on the GPU
+    run = subprocess.run(["bash", str(CHECK), str(folder)], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, OUT=str(out_dir), PATH=path), timeout=300)
+    log = (out_dir / f"{folder.name}.log").read_text()
+    assert run.returncode == 1
+    assert log.count(f"[{folder.name}] build rc=1") == 1 and f"[candidates_check] {folder.name} rc=1" in log
+    assert "NOT loaded" in log and not (out_dir / f"{folder.name}-kernel.json").exists()
