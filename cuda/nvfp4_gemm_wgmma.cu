@@ -10,19 +10,22 @@
 //    128). The repacked layout (verl_qerl/kernels/layout.py) is read unchanged: one warp's register-A fragment of
 //    wgmma m64nTk16 is the m16n8k16 A fragment (rows lane/4 (+8), K 2 (lane%4) (+1, +8)) of that warp's 16 rows,
 //    exactly what one 32-bit word of the layout decodes to with the split-K bit tricks (decode_raw, scale_two).
-//  * CTA tile: 256 weight rows (the repacked 128-row tiles 2t, 2t+1) x T tokens, 2 warpgroups. Warpgroup g owns
-//    tile 2t+g and issues two m64 wgmmas per k16 step (its rows 0-63: warp w decodes n16 block w; rows 64-127:
-//    block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes nothing.
+//  * CTA tile at T = 128: 256 weight rows (the repacked 128-row tiles 2t, 2t+1) x T tokens, 2 warpgroups. Warpgroup
+//    g owns tile 2t+g and issues two m64 wgmmas per k16 step (its rows 0-63: warp w decodes n16 block w; rows
+//    64-127: block 4+w), both reading the same B. If tile 2t+1 does not exist, warpgroup 1 loads and computes
+//    nothing. At T = 64: one warpgroup, one 128-row tile, and two CTAs per SM (WgCfg), so that the SM runs one CTA's
+//    decode while the other's wgmmas run instead of all warps alternating in step between the two.
 //  * Activations in shared memory in wgmma's 128-byte-swizzled K-major layout: per k64 half of a stage, token row
 //    r holds its 128 bytes at r * 128 with 16-byte chunk q at (q ^ (r % 8)) * 16; SBO (next 8 tokens) = 1024 B,
 //    and k16 step j of the half starts at +32 j. (The no-swizzle layout, core matrices of 8 tokens 2048 bytes
 //    apart, puts the 8 core matrices one wgmma reads together on the same banks: measured 1.3x slower,
 //    benchmarks/NOTES.md.)
-//  * Ring: STAGES slots of (weights 16 KB, scales 2 KB, activations T x 256 B), cp.async by all threads,
+//  * Ring: STAGES slots of (weights 8 KB and scales 1 KB per 128-row tile, activations T x 256 B), all copied by
+//    the copy engine (bulk copies and TMA issued by thread 0 on the slot's mbarrier),
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
 //    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
-//    wgmmas every warpgroup has waited for before the barrier of iteration i. The cp.async writes are made
-//    visible to the tensor core's async proxy by fence.proxy.async before that barrier.
+//    wgmmas every warpgroup has waited for before the barrier of iteration i. The slot's mbarrier completing makes
+//    the copies visible to the decode's loads and to the wgmmas alike; no proxy fence is needed.
 //  * Persistent stream-K as cuda/nvfp4_gemm_streamk.cu: the (m tile, n tile, k stage) units are cut into equal
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
@@ -38,15 +41,21 @@ namespace qerl {
 namespace {
 
 constexpr int WG_BK = streamk::kStageK;    // K per pipeline stage
-constexpr int WG_THREADS = 256;          // 2 warpgroups
 constexpr int TILE_W_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 512;  // one 128-row tile, one stage: 8 KB
 constexpr int TILE_S_BYTES = (QERL_GEMM_BN / 16) * (WG_BK / 64) * 64;   // 1 KB
-constexpr int X_OFF = 2 * TILE_W_BYTES + 2 * TILE_S_BYTES;  // activations after both tiles' weights and scales
 
+// T = 64: one warpgroup per CTA (one 128-row tile x 64 tokens) and two CTAs per SM, so that one CTA's decode runs
+// while the other's wgmmas do (each CTA's barrier only holds its own four warps). T = 128: two warpgroups (two
+// 128-row tiles), one CTA per SM (254 registers per thread leave no room for a second CTA).
 template <int T>
 struct WgCfg {
+  static constexpr int WARPGROUPS = T == 64 ? 1 : 2;
+  static constexpr int THREADS = 128 * WARPGROUPS;
+  static constexpr int TILE_ROWS = QERL_GEMM_BN * WARPGROUPS;  // weight rows per output tile
+  static constexpr int CTAS_PER_SM = T == 64 ? 2 : 1;
+  static constexpr int X_OFF = WARPGROUPS * (TILE_W_BYTES + TILE_S_BYTES);  // activations after weights, scales
   static constexpr int STAGE_BYTES = X_OFF + T * WG_BK * 2;
-  static constexpr int STAGES = T == 64 ? 6 : 4;  // ~205 KB either way: one CTA per SM
+  static constexpr int STAGES = 4;  // T = 64: 4 x 25 KB per CTA, two CTAs per SM; T = 128: 4 x 50 KB, one CTA
   // + 1 KB: the ring starts at the first 1024-byte boundary of the dynamic shared memory (the 128-byte swizzle
   // pattern of the activations repeats every 1024 bytes and is anchored to absolute shared addresses)
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
@@ -55,6 +64,7 @@ struct WgCfg {
   static_assert(T == 64 || T == 128, "wgmma kernel: T = 64 or 128 tokens per tile");
   static_assert(ACC % 4 == 0, "partials are stored as float4");
   static_assert(SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
+  static_assert(CTAS_PER_SM * (SMEM_BYTES + 1024) <= 228 * 1024, "the CTAs of one SM do not fit its shared memory");
 };
 
 #ifdef QERL_WGMMA_DEVICE
@@ -106,7 +116,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[
 #endif  // QERL_WGMMA_DEVICE
 
 template <int T>
-__global__ void __launch_bounds__(WG_THREADS, 1)
+__global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     nvfp4_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                             const uint4* __restrict__ qs, const float* __restrict__ gscale,
                             const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
@@ -117,7 +127,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   constexpr int STAGES = C::STAGES;
   constexpr int PF = STAGES - 2;  // prefetch distance
   constexpr int ACC = C::ACC;
-  constexpr int SLOT_FLOATS = T * streamk::kTileRows;  // one partial slot: T tokens x 256 weight rows
+  constexpr int WGS = C::WARPGROUPS;
+  constexpr int THREADS = C::THREADS;
+  constexpr int X_OFF = C::X_OFF;
+  constexpr int SLOT_FLOATS = T * C::TILE_ROWS;  // one partial slot: T tokens x the tile's weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
   __shared__ __align__(8) uint64_t full_bar[STAGES];  // activations of a slot landed (TMA transaction count)
@@ -125,12 +138,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int wg = warp >> 2;  // warpgroup: 128-row tile 2t + wg
+  // warpgroup: 128-row tile WGS t + wg. Read through a shuffle so ptxas can prove it warp-uniform: the branch on
+  // `active` is then not divergent to it, and the wgmma descriptors stay in uniform registers (without it every
+  // HGMMA of the stage loop waits on two R2UR moves of its descriptor: 38 R2UR per stage).
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const int wl = warp & 3;   // warp in the warpgroup
 
   const int S = K / WG_BK;
   const int tiles_128 = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
-  const int n_tiles = (N + streamk::kTileRows - 1) / streamk::kTileRows;
+  const int n_tiles = (N + C::TILE_ROWS - 1) / C::TILE_ROWS;
   const int m_tiles = (M + T - 1) / T;
   const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
   const int my_first_tile = range.first_tile();
@@ -141,8 +157,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
   constexpr int TILE_W_VEC = TILE_W_BYTES / 16;
   constexpr int TILE_S_VEC = TILE_S_BYTES / 16;
-  static_assert(TILE_W_VEC == 2 * WG_THREADS, "weights: thread t copies chunks t, t + 256 of each tile");
-  static_assert(2 * TILE_S_VEC <= WG_THREADS, "scales: one chunk per thread at most");
 
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, STAGES, &x_map);
@@ -157,7 +171,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     const int mtile = tile / n_tiles;
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * T;
-    const bool has_hi = 2 * ntile + 1 < tiles_128;
+    const bool has_hi = WGS == 2 && 2 * ntile + 1 < tiles_128;
     const bool active = wg == 0 || has_hi;  // warpgroup-uniform
 
     float acc[2][ACC];
@@ -166,37 +180,32 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
 
-    // cp.async sources formed once per segment, advanced by a constant per stage
-    const size_t tile_stride = size_t(S) * TILE_W_VEC;
-    const uint4* w_thr = qw + (size_t(2 * ntile) * S + kb) * TILE_W_VEC + tid;
-    const int s_h = tid / TILE_S_VEC;
-    const bool s_copies = tid < 2 * TILE_S_VEC && (s_h == 0 || has_hi);
-    const uint4* s_thr = qs + (size_t(2 * ntile + s_h) * S + kb) * TILE_S_VEC + (tid % TILE_S_VEC);
+    // a stage's copies, all by thread 0 on the slot's mbarrier (transaction count first): per 128-row tile its
+    // stage's weights (8 KB) and scales (1 KB), each one contiguous run of the repacked layout and one bulk copy, and
+    // the activations as two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
+    // r * 128 with the 128-byte swizzle; rows past M zero-filled by the copy engine)
+    const uint4* w_seg = qw + (size_t(WGS * ntile) * S + kb) * TILE_W_VEC;
+    const uint4* s_seg = qs + (size_t(WGS * ntile) * S + kb) * TILE_S_VEC;
     auto load_stage = [&](int buf, int s_rel) {
+      if (tid != 0) return;
       const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-      const uint4* w = w_thr + size_t(s_rel) * TILE_W_VEC;
-      cp_async16_u32(base + tid * 16, w, 16);
-      cp_async16_u32(base + (tid + WG_THREADS) * 16, w + WG_THREADS, 16);
-      if (has_hi) {
-        cp_async16_u32(base + TILE_W_BYTES + tid * 16, w + tile_stride, 16);
-        cp_async16_u32(base + TILE_W_BYTES + (tid + WG_THREADS) * 16, w + tile_stride + WG_THREADS, 16);
-      }
-      if (s_copies) cp_async16_u32(base + 2 * TILE_W_BYTES + tid * 16, s_thr + size_t(s_rel) * TILE_S_VEC, 16);
-      // the activations: two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
-      // r * 128 with the 128-byte swizzle), rows past M zero-filled by the copy engine
-      if (tid == 0) {
-        const uint32_t bar = bar0 + 8 * buf;
-        tma::mbar_expect_tx(bar, T * WG_BK * 2);
-        const int k0 = (kb + s_rel) * WG_BK;
-        tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
-        tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
+      const uint32_t bar = bar0 + 8 * buf;
+      const int tiles = has_hi ? 2 : 1;
+      tma::mbar_expect_tx(bar, T * WG_BK * 2 + tiles * (TILE_W_BYTES + TILE_S_BYTES));
+      const int k0 = (kb + s_rel) * WG_BK;
+      tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
+      tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
+      for (int h = 0; h < tiles; ++h) {
+        tma::bulk_copy(base + h * TILE_W_BYTES, w_seg + (size_t(h) * S + s_rel) * TILE_W_VEC, TILE_W_BYTES, bar);
+        tma::bulk_copy(base + WGS * TILE_W_BYTES + h * TILE_S_BYTES, s_seg + (size_t(h) * S + s_rel) * TILE_S_VEC,
+                       TILE_S_BYTES, bar);
       }
     };
 
     auto compute_stage = [&](int buf) {
       const uint8_t* base = smem + buf * C::STAGE_BYTES;
       const uint4* wsm = reinterpret_cast<const uint4*>(base + wg * TILE_W_BYTES);
-      const uint2* ssm = reinterpret_cast<const uint2*>(base + 2 * TILE_W_BYTES + wg * TILE_S_BYTES);
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + WGS * TILE_W_BYTES + wg * TILE_S_BYTES);
       const uint64_t desc0 = desc_hi | uint64_t(((smem_base + buf * C::STAGE_BYTES + X_OFF) >> 4) & 0x3FFF);
 #pragma unroll
       for (int t = 0; t < 2; ++t) {  // k64 half of the stage
@@ -221,18 +230,14 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 
     // ---- the segment's stages [kb, ke)
 #pragma unroll
-    for (int s = 0; s < PF; ++s) {
+    for (int s = 0; s < PF; ++s)
       if (s < count) load_stage((g0 + s) % STAGES, s);
-      cp_async_commit();
-    }
     for (int it = 0; it < count; ++it) {
       const int slot = (g0 + it) % STAGES;
-      cp_async_wait<PF - 1>();  // this thread's weight / scale copies of stage it
-      __syncthreads();          // everyone's; and every warp has retired stage it - 2, whose slot is refilled next
+      __syncthreads();  // every warp has retired stage it - 2, whose slot is refilled next
       const int nxt = it + PF;
       if (nxt < count) load_stage((g0 + nxt) % STAGES, nxt);
-      cp_async_commit();
-      tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // the activations of stage it
+      tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // stage it's weights, scales and activations
       if (active) compute_stage(slot);
     }
     g0 += count;
@@ -241,12 +246,11 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
-    cp_async_wait<0>();
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-    wgmma_rs::finish_tile<2, ACC, WG_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                         ntile * streamk::kTileRows, m0, M, N, active, gscale, bias,
+    wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias,
                                                          out);
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
@@ -257,7 +261,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1)
 }
 
 template <int T>
-using WgLauncher = tma::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WG_THREADS, WgCfg<T>::SMEM_BYTES, streamk::kTileRows>;
+using WgLauncher =
+    tma::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WgCfg<T>::THREADS, WgCfg<T>::SMEM_BYTES, WgCfg<T>::TILE_ROWS>;
 using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
 
 }  // namespace

@@ -10,12 +10,14 @@
 //  * CTA tile: one 128-row tile of the repacked layout x 256 tokens, 2 warpgroups; warpgroup g owns rows 64 g ..
 //    64 g + 63 (warp w of it decodes n16 block 4 g + w) and issues one m64n256k16 wgmma per k16 step: 128 FP32
 //    accumulators per thread.
-//  * Ring of k64 half-stages (a 128-K stage of activations is 64 KB at 256 tokens; halves give a 6-deep ring in
-//    the 227 KB of shared memory): per slot 256 tokens x 64 K of activations (32 KB, wgmma's 128-byte-swizzled
-//    K-major layout, SBO = 1024 B), the 8 n16 blocks' weights of that k64 half (4 KB) and their scales (512 B).
-//    cp.async by all threads, prefetch distance SLOTS - 2; one CTA barrier per half-stage. The A registers of
-//    consecutive halves alternate, and `wgmma.wait_group 1` after each half's commit retires the half before it, so
-//    a half's wgmmas run while the next half is decoded and the slot refilled at half h was read at h - 2.
+//  * Ring of 3 stage slots, all copies by the copy engine, issued by thread 0 on the slot's mbarrier: per slot the
+//    stage's 256 tokens x 128 K of activations as two TMA boxes of 64 K (32 KB each, wgmma's 128-byte-swizzled
+//    K-major layout, SBO = 1024 B), and the stage's weights (8 KB) and scales (1 KB) of the 128-row tile, each one
+//    contiguous run of the repacked layout: one bulk copy each. So the warps issue no copies and compute no copy
+//    addresses; they wait on the slot's barrier, decode and issue wgmmas. The A registers of consecutive k64 halves
+//    alternate, and `wgmma.wait_group 1` after each half's commit retires the half before it, so a half's wgmmas run
+//    while the next half is decoded. One CTA barrier per stage, before its second half: by then every warp has
+//    retired the previous stage (both halves), whose slot thread 0 then refills with the stage after next.
 //  * Persistent stream-K over (128-row x 256-token tile, 128-K stage) units, partials and the deterministic fix-up
 //    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
 #include "nvfp4_common.cuh"
@@ -31,17 +33,18 @@ namespace {
 constexpr int WD_T = 256;                     // tokens per tile
 constexpr int WD_ROWS = QERL_GEMM_BN;         // weight rows per tile: one 128-row tile of the repacked layout
 constexpr int WD_THREADS = 256;               // 2 warpgroups
-constexpr int WD_HALF_K = 64;                 // K per ring slot
-constexpr int WD_X_BYTES = WD_T * WD_HALF_K * 2;               // 32 KB of activations per slot
-constexpr int WD_W_BYTES = (WD_ROWS / 16) * 512;               // 8 n16 blocks x 512 B = 4 KB
-constexpr int WD_S_BYTES = (WD_ROWS / 16) * 64;                // 512 B
-constexpr int WD_SLOT_BYTES = ((WD_X_BYTES + WD_W_BYTES + WD_S_BYTES + 1023) / 1024) * 1024;  // 37 KB
-constexpr int WD_SLOTS = 6;
+constexpr int WD_HALF_K = 64;                 // K per wgmma batch (one TMA box of activations)
+constexpr int WD_X_HALF_BYTES = WD_T * WD_HALF_K * 2;           // 32 KB of activations per k64 half
+constexpr int WD_W_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 512;  // the stage's weights: 8 KB
+constexpr int WD_S_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 64;   // its scales: 1 KB
+constexpr int WD_W_OFF = 2 * WD_X_HALF_BYTES;                   // in a slot: activations, weights, scales
+constexpr int WD_S_OFF = WD_W_OFF + WD_W_BYTES;
+constexpr int WD_SLOT_BYTES = ((WD_S_OFF + WD_S_BYTES + 1023) / 1024) * 1024;  // 73 KB
+constexpr int WD_SLOTS = 3;
 constexpr int WD_SMEM_BYTES = WD_SLOTS * WD_SLOT_BYTES + 1024;  // + the 1024-byte alignment of the ring
 static_assert(QERL_GEMM_BK == 2 * WD_HALF_K, "a stage is two k64 halves");
 static_assert(WD_SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
-static_assert(WD_W_BYTES / 16 == WD_THREADS, "weights: one 16-byte chunk per thread per half");
-static_assert(WD_X_BYTES / 16 == 8 * WD_THREADS, "activations: eight 16-byte chunks per thread per half");
+static_assert(WD_SLOT_BYTES % 1024 == 0 && WD_X_HALF_BYTES % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
 
 #ifdef QERL_WGMMA_DEVICE
 // D[64 x 256] += A[64 x 16] (registers, bf16) x B[16 x 256] (shared memory, bf16, K-major), FP32 accumulators.
@@ -62,14 +65,14 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
                                  int units_per_cta) {
 #ifdef QERL_WGMMA_DEVICE
-  constexpr int PF = WD_SLOTS - 2;  // prefetch distance in half-stages
+  constexpr int PF = WD_SLOTS - 1;  // stages in flight ahead of the one computed
   constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
-  constexpr int WD_STAGE_W_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 32;  // uint4 per tile-stage: 512
-  constexpr int WD_STAGE_S_VEC = (QERL_GEMM_BN / 16) * (QERL_GEMM_BK / 64) * 4;   // 64
+  constexpr int WD_STAGE_W_VEC = WD_W_BYTES / 16;  // uint4 per tile-stage: 512
+  constexpr int WD_STAGE_S_VEC = WD_S_BYTES / 16;  // 64
   constexpr int SLOT_FLOATS = WD_T * WD_ROWS;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
-  __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // activations of a slot landed (TMA transaction count)
+  __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // a stage slot's copies landed (TMA transaction count)
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -86,22 +89,16 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
 
-  // per-thread copy roles of a half-stage (fixed): weight chunk tid = n16 block tid / 32, lane tid % 32; scale
-  // chunk tid < 32 = block tid / 4, quarter tid % 4; the activations: one TMA load by thread 0 (the tensor map's
-  // 128-byte swizzle stores token row r at r * 128 with 16-byte chunk q at (q ^ r % 8) * 16: wgmma's layout)
-  const int w_blk = tid >> 5;
-  const int s_blk = tid >> 2;
-  const bool s_copies = tid < WD_S_BYTES / 16;
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, WD_SLOTS, &x_map);
-  int g0 = 0;  // halves this CTA ran before the current segment: slot of half h = (g0 + h) % SLOTS, and its
-               // barrier's phase parity = ((g0 + h) / SLOTS) % 2
+  int g0 = 0;  // stages this CTA ran before the current segment: slot of stage s = (g0 + s) % SLOTS, and its
+               // barrier's phase parity = ((g0 + s) / SLOTS) % 2
 
   for (int u = range.begin; u < range.end;) {
     const streamk::Segment seg = range.segment_at(u);
     const int tile = seg.tile;
     const int kb = seg.kb;
-    const int halves = 2 * seg.count();
+    const int count = seg.count();
     const int mtile = tile / n_tiles;
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * WD_T;
@@ -110,31 +107,31 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < WD_ACC; ++i) acc[0][i] = 0.0f;
 
-    const uint4* w_thr = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC + w_blk * 64 + (tid & 31);
-    const uint4* s_thr = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC + s_blk * 8 + (tid & 3);
-    // half h of the segment: stage h / 2, k64 half t = h % 2 (in the stage: n16 block b's half t is block 2 b + t)
-    auto load_half = [&](int slot, int h) {
+    // stage st of the segment -> its slot: thread 0 sets the transaction count, then issues the copies completing it
+    const uint4* w_seg = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC;
+    const uint4* s_seg = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC;
+    auto load_stage = [&](int slot, int st) {
+      if (tid != 0) return;
       const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
-      const int st = h >> 1, t = h & 1;
-      if (tid == 0) {
-        const uint32_t bar = bar0 + 8 * slot;
-        tma::mbar_expect_tx(bar, WD_X_BYTES);
-        tma::load_2d(base, &x_map, bar, (kb + st) * QERL_GEMM_BK + t * WD_HALF_K, m0);
-      }
-      cp_async16_u32(base + WD_X_BYTES + tid * 16, w_thr + size_t(st) * WD_STAGE_W_VEC + t * 32, 16);
-      if (s_copies)
-        cp_async16_u32(base + WD_X_BYTES + WD_W_BYTES + tid * 16, s_thr + size_t(st) * WD_STAGE_S_VEC + t * 4, 16);
+      const uint32_t bar = bar0 + 8 * slot;
+      const int k0 = (kb + st) * QERL_GEMM_BK;
+      tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
+      tma::load_2d(base, &x_map, bar, k0, m0);
+      tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
+      tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
+      tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
     };
 
-    // decode this warp's n16 block of the slot's k64 half into 4 A fragments (k16 steps j = 0..3), then 4 wgmmas
-    auto compute_half = [&](int slot, uint32_t (&a)[4][4]) {
+    // k64 half t of the stage in `slot`: decode this warp's n16 block (repacked block 2 nb + t of the stage) into 4
+    // A fragments (k16 steps j = 0..3), then 4 wgmmas
+    auto compute_half = [&](int slot, int t, uint32_t (&a)[4][4]) {
       const uint8_t* base = smem + slot * WD_SLOT_BYTES;
-      const uint4 wv = reinterpret_cast<const uint4*>(base + WD_X_BYTES)[nb * 32 + lane];
-      const uint2 sv = reinterpret_cast<const uint2*>(base + WD_X_BYTES + WD_W_BYTES)[nb * 8 + (lane >> 2)];
+      const uint4 wv = reinterpret_cast<const uint4*>(base + WD_W_OFF)[(2 * nb + t) * 32 + lane];
+      const uint2 sv = reinterpret_cast<const uint2*>(base + WD_S_OFF)[(2 * nb + t) * 8 + (lane >> 2)];
 #pragma unroll
       for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[j]);
-      const uint64_t desc0 =
-          kWgmmaDescSwizzle128 | uint64_t(((smem_base + slot * WD_SLOT_BYTES) >> 4) & 0x3FFF);
+      const uint64_t desc0 = kWgmmaDescSwizzle128 |
+                             uint64_t(((smem_base + slot * WD_SLOT_BYTES + t * WD_X_HALF_BYTES) >> 4) & 0x3FFF);
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
@@ -142,37 +139,26 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
       wgmma_wait<1>();
     };
 
-    // ---- the segment's halves: two register sets for A, alternating (the wgmmas of half h read set h % 2 while
-    // half h + 1 is decoded into the other)
+    // ---- the segment's stages: two register sets for A, alternating between the halves (the wgmmas of one half
+    // read its set while the next half is decoded into the other)
 #pragma unroll
-    for (int h = 0; h < PF; ++h) {
-      if (h < halves) load_half((g0 + h) % WD_SLOTS, h);
-      cp_async_commit();
-    }
+    for (int st = 0; st < PF; ++st)
+      if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
     uint32_t a0[4][4], a1[4][4];
-    for (int h = 0; h < halves; h += 2) {  // halves is even: whole stages
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int hh = h + e;
-        const int slot = (g0 + hh) % WD_SLOTS;
-        cp_async_wait<PF - 1>();  // this thread's weight / scale copies of half hh
-        __syncthreads();          // everyone's; and every warp has retired half hh - 2, whose slot is refilled next
-        const int nxt = hh + PF;
-        if (nxt < halves) load_half((g0 + nxt) % WD_SLOTS, nxt);
-        cp_async_commit();
-        tma::mbar_wait(bar0 + 8 * slot, ((g0 + hh) / WD_SLOTS) & 1);  // the activations of half hh
-        if (e == 0)
-          compute_half(slot, a0);
-        else
-          compute_half(slot, a1);
-      }
+    for (int st = 0; st < count; ++st) {
+      const int slot = (g0 + st) % WD_SLOTS;
+      tma::mbar_wait(bar0 + 8 * slot, ((g0 + st) / WD_SLOTS) & 1);  // stage st's activations, weights, scales
+      compute_half(slot, 0, a0);  // retires stage st - 1's second half
+      __syncthreads();            // every warp has retired stage st - 1, whose slot is refilled now
+      if (st + PF < count) load_stage((g0 + st + PF) % WD_SLOTS, st + PF);
+      compute_half(slot, 1, a1);
     }
-    g0 += halves;
+    g0 += count;
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[0][i]);
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with the ring before the next segment refills it
+    __syncthreads();  // every warp is done with the ring before the next segment refills it (no copy is in flight:
+                      // every stage loaded was waited for)
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
     wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,

@@ -62,6 +62,14 @@ __device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, ui
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(k0), "r"(row0)
       : "memory");
 }
+
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned) by the copy engine, completing
+// on `bar` (a plain bulk copy: no tensor map, for data already laid out as the shared memory wants it).
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+               : "memory");
+}
 #endif  // QERL_WGMMA_DEVICE
 
 // ---- host
