@@ -216,16 +216,19 @@ __device__ __forceinline__ void store_partial(const float (&acc)[NB][MT][4], flo
 
 // After this CTA published its partial: counts its arrival and returns, in every thread, whether it is the last
 // of `arrivals` on counters[index]. `sync` is a barrier over the threads taking part (the CTA, or the warpgroups
-// holding the accumulators), `leader` one of them, `flag` a __shared__ int. The last CTA must __threadfence() before
-// it reads the others' partials; the caller does it after its branch (so split-K's code stays what was measured on
-// the GPU).
+// holding the accumulators), `leader` one of them, `flag` a __shared__ int.
+// Ordering (PTX memory model): the barrier puts every participating thread's partial stores before the leader's
+// atomic; the atomic is acq_rel at GPU scope and fences are cumulative, so it releases all of them, and for the last
+// arrival it acquires every other CTA's released partials; the second barrier passes that on to the threads that
+// read them back. One fence by one thread, where a __threadfence() in every thread (MEMBAR.SC.GPU, plus an L1
+// invalidate each) cost ~4 % of the wgmma kernel's warp samples at M = 64 (benchmarks/NOTES.md, v6.8).
 template <class Sync>
 __device__ __forceinline__ bool arrive_last(int* counters, int index, int arrivals, bool leader, int& flag,
                                             Sync&& sync) {
-  __threadfence();
   sync();
   if (leader) {
-    const int prev = atomicAdd(&counters[index], 1);
+    int prev;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counters + index) : "memory");
     flag = (prev == arrivals - 1);
   }
   sync();

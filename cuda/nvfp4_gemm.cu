@@ -182,8 +182,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     const int tile_id = mtile * gridDim.x + ntile;
     float* tile_ws = ws + size_t(tile_id) * splits * (BM * BN);
     if (kh == 0) store_partial(acc, reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN)), m0, lane, rt, M);
-    if (!arrive_last(counters, tile_id, splits, tid, s_is_last)) return;
-    __threadfence();
+    if (!arrive_last(counters, tile_id, splits, tid, s_is_last)) return;  // it acquired the other splits' partials
     // Sum all partials (this CTA's too) in split order: deterministic whichever CTA is last.
     // Loads are issued RB splits at a time so they overlap instead of paying one L2 round trip
     // per split.

@@ -263,8 +263,7 @@ __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int f
                                                   int& flag, Sync&& sync, StoreMine&& store_mine, SumAll&& sum_all) {
   store_mine();
   const bool last_arrival = arrive_last(counters, tile, last - first + 1, leader, flag, sync);
-  if (last_arrival) {
-    __threadfence();  // the other CTAs' partials, published before their arrivals, are visible from here on
+  if (last_arrival) {  // arrive_last acquired the other CTAs' partials
     sum_all();
     if (leader) counters[tile] = 0;  // every segment has arrived: ready for the next launch
   }
