@@ -8,11 +8,13 @@
 #   bash benchmarks/gpu/detached.sh start NAME CMD...   # CMD in its own session, output to /tmp/detached/NAME/log;
 #                                                       # returns at once (CMD inherits the environment and cwd)
 #   bash benchmarks/gpu/detached.sh wait NAME SECONDS   # until CMD ends or SECONDS pass; copies the log (last 15 MB)
-#                                                       # and every file of /tmp/detached/NAME/out to $OUT
+#                                                       # and every file under /tmp/detached/NAME/out to $OUT
+#                                                       # (out/32b/r.json arrives as 32b--r.json: two runs that name
+#                                                       # their results alike no longer overwrite each other)
 #
 # `wait` exits with CMD's exit status once it ended, 75 while it still runs (call `wait` again in the next call), 3
 # when NAME was never started on this machine (a fresh machine: start it again). Have CMD write its results to
-# /tmp/detached/NAME/out (e.g. grpo_step.py --out), since $OUT is emptied before each call.
+# /tmp/detached/NAME/out or a folder under it (e.g. grpo_step.py --out), since $OUT is emptied before each call.
 set -u
 root=/tmp/detached
 verb=${1:-}; name=${2:-}
@@ -37,7 +39,9 @@ wait)
   while [ ! -f "$dir/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 2; done
   if [ -n "${OUT:-}" ]; then
     tail -c 15000000 "$dir/log" > "$OUT/$name.log" 2>/dev/null
-    for f in "$dir"/out/*; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+    (cd "$dir/out" && find . -type f | sort | while read -r f; do
+      rel=${f#./}; cp "$f" "$OUT/${rel//\//--}"
+    done)
   fi
   tail -c 6000 "$dir/log"
   if [ -f "$dir/rc" ]; then echo "[detached] $name ended, rc $(cat "$dir/rc")"; exit "$(cat "$dir/rc")"; fi
