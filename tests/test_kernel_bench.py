@@ -219,7 +219,8 @@ def test_build_targets(kb_marlin, kb_results):
     assert [t["measured"] for t in marlin] == [1.25, 0.75]
     # issue 18: >= 1.5x Marlin at M = 64-256, the 1.0x stretch elsewhere
     assert [(t["op"], t["target"]) for t in marlin] == [(">=", 1.0), (">=", 1.5)]
-    assert [kb_results.marlin_target(m) for m in (16, 63, 64, 128, 256, 257, 1024)] == [1.0, 1.0, 1.5, 1.5, 1.5, 1.0, 1.0]
+    ms = (16, 63, 64, 128, 256, 257, 1024)
+    assert [kb_results.marlin_target(m) for m in ms] == [1.0, 1.0, 1.5, 1.5, 1.5, 1.0, 1.0]
     bf16 = [t for t in targets if "BF16 cuBLAS" in t["name"]]
     assert [(t["measured"], t["target"]) for t in bf16] == [(2.0, 2.5), (2.0, 1.0)]  # per-layer targets vs BF16
     # without the Marlin column: only the BF16 targets
