@@ -9,6 +9,13 @@ after warm-up steps.
 
     python benchmarks/train_step.py                       # GPU: writes benchmarks/results/train_step-<gpu>.json
     python benchmarks/train_step.py --tiny --device cpu   # smoke test of the script itself
+    python benchmarks/train_step.py --fsdp2 --modes bf16,nvfp4,nvfp4:shard-base   # as verl's FSDP2 actor
+
+``--fsdp2`` wraps the LoRA model the way verl 0.9.1's ``apply_fsdp2`` does (``fully_shard`` on every decoder
+layer, the embedding and lm_head, then the root; bf16 params, fp32 gradient reduction) on a one-rank process
+group, i.e. the GRPO step's single-GPU actor. Mode ``nvfp4:shard-base`` first makes every ``NVFP4Linear`` an
+FSDP2 unit of its own (``shard_nvfp4_base``, what ``qerl.shard_base=true`` does in verl), so the cost of those
+196 extra units at 7B is measured against ``nvfp4`` without them, side by side.
 
 Results JSON: ``device``, ``versions``, ``command``, ``date``, ``rows`` and ``targets`` (see README).
 """
@@ -73,9 +80,46 @@ def non_linear_bytes(model) -> int:
     return total
 
 
+def _process_group(device: torch.device):
+    """A one-rank process group and device mesh (FSDP2 needs one even on a single GPU, as in verl)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    return init_device_mesh(device.type, (1,))
+
+
+def wrap_fsdp2(model, device: torch.device, *, shard_base: bool) -> int:
+    """``fully_shard`` as verl's ``apply_fsdp2`` (decoder layers, embeddings / lm_head, root; bf16 params, fp32
+    reduce), after ``shard_nvfp4_base`` when ``shard_base``. Returns the number of FSDP2 units."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _process_group(device)
+    units = 0
+    if shard_base:
+        from verl_qerl.modeling.fsdp import shard_nvfp4_base
+
+        units += len(shard_nvfp4_base(model, mesh=mesh, reshard_after_forward=True))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if type(module).__name__ == "Qwen2DecoderLayer" or (leaf in ("embed_tokens", "lm_head")
+                                                            and hasattr(module, "weight")):
+            fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+            units += 1
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    return units + 1
+
+
 def run_mode(mode: str, args, shape: dict, device: torch.device, nonlinear: int) -> dict:
     from verl_qerl.modeling import get_lora_model, kernel_backend, quantize_model
 
+    mode, _, option = mode.partition(":")
+    if option not in ("", "shard-base") or (option and (mode != "nvfp4" or not args.fsdp2)):
+        raise ValueError(f"mode {mode}:{option}: the only option is nvfp4:shard-base, with --fsdp2")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -98,6 +142,7 @@ def run_mode(mode: str, args, shape: dict, device: torch.device, nonlinear: int)
     model.enable_input_require_grads()
     model.config.use_cache = False
     model.train()
+    fsdp_units = wrap_fsdp2(model, device, shard_base=option == "shard-base") if args.fsdp2 else 0
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     g = torch.Generator(device="cpu").manual_seed(123)
@@ -120,7 +165,8 @@ def run_mode(mode: str, args, shape: dict, device: torch.device, nonlinear: int)
             times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) - base_mem if device.type == "cuda" else 0
     row = {
-        "mode": mode,
+        "mode": f"{mode}:{option}" if option else mode,
+        "fsdp2_units": fsdp_units,
         "kernel_backend": kernel_backend() if mode == "nvfp4" else ("bitsandbytes" if mode == "nf4" else "cuBLAS"),
         "weight_mem_gb": weight_mem / GB,
         "linear_weight_mem_gb": (weight_mem - nonlinear) / GB,
@@ -190,13 +236,21 @@ def write_results(out: Path, args, shape: dict, dev_name: str, kernels_info: dic
     def ratio(a: str, b: str, key: str) -> float | None:
         return by[a][key] / by[b][key] if a in by and b in by and by[b][key] else None
 
+    fsdp_targets = [] if "nvfp4:shard-base" not in by else [
+        {"name": "step time nvfp4:shard-base/nvfp4 (FSDP2 units of the base on one rank)",
+         "measured": ratio("nvfp4:shard-base", "nvfp4", "step_time_s"), "op": "<=", "target": 1.01},
+        {"name": "step time nvfp4:shard-base/bf16", "measured": ratio("nvfp4:shard-base", "bf16", "step_time_s"),
+         "op": "<=", "target": 1.05}]
+
     targets = [
         {"name": "linear weight memory nvfp4/bf16", "measured": ratio("nvfp4", "bf16", "linear_weight_mem_gb"),
          "op": "<=", "target": 0.30},
         {"name": "step time nvfp4/bf16", "measured": ratio("nvfp4", "bf16", "step_time_s"), "op": "<=",
          "target": 1.15},
         {"name": "step time nvfp4/nf4", "measured": ratio("nvfp4", "nf4", "step_time_s"), "op": "<=", "target": 1.0},
+        *fsdp_targets,
     ]
+    targets = [t for t in targets if t["measured"] is not None or "nf4" not in t["name"] or "nf4" in by]
     result = {
         "benchmark": "train_step",
         "device": dev_name,
@@ -206,7 +260,7 @@ def write_results(out: Path, args, shape: dict, dev_name: str, kernels_info: dic
         "config": {"shape": shape, "batch": args.batch, "seq": args.seq, "lora_rank": args.rank,
                    "lora_alpha": 2 * args.rank, "lora_targets": list(TARGETS), "gradient_checkpointing": True,
                    "warmup": args.warmup, "steps": args.steps, "adapter_dtype": "bfloat16", "optimizer": "AdamW",
-                   "attn_implementation": "sdpa"},
+                   "attn_implementation": "sdpa", "fsdp2": args.fsdp2},
         "kernels": kernels_info,
         "non_linear_weight_gb": nonlinear / GB,
         "whole_model_weight_ratio_nvfp4_bf16": ratio("nvfp4", "bf16", "weight_mem_gb"),
@@ -230,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    ap.add_argument("--fsdp2", action="store_true",
+                    help="wrap each mode's model in FSDP2 on a one-rank group as verl's actor (modes may then "
+                         "include nvfp4:shard-base)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/train_step-<gpu>.json)")
     args = ap.parse_args(argv)
