@@ -143,8 +143,8 @@ def bench_eager(fn, iters: int = 30) -> float:
     return statistics.median(times)
 
 
-def bench_graph(fn, reps: int = 20) -> float | None:
-    """Median ms per call of a CUDA graph holding ROT calls (one per weight set); None if uncapturable."""
+def capture_graph(fn):  # noqa: ANN201 - torch.cuda.CUDAGraph, or None
+    """A CUDA graph holding ROT calls of ``fn`` (one per weight set), after warm-up; None if uncapturable."""
     try:
         for r in range(ROT):
             fn(r)
@@ -161,10 +161,15 @@ def bench_graph(fn, reps: int = 20) -> float | None:
                 fn(r)
         g.replay()
         torch.cuda.synchronize()
+        return g
     except Exception as ex:  # noqa: BLE001
         print(f"#   graph capture failed: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
         torch.cuda.synchronize()
         return None
+
+
+def replay_ms(g, reps: int) -> list[float]:
+    """ms per call of each of ``reps`` replays of a graph from :func:`capture_graph`."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
@@ -173,8 +178,39 @@ def bench_graph(fn, reps: int = 20) -> float | None:
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / ROT)
+    return times
+
+
+def bench_graph(fn, reps: int = 20) -> float | None:
+    """Median ms per call of a CUDA graph holding ROT calls (one per weight set); None if uncapturable."""
+    g = capture_graph(fn)
+    if g is None:
+        return None
+    t = statistics.median(replay_ms(g, reps))
     del g
-    return statistics.median(times)
+    return t
+
+
+#: Rounds of :func:`interleaved_graph_ms`: each method's replays are spread over this many rounds.
+ROUNDS = 4
+
+
+def interleaved_graph_ms(graphs: dict, reps: int, rounds: int = ROUNDS) -> dict[str, float | None]:
+    """Median ms per call of each graph, its ``reps`` replays spread over ``rounds`` round-robin rounds (the
+    starting method rotating), so that every method sees the same mix of clock states.
+
+    Why: timed one after the other, a method that runs right after a compute-bound one runs at the clock the
+    power limit left (H200: the wgmma kernel at M >= 256 timed right after BF16 cuBLAS read 8-25 % slower than the
+    same kernel timed a few methods later; benchmarks/NOTES.md, "Kernel timings in rounds").
+    """
+    keys = [k for k, g in graphs.items() if g is not None]
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    per_round = max(1, -(-reps // rounds))
+    for rnd in range(rounds):
+        order = keys[rnd % len(keys):] + keys[:rnd % len(keys)] if keys else []
+        for k in order:
+            times[k] += replay_ms(graphs[k], per_round)
+    return {k: (statistics.median(times[k]) if k in times else None) for k in graphs}
 
 
 def ceilings() -> tuple[float, float]:
@@ -274,12 +310,15 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         if "streamk" in (variants or []):
             rec["streamk_grid"] = int(ext.streamk_grid(m, n))
             rec["streamk_tiles"] = int(ext.streamk_tiles(m, n))
+        graphs = {}
         for key, fn in fns.items():
             if key.startswith("kernel") and m > 1024:
                 continue  # the fused kernel is not meant for these sizes (and is slow there)
             rec[f"{key}_eager_ms"] = round(bench_eager(fn, iters), 5)
-            g = bench_graph(fn, reps=iters)
+            graphs[key] = capture_graph(fn)
+        for key, g in interleaved_graph_ms(graphs, reps=iters).items():
             rec[f"{key}_graph_ms"] = round(g, 5) if g is not None else None
+        del graphs
         recs.append(add_variant_ratios(add_marlin_ratio(rec), variants or []))
     return recs
 

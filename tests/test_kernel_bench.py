@@ -484,3 +484,22 @@ def test_run_header_has_what_every_results_json_needs(kb):
     h = kb.run_header("NVIDIA H200")
     assert h["device"] == "NVIDIA H200" and h["command"].startswith("python ")
     assert {"torch", "cuda", "python"} <= set(h["versions"]) and "T" in h["date"]
+
+
+def test_interleaved_graph_ms_spreads_every_method_over_rounds(kb, monkeypatch):
+    """Each method's replays run in every round, the round's first method rotates, and a method whose graph
+    could not be captured reads None. A method timed only after a slow neighbour would fail the order check."""
+    calls: list[tuple[str, int]] = []
+    speed = {"bf16": 1.0, "ours": 2.0, "kernel_x": 3.0}
+
+    def fake_replay(g, reps):
+        calls.append((g, reps))
+        return [speed[g]] * reps
+
+    monkeypatch.setattr(kb, "replay_ms", fake_replay)
+    out = kb.interleaved_graph_ms({"bf16": "bf16", "ours": "ours", "none": None, "kernel_x": "kernel_x"},
+                                  reps=10, rounds=4)
+    assert out == {"bf16": 1.0, "ours": 2.0, "none": None, "kernel_x": 3.0}
+    assert [g for g, _ in calls] == ["bf16", "ours", "kernel_x", "ours", "kernel_x", "bf16",
+                                     "kernel_x", "bf16", "ours", "bf16", "ours", "kernel_x"]
+    assert {r for _, r in calls} == {3}  # ceil(10 / 4) replays per round, so >= reps in all

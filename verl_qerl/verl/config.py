@@ -84,7 +84,8 @@ class QeRLConfig:
     #: gen = 4.05 / 6.05 / 10.05 s, 7B ones 6.2 / 8.2 s); the qerl_sync trainer sets this interval instead.
     replay_poll_s: float = 0.1
     #: nvfp4 under FSDP2: store 1/N of the quantized base per rank and all-gather it per layer
-    #: (:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`); false keeps the whole base on every rank.
+    #: (:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`); false keeps the whole base on every rank. On a
+    #: one-rank mesh the base is kept whole either way (nothing to shard; the units would only cost time).
     #: FSDP1 (``strategy=fsdp``) always keeps it whole.
     shard_base: bool = True
 

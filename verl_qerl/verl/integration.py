@@ -215,15 +215,22 @@ def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
 
     ``fsdp_kwargs`` is what verl's ``_build_fsdp_module`` passes to ``apply_fsdp2`` (``mesh``,
     ``offload_policy``, ``reshard_after_forward``; its ``mp_policy`` is not used: the base's units
-    cast nothing). Returns the number of layers sharded (0: the model has no ``NVFP4Linear``).
+    cast nothing). Returns the number of layers sharded (0: the model has no ``NVFP4Linear``, or the mesh has
+    one rank, where the base stays in buffers: sharding over one rank saves nothing and costs time).
     """
     from ..modeling.fsdp import base_bytes, nvfp4_layers, shard_nvfp4_base
 
     if not nvfp4_layers(model):
         return 0
+    mesh = fsdp_kwargs.get("mesh")
+    if mesh is not None and mesh.size() == 1:
+        # One rank holds every row anyway; the units would only add their per-layer hooks and gather copies to
+        # each pass (~2 % of a 7B LoRA step on one H200: benchmarks/train_step.py --fsdp2, benchmarks/NOTES.md).
+        logger.warning("[verl-qerl] actor: NVFP4 base kept whole (one FSDP2 rank: qerl.shard_base has nothing to "
+                       "shard)")
+        return 0
     layers = shard_nvfp4_base(model, mesh=fsdp_kwargs.get("mesh"), offload_policy=fsdp_kwargs.get("offload_policy"),
                               reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
-    mesh = fsdp_kwargs.get("mesh")
     held = base_bytes(layers)
     # one line per rank, parsed by benchmarks/grpo_step_results.py (actor_base_gb_per_rank)
     logger.warning("[verl-qerl] actor: NVFP4 base of %d layers sharded over %s FSDP2 ranks (gathered per layer); "
