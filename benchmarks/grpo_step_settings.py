@@ -30,7 +30,7 @@ GENERIC = dict(steps=4, batch=16, n=8, prompt_length=128, response_length=512, m
 PRESETS = {
     # Reasoning RL (module docstring): 32 prompts x 8 = 256 sequences of exactly 2048 tokens, real vocabulary
     "reasoning": dict(steps=3, batch=32, n=8, prompt_length=128, response_length=2048, micro_batch=4, lora_rank=32,
-                      lr="paper", gpu_memory_utilization=0.5, timeout=1500.0, ignore_eos=True,
+                      lr="paper", gpu_memory_utilization=0.5, timeout=1650.0, ignore_eos=True,
                       tokenizer=str(DEFAULT_TOKENIZER)),
 }
 #: issue 20's targets for --preset reasoning, QeRL / BF16 LoRA per phase: step, generation, and no training phase

@@ -356,6 +356,25 @@ def _max_diff(runs: list[dict], ref: list[list[float]]) -> float:
     return max(abs(a - b) for r, lp in zip(runs, ref) for a, b in zip(r["logprobs"], lp))
 
 
+def _max_diff_until_divergence(runs: list[dict], ref_runs: list[dict]) -> tuple[float, int, int]:
+    """Greedy runs of two bf16 engines: the largest |logprob| difference over each sequence's positions up to and
+    including the first one where the chosen tokens differ, the number of positions compared, and the total.
+
+    After two greedy decodes pick different tokens (a near-tie that bf16 rounding tips either way), the later
+    logprobs belong to different contexts and say nothing about the two paths' numerics; the logprob at the
+    divergence itself (each path's own top token, near-tied) is still compared. Exactness tests (float32, equal
+    tokens required) use :func:`_max_diff`."""
+    worst, compared, total = 0.0, 0, 0
+    for run, ref in zip(runs, ref_runs, strict=True):
+        total += len(run["logprobs"])
+        for i, (a, b) in enumerate(zip(run["logprobs"], ref["logprobs"])):
+            worst = max(worst, abs(a - b))
+            compared += 1
+            if run["tokens"][i] != ref["tokens"][i]:
+                break
+    return worst, compared, total
+
+
 def _engine_weight(engine_w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """A checkpoint module's rows out of the engine's (possibly fused) layer."""
     parent, _, leaf = name.rpartition(".")
@@ -1354,3 +1373,15 @@ def test_report_timings(engine_a, engines_bcd, error_results, tp2_driver):
     # every driver that ran recorded its wall time under its own key
     for key in ("engine_a_driver_s", "engines_bcd_driver_s", "engine_tp2_driver_s", "errors_driver_s"):
         assert TIMINGS[key] > 0, key
+
+
+def test_max_diff_until_divergence_stops_at_the_first_different_token():
+    runs = [{"tokens": [1, 2, 3, 4], "logprobs": [-0.1, -0.2, -0.3, -0.4]},
+            {"tokens": [5, 6], "logprobs": [-1.0, -1.0]}]
+    ref = [{"tokens": [1, 2, 9, 9], "logprobs": [-0.1, -0.25, -0.31, -5.0]},
+           {"tokens": [5, 6], "logprobs": [-1.0, -1.5]}]
+    worst, compared, total = _max_diff_until_divergence(runs, ref)
+    # sequence 0 compared up to its divergence at position 2 (|-0.3 - -0.31|), not the -5.0 after it
+    assert (compared, total) == (3 + 2, 6) and abs(worst - 0.5) < 1e-12
+    ref[1]["logprobs"] = [-1.0, -1.0]
+    assert abs(_max_diff_until_divergence(runs, ref)[0] - 0.05) < 1e-12

@@ -140,11 +140,14 @@ def test_lora_fast_path_under_cuda_graphs_matches_vllm_lora_path(gpu_fast_path_e
     assert len(layers) == 8 and all(v["lora_fast_path"] and v["backend"] == "kernel" for v in layers)
     assert not any(v["lora_fast_path"] for v in ref["summary"][0]["layers"].values())
     for key in cpu.LORA_RUNS:
-        diff = cpu._max_diff(fast[key], [r["logprobs"] for r in ref[key]])
+        # greedy decodes in bf16 may part at a near-tie; compare each sequence up to that token (the teacher-forced
+        # comparison with HF + peft in float32 below covers every token of the fast path's sequences)
+        diff, compared, total = cpu._max_diff_until_divergence(fast[key], ref[key])
         same = sum(a["tokens"] == b["tokens"] for a, b in zip(fast[key], ref[key]))
-        print(f"\nGPU bf16 graphs, fast path vs vLLM LoRA path, {key}: max |dlogprob| = {diff:.3g}, "
-              f"{same}/{len(fast[key])} token sequences equal")
+        print(f"\nGPU bf16 graphs, fast path vs vLLM LoRA path, {key}: max |dlogprob| = {diff:.3g} over {compared} of "
+              f"{total} positions (up to a divergence), {same}/{len(fast[key])} token sequences equal")
         assert diff <= 2e-2 * 2, (key, diff)  # bf16: the two paths round the shrink differently
+        assert compared >= total // 2, (key, compared, total)  # a divergence in the first half is not a near-tie
     # the update took effect and the adapter acts, on the fast path
     assert cpu._max_diff(fast["lora_tensors"], [r["logprobs"] for r in fast["lora_tensors_next"]]) > 1e-2
     assert cpu._max_diff(fast["base"], [r["logprobs"] for r in fast["lora_dir"]]) > 1e-2
