@@ -383,6 +383,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="one call per decode shape (run under ncu)")
     ap.add_argument("--profile-marlin", action="store_true", help="with --profile: vLLM's Marlin on the same weights")
     ap.add_argument("--profile-m", default=None, help="with --profile: comma list of M to keep (default all)")
+    ap.add_argument("--profile-nk", default=None,
+                    help="with --profile: comma list of NxK weight shapes to keep, e.g. 3584x3584 (default all)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--sanitize-modes", default=None,
@@ -424,7 +426,10 @@ def main() -> int:
         return sweep_splits_run(models, ms_arg or [1, 16], swept, args.out)
     if args.profile:
         keep = {int(v) for v in args.profile_m.split(",")} if args.profile_m else None
-        return profile_run(marlin=args.profile_marlin, ms=keep, variants=variants if args.variants else None)
+        nks = ({tuple(int(d) for d in v.lower().split("x")) for v in args.profile_nk.split(",")}
+               if args.profile_nk else None)
+        return profile_run(marlin=args.profile_marlin, ms=keep, variants=variants if args.variants else None,
+                           nks=nks)
     torch.backends.cuda.matmul.allow_tf32 = True
     if not kernels.load_extension(verbose=False):
         print("extension failed:", kernels.cuda_unavailable_reason())

@@ -98,7 +98,7 @@ def repro_throw() -> int:
 
 #: (M, N, K) of the profiled GEMMs: 7B gate_up / o / down at decode, gate_up at M = 16, 64, 256
 PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584),
-                  (256, 37888, 3584)]
+                  (256, 37888, 3584), (256, 3584, 3584)]
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:
@@ -112,10 +112,14 @@ def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[st
     return [(v, int(VARIANT_KERNEL_MODES.get(v, kernels.GEMM_KERNEL_MODES[v]))) for v in names]
 
 
-def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list[str] | None = None) -> int:
+def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list[str] | None = None,
+                nks: set[tuple[int, int]] | None = None) -> int:
     """One fused-kernel call per shape and variant (for ncu), after a warm-up call each; with ``marlin`` vLLM's
     Marlin FP4 GEMM on the same weights right after ours (ncu -k 'regex:nvfp4_gemm|Marlin' keeps the GEMMs:
     split-K is ``nvfp4_gemm_splitk_kernel``, stream-K ``nvfp4_gemm_streamk_kernel``)."""
+    shapes = [s for s in PROFILE_SHAPES if (ms is None or s[0] in ms) and (nks is None or s[1:] in nks)]
+    if not shapes:
+        raise ValueError(f"--profile: no shape of {PROFILE_SHAPES} (M, N, K) has M in {ms} and N x K in {nks}")
     kernels.load_extension()
     modes = profile_modes(variants, kernels.gemm_kernel_variant())
     mod = None
@@ -123,7 +127,7 @@ def profile_run(marlin: bool = False, ms: set[int] | None = None, variants: list
         mod, why = load_marlin(torch.cuda.get_device_capability())
         if mod is None:
             print(f"# marlin profile skipped: {why}", flush=True)
-    for m, n, k in [s for s in PROFILE_SHAPES if ms is None or s[0] in ms]:
+    for m, n, k in shapes:
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)

@@ -503,3 +503,9 @@ def test_interleaved_graph_ms_spreads_every_method_over_rounds(kb, monkeypatch):
     assert [g for g, _ in calls] == ["bf16", "ours", "kernel_x", "ours", "kernel_x", "bf16",
                                      "kernel_x", "bf16", "ours", "bf16", "ours", "kernel_x"]
     assert {r for _, r in calls} == {3}  # ceil(10 / 4) replays per round, so >= reps in all
+
+
+def test_profile_shape_filter_names_what_matched_nothing(kb_diag):
+    assert (256, 3584, 3584) in kb_diag.PROFILE_SHAPES  # the narrow GEMM source_profile.sh NK=3584x3584 profiles
+    with pytest.raises(ValueError, match=r"N x K in \{\(1, 1\)\}"):
+        kb_diag.profile_run(ms={256}, nks={(1, 1)})
