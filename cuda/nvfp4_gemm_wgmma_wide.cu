@@ -91,20 +91,31 @@ __device__ __forceinline__ void cluster_reduce_store(const float (&acc)[1][WD_T 
   for (int r = 0; r < kClusterMax; ++r) src[r] = mapa_cluster(smem_base, r < s ? r : 0);
   const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
   const int hi = (rank + 1) * ELEMS / s;
-  for (int j = rank * ELEMS / s + tid; j < hi; j += WD_THREADS) {
-    float v[kClusterMax];
+  // kBatch elements per thread at a time, all their loads issued before the first sum: the distributed shared
+  // memory's latency (hundreds of cycles) is paid once per batch, not once per element
+  constexpr int kBatch = 8;
+  for (int j0 = rank * ELEMS / s + tid; j0 < hi; j0 += kBatch * WD_THREADS) {
+    float v[kBatch][kClusterMax];
 #pragma unroll
-    for (int r = 0; r < kClusterMax; ++r) v[r] = r < s ? ld_shared_cluster_f32(src[r] + uint32_t(j) * 4u) : 0.0f;
-    float sum = 0.0f;
+    for (int b = 0; b < kBatch; ++b) {
+      const int j = min(j0 + b * WD_THREADS, hi - 1);  // past the share: a valid address, never stored
 #pragma unroll
-    for (int r = 0; r < kClusterMax; ++r)
-      if (r < s) sum += v[r];
-    const int i = j / WD_THREADS, t = j % WD_THREADS, lane = t & 31;
-    const int n = row0 + 64 * (t >> 7) + 16 * ((t >> 5) & 3) + (lane >> 2) + 8 * ((i >> 1) & 1);
-    const int m = m0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-    if (n < N && m < M) {
-      const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-      out[size_t(m) * N + n] = __float2bfloat16_rn(sum * alpha + bv);
+      for (int r = 0; r < kClusterMax; ++r) v[b][r] = r < s ? ld_shared_cluster_f32(src[r] + uint32_t(j) * 4u) : 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int j = j0 + b * WD_THREADS;
+      float sum = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kClusterMax; ++r)
+        if (r < s) sum += v[b][r];
+      const int i = j / WD_THREADS, t = j % WD_THREADS, lane = t & 31;
+      const int n = row0 + 64 * (t >> 7) + 16 * ((t >> 5) & 3) + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int m = m0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      if (j < hi && n < N && m < M) {
+        const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
+        out[size_t(m) * N + n] = __float2bfloat16_rn(sum * alpha + bv);
+      }
     }
   }
   cluster_sync();
