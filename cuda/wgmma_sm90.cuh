@@ -50,6 +50,40 @@ __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r):
 // Makes this thread's generic-proxy shared-memory writes (st.shared, cp.async seen landed) visible to the tensor
 // core's async proxy, which the wgmmas read through.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Thread-block clusters (the cluster split-K of cuda/nvfp4_gemm_wgmma_wide.cu): this CTA's rank in its cluster, the
+// cluster's size and index, the cluster-wide barrier (release / acquire: shared-memory writes before it are visible
+// to every CTA of the cluster after it), and float loads from any CTA's shared memory (distributed shared memory).
+__device__ __forceinline__ int cluster_ctarank() {
+  int r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ int cluster_nctarank() {
+  int r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ int cluster_id_x() {
+  int r;
+  asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The shared::cluster address of CTA `rank`'s copy of this CTA's shared address `addr` (addresses of one CTA's
+// window are contiguous: mapa(a + d) == mapa(a) + d).
+__device__ __forceinline__ uint32_t mapa_cluster(uint32_t addr, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t cluster_addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(cluster_addr) : "memory");
+  return v;
+}
 #endif  // QERL_WGMMA_DEVICE
 
 }  // namespace qerl
