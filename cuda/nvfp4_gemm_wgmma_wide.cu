@@ -260,6 +260,23 @@ using ClusterLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<true>, WD_T, 
 // GEMM's time goes at M = 256"); longer ranges keep stream-K, whose balance over all SMs then wins.
 constexpr int kClusterMaxStagesPerCta = 24;
 
+// The launch configuration of the cluster kernel: `tiles` clusters of s CTAs (*attr: the cluster dimension, owned
+// by the caller like *cfg).
+void cluster_config(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr, int s, int tiles, cudaStream_t stream) {
+  *attr = {};
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = unsigned(s);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  *cfg = {};
+  cfg->gridDim = dim3(unsigned(s * tiles));
+  cfg->blockDim = dim3(WD_THREADS);
+  cfg->dynamicSmemBytes = WD_SMEM_BYTES;
+  cfg->stream = stream;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+}
+
 // The cluster size s for this launch (0: stream-K); *stages_per_cta the K stages of each rank. QERL_WGMMA_CLUSTER=0
 // turns it off (timing stream-K on the same shapes).
 int cluster_split(int M, int N, int K, int grid, int* stages_per_cta) {
@@ -281,17 +298,9 @@ int cluster_split(int M, int N, int K, int grid, int* stages_per_cta) {
   int* cached = dev >= 0 && dev < 64 ? &max_clusters[dev][s] : nullptr;
   int n = cached != nullptr ? *cached : 0;
   if (n == 0) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = unsigned(s);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(s * tiles));
-    cfg.blockDim = dim3(WD_THREADS);
-    cfg.dynamicSmemBytes = WD_SMEM_BYTES;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg;
+    cudaLaunchAttribute attr;
+    cluster_config(&cfg, &attr, s, tiles, nullptr);
     if (cudaOccupancyMaxActiveClusters(&n, nvfp4_gemm_wgmma_wide_kernel<true>, &cfg) != cudaSuccess || n <= 0) {
       (void)cudaGetLastError();
       return 0;
@@ -308,18 +317,9 @@ cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscal
   CUtensorMap x_map;
   cudaError_t e = tma::encode_activations(&x_map, x, M, K, WD_T);
   if (e != cudaSuccess) return e;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(s);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(unsigned(s * WideLauncher::tiles(M, N)));
-  cfg.blockDim = dim3(WD_THREADS);
-  cfg.dynamicSmemBytes = WD_SMEM_BYTES;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr;
+  cluster_config(&cfg, &attr, s, WideLauncher::tiles(M, N), stream);
   return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, static_cast<const uint4*>(qweight),
                             static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
                             static_cast<__nv_bfloat16*>(out), static_cast<float*>(nullptr), static_cast<int*>(nullptr),
