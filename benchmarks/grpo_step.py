@@ -81,6 +81,7 @@ sys.path.insert(0, str(HERE.parent))  # this script's sibling modules
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # verl_qerl without an install (benchmarks/rollout.py does the same)
 
+import machine_check  # noqa: E402 - benchmarks/: the speed check recorded with each run
 from grpo_step_results import (  # noqa: E402 - benchmarks/: the results side (row summaries, targets, tables)
     PARITY_METRICS,  # noqa: F401 - re-exported: tests reach the whole benchmark through this script
     PARITY_Z_LIMIT,  # noqa: F401
@@ -489,11 +490,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[grpo_step] {v}-{g}gpu: from baseline {reused[(v, g)]['from_baseline']}", flush=True)
     if inputs:
         print(f"[grpo_step] inputs ready in {time.perf_counter() - t0:.0f} s: model {inputs[0]}", flush=True)
+    check = machine_check.measure_in_subprocess() if todo else None
+    if check is not None:
+        print(f"[grpo_step] machine check: {json.dumps(check)}", flush=True)
     done = execute(args, todo, inputs, work)
+    for row in done.values():
+        row["machine_check"] = check
     rows = [reused[job] if job in reused else done[job] for job in wanted]  # --variants order: first = numerator
     result = build_result(args, argv, device, rows,
                           concurrent_gpus=args.compare == "gpus" and args.concurrent and len(todo) > 1,
                           versions_of_rows=origin_versions)
+    if args.baseline and len(rows) >= 2:
+        # rows from another call may come from another machine: say when the two machines' checks differ
+        result["machine_mismatch"] = machine_check.mismatches(rows[0].get("machine_check"),
+                                                              rows[1].get("machine_check"))
+        for line in result["machine_mismatch"]:
+            print(f"[grpo_step] WARNING machine mismatch between the compared rows: {line}", flush=True)
     path = write_result(args, result, out)
     report(result)
     print(f"[grpo_step] wrote {path} ({time.perf_counter() - t0:.0f} s)")

@@ -443,3 +443,17 @@ def test_preset_baseline_merges_one_variant_per_call(fake_runs, tmp_path, monkey
     rc, _ = _main(tmp_path / "c4", ["--preset", "reasoning", "--variants", "qerl,lora", "--tokenizer", str(other),
                                     "--baseline", str(base)])
     assert rc == 2
+
+
+def test_machine_check_flags_a_slower_machine_and_a_missing_check():
+    mc = load_script("benchmarks/machine_check.py", "machine_check")
+    here = mc.measure()
+    assert here["cpu_ms"] > 0
+    same = {"cpu_ms": 100.0, "gemm_bf16_tflops": 700.0, "copy_tbps": 3.6}
+    assert mc.mismatches(same, {**same, "cpu_ms": 108.0}) == []
+    slow = mc.mismatches(same, {**same, "cpu_ms": 137.0, "gemm_bf16_tflops": 620.0})
+    assert len(slow) == 2 and slow[0].startswith("cpu_ms") and "1.37x" in slow[0] and slow[1].startswith("gemm")
+    assert "unknown" in mc.mismatches(same, None)[0]
+    assert "unknown" in mc.mismatches({"error": "x"}, same)[0]
+    sub = mc.measure_in_subprocess(timeout=120)
+    assert sub.get("cpu_ms", 0) > 0, sub
