@@ -336,10 +336,10 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const vo
                                                          int grid, cudaStream_t stream) {
   int per = 0;
   if (const int s = qerl::cluster_split(M, N, K, grid, &per); s > 0) {
-    cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
-                                                     qerl::WideLauncher::workspace_floats(M, N, K, grid));
+    // (cluster_split chose s only after ClusterLauncher::prepare() succeeded)
+    const cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
+                                                           qerl::WideLauncher::workspace_floats(M, N, K, grid));
     if (e != cudaSuccess) return e;
-    if ((e = qerl::ClusterLauncher::prepare()) != cudaSuccess) return e;
     return qerl::launch_cluster(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, stream);
   }
   return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,

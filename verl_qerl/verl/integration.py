@@ -225,11 +225,11 @@ def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
     mesh = fsdp_kwargs.get("mesh")
     if mesh is not None and mesh.size() == 1:
         # One rank holds every row anyway; the units would only add their per-layer hooks and gather copies to
-        # each pass (~2 % of a 7B LoRA step on one H200: benchmarks/train_step.py --fsdp2, benchmarks/NOTES.md).
+        # each pass (2-6 % of a 7B LoRA step on one H200: benchmarks/train_step.py --fsdp2, benchmarks/NOTES.md).
         logger.warning("[verl-qerl] actor: NVFP4 base kept whole (one FSDP2 rank: qerl.shard_base has nothing to "
                        "shard)")
         return 0
-    layers = shard_nvfp4_base(model, mesh=fsdp_kwargs.get("mesh"), offload_policy=fsdp_kwargs.get("offload_policy"),
+    layers = shard_nvfp4_base(model, mesh=mesh, offload_policy=fsdp_kwargs.get("offload_policy"),
                               reshard_after_forward=fsdp_kwargs.get("reshard_after_forward", True))
     held = base_bytes(layers)
     # one line per rank, parsed by benchmarks/grpo_step_results.py (actor_base_gb_per_rank)
