@@ -56,7 +56,11 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
             (300, 528, 896, "wgmma_ss", 0), (129, 256, 1024, "wgmma_ss", 0), (64, 3584, 3584, "wgmma_ss", 0),
             # small weights whose tiles are split among CTAs (two segments per CTA, ring wrap across
             # segments, fix-up), both token tiles: small enough for racecheck / synccheck
-            (64, 1024, 1280, "wgmma_ss", 0), (200, 512, 1280, "wgmma_ss", 0)]:
+            (64, 1024, 1280, "wgmma_ss", 0), (200, 512, 1280, "wgmma_ss", 0),
+            # the copy-engine decode kernel: both token tiles (8, 16), one stage, ranges crossing tiles (partials and
+            # the fix-up), the ring wrapping across segments; small enough for racecheck / synccheck
+            (1, 272, 128, "decode_tma", 0), (5, 1136, 640, "decode_tma", 0), (16, 528, 896, "decode_tma", 0),
+            (9, 2304, 1280, "decode_tma", 0)]:
         if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
             continue
         packed, scale, gs = random_nvfp4(n, k)
@@ -98,7 +102,7 @@ def repro_throw() -> int:
 
 #: (M, N, K) of the profiled GEMMs: 7B gate_up / o / down at decode, gate_up at M = 16, 64, 256
 PROFILE_SHAPES = [(1, 37888, 3584), (1, 3584, 3584), (1, 3584, 18944), (16, 37888, 3584), (64, 37888, 3584),
-                  (256, 37888, 3584), (256, 3584, 3584)]
+                  (256, 37888, 3584), (256, 3584, 3584), (256, 5120, 5120)]
 
 
 def profile_modes(variants: list[str] | None, env_variant: str) -> list[tuple[str, int]]:

@@ -127,6 +127,18 @@ size_t qerl_nvfp4_gemm_wgmma_ss_workspace_floats(int M, int N, int K, int grid, 
 int qerl_nvfp4_gemm_wgmma_ss_tiles(int M, int N, int block_t);
 int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t);
 
+// Decode kernel on the copy engine (cuda/nvfp4_gemm_decode_tma.cu, sm_90a builds only): the split-K kernel's math
+// for block_m in {8, 16} tokens per tile, fed by a producer warp through a TMA / bulk-copy mbarrier ring, persistent
+// stream-K over 128-row tiles. Same workspace / counter contract and availability rule as the wgmma launch above;
+// no LoRA epilogue.
+cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
+                                              const float* global_scale, const void* bias, void* out,
+                                              float* workspace, int* counters, int M, int N, int K, int grid,
+                                              int block_m, cudaStream_t stream);
+size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m);
+int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m);
+int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m);
+
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,
                                       const float* global_scale, void* out, int N, int K,

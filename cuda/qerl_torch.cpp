@@ -340,13 +340,39 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
+// The copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu) for M <= 16: the CTAs it requests on the current
+// device (SMs x resident CTAs per SM), or 0 where it does not run (M > 16, not an sm_90a build or sm_90 device, more
+// tiles than counters).
+int64_t decode_tma_grid(int64_t m, int64_t n) {
+  if (m > 16) return 0;
+  const int block_m = pick_block_m(m);
+  static int cache[64][2];
+  static bool known[64][2] = {};
+  const int dev = at::cuda::current_device();
+  const int b = block_m == 16 ? 1 : 0;
+  int per_sm = 0;
+  if (dev < 0 || dev >= 64) {
+    per_sm = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m);
+  } else {
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (!known[dev][b]) {
+      cache[dev][b] = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m);
+      known[dev][b] = true;
+    }
+    per_sm = cache[dev][b];
+  }
+  if (per_sm <= 0 || qerl_nvfp4_gemm_decode_tma_tiles(int(m), int(n), block_m) > kCounterCap) return 0;
+  return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
+}
+
 // The fused GEMM the route picks. `lora` (qerl::nvfp4_gemm_lora): a LoRA expand for the split-K kernel's epilogue;
 // *lora_done tells whether it ran there (only the split-K kernel has it, and only for what
 // qerl_nvfp4_gemm_lora_supported accepts): when false the caller adds the LoRA term itself.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
                             StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone,
-                            const QerlLoraEpilogue* lora = nullptr, bool* lora_done = nullptr) {
+                            const QerlLoraEpilogue* lora = nullptr, bool* lora_done = nullptr,
+                            bool decode_tma = false) {
   if (lora_done != nullptr) *lora_done = false;
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
@@ -364,6 +390,19 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     QCHECK(b.numel() == n && b.device() == x.device(), "qerl::nvfp4_gemm: bias must be [", n, "] on ",
                 x.device());
     bptr = b.data_ptr();
+  }
+  // the decode kernel has no LoRA epilogue: with a LoRA term to fuse, split-K (which has one) runs instead
+  if (const int64_t grid = decode_tma && lora == nullptr ? decode_tma_grid(m, n) : 0; grid > 0) {
+    const int block_m = pick_block_m(m);
+    const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
+    at::Tensor dws;
+    if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
+    check_cuda(qerl_nvfp4_gemm_decode_tma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
+                                                 bptr, out.data_ptr(), wsf > 0 ? dws.data_ptr<float>() : nullptr,
+                                                 counters_for(x.device()), int(m), int(n), int(k), int(grid), block_m,
+                                                 at::cuda::getCurrentCUDAStream()),
+               "nvfp4_gemm (decode TMA) launch");
+    return out;
   }
   if (const int64_t grid = wgmma_grid(m, n, wgmma); grid > 0) {
     const int block_t = wgmma_block_t(m, wgmma);
@@ -516,6 +555,7 @@ struct Route {
   bool kernel;     // fused kernel (else dequant + cuBLAS)
   StreamK policy;  // which mma.sync fused kernel may run
   Wgmma wgmma;     // a Hopper wgmma kernel, where it is available (else `policy` decides)
+  bool decode_tma = false;  // the copy-engine decode kernel at M <= 16, where it is available (before `wgmma`)
 };
 
 // Auto with a calibration table (loaded by Python for the device it was measured on): the measured kernel, when it
@@ -539,6 +579,9 @@ bool table_route(int64_t m, int64_t n, int64_t k, Route* r) {
     case GemmKernel::DequantCublas:
       *r = {false, StreamK::kNever, Wgmma::kNone};
       return true;
+    case GemmKernel::DecodeTma:
+      *r = {true, StreamK::kNever, Wgmma::kNone, true};
+      return decode_tma_grid(m, n) > 0;
   }
   return false;
 }
@@ -563,6 +606,8 @@ Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, GemmMode mode
       return {true, StreamK::kWhereItApplies, Wgmma::kRegA};
     case GemmMode::WgmmaSS:
       return {true, StreamK::kWhereItApplies, Wgmma::kSS};
+    case GemmMode::DecodeTma:
+      return {true, StreamK::kWhereItApplies, Wgmma::kNone, true};
     case GemmMode::DequantCublas:
       return {false, StreamK::kNever, Wgmma::kNone};
   }
@@ -589,7 +634,7 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm");
   c10::cuda::CUDAGuard g(x.device());
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
-  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma);
+  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, nullptr, nullptr, r.decode_tma);
   return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
 }
 
@@ -672,7 +717,8 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
   if (r.kernel) {
     QerlLoraEpilogue ep;
     const bool fits = lora_epilogue_for(shrunk, lora_b, mask, rank, slice_bounds, &ep);
-    out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, fits ? &ep : nullptr, &done);
+    out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, fits ? &ep : nullptr, &done,
+                           r.decode_tma && !fits);
   } else {
     out = dequant_cublas_cuda(x, qw, qs, gs, bias, n);
   }
@@ -692,6 +738,7 @@ bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
 std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl gemm_choice"));
   if (!r.kernel) return kernel_name(GemmKernel::DequantCublas);
+  if (r.decode_tma && decode_tma_grid(m, n) > 0) return kernel_name(GemmKernel::DecodeTma);
   if (wgmma_grid(m, n, r.wgmma) > 0) return kernel_name(r.wgmma == Wgmma::kSS ? GemmKernel::WgmmaSS : GemmKernel::WgmmaRS);
   return kernel_name(streamk_launch_grid(m, n, k, r.policy) > 0 ? GemmKernel::StreamK : GemmKernel::SplitK);
 }

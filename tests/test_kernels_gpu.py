@@ -300,9 +300,95 @@ def test_wgmma_graph_capture(variant: str, m: int) -> None:
         assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
 
 
+def _needs_decode_tma() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the copy-engine decode kernel runs on sm_90 (Hopper) only")
+    got = kernels.extension().gemm_choice(1, 256, 128, Mode.DECODE_TMA)
+    assert got == "decode_tma", f"sm_90 device but no sm_90a decode_tma build (runs {got})"
+
+
+#: M values of the decode kernel (block_m 8: 1..8, block_m 16: 9..16) and past it (mode decode_tma runs stream-K /
+#: split-K there)
+DECODE_MS = (1, 2, 7, 8, 9, 15, 16, 17, 40)
+
+
+@pytest.mark.parametrize("n,k", WGMMA_SHAPES + [(37888, 3584)])
+def test_decode_tma_kernel_every_m(n: int, k: int) -> None:
+    """The copy-engine decode kernel (mode decode_tma) at M = 1..16 on Qwen2.5's and other hidden sizes, a single
+    stage, an odd number of 16-row blocks and 7B gate_up (296 tiles: ranges crossing tiles, partial segments combined
+    by the fix-up): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats; past M = 16 the mode runs
+    what gemm_choice names."""
+    _needs_decode_tma()
+    ext = kernels.extension()
+    packed, scale, gs = rand_nvfp4(n, k, seed=n * 5 + k)
+    rw = kernels.repack(packed, scale)
+    g = torch.Generator(device=DEV).manual_seed(n + 7 * k)
+    bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
+    w = reference.dequantize_f64(packed, scale, gs)
+    for m in DECODE_MS:
+        want = "decode_tma" if m <= 16 else ("streamk" if ext.streamk_grid(m, n) > 0 else "splitk")
+        assert ext.gemm_choice(m, n, k, Mode.DECODE_TMA) == want, m
+        x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+        b = bias if m % 2 else None
+        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+        outs = []
+        for _ in range(2):
+            poison((m, n), torch.bfloat16)
+            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, Mode.DECODE_TMA))
+        torch.cuda.synchronize()
+        assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
+        err = rel(outs[0], ref)
+        assert err <= TOL, f"M={m}: rel err {err:.3e}"
+        assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_decode_tma_graph_capture(m: int) -> None:
+    """The decode kernel (tensor map of the activations encoded at capture, stream-K partials and shared counters)
+    captures and replays in a CUDA graph with fresh inputs."""
+    _needs_decode_tma()
+    n, k = 3584, 18944  # 7B down: 28 tiles, 148 stages each, split over many CTAs
+    packed, scale, gs = rand_nvfp4(n, k, seed=43)
+    rw = kernels.repack(packed, scale)
+    x_static = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, Mode.DECODE_TMA)
+
+    graph, y_static = capture_graph(f, x_static)
+    for i, x_new in replay_with_fresh_inputs(graph, x_static):
+        assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
+
+
+def test_decode_tma_leaves_the_lora_epilogue_to_split_k() -> None:
+    """With a LoRA term the split-K kernel can fuse, mode decode_tma runs split-K (bit-equal to mode splitk); with
+    operands it cannot fuse (float32 shrunk), the decode kernel runs and the expand is added after, within bf16 of
+    the fused result."""
+    _needs_decode_tma()
+    ext = kernels.extension()
+    n, k, m, r = 4608, 3584, 5, 16
+    packed, scale, gs = rand_nvfp4(n, k, seed=44)
+    rw = kernels.repack(packed, scale)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    shrunk = (torch.randn(m, 3 * r, device=DEV) * 0.1).to(torch.bfloat16)
+    lora_b = (torch.randn(n, 3 * r, device=DEV) * 0.1).to(torch.bfloat16)
+    mask = torch.ones(m, device=DEV, dtype=torch.bfloat16)
+    bounds = [0, 3584, 4096, 4608]
+    assert ext.lora_epilogue_runs(m, n, k, Mode.DECODE_TMA)
+
+    def lora(s: torch.Tensor, mode: int) -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, s, lora_b, mask, bounds,
+                                              int(mode), 0)
+
+    fused_decode = lora(shrunk, Mode.DECODE_TMA)
+    assert torch.equal(fused_decode, lora(shrunk, Mode.SPLITK))
+    unfused = lora(shrunk.float(), Mode.DECODE_TMA)
+    assert rel(unfused, fused_decode.double()) <= TOL
+
+
 #: gemm_choice's answer -> the op mode that forces that kernel
 CHOICE_MODES = {"splitk": Mode.SPLITK, "streamk": Mode.STREAMK, "wgmma_rs": Mode.WGMMA_RS,
-                "dequant_cublas": Mode.DEQUANT_CUBLAS, "wgmma_ss": Mode.WGMMA_SS}
+                "dequant_cublas": Mode.DEQUANT_CUBLAS, "wgmma_ss": Mode.WGMMA_SS, "decode_tma": Mode.DECODE_TMA}
 
 
 @pytest.fixture()
@@ -324,7 +410,8 @@ def test_auto_follows_the_calibration_table() -> None:
 
     ext = kernels.extension()
     names = list(ext.gemm_kernel_names())
-    assert names == list(kernels.GEMM_KERNEL_NAMES) == ["splitk", "streamk", "wgmma_rs", "dequant_cublas", "wgmma_ss"]
+    assert names == list(kernels.GEMM_KERNEL_NAMES) == ["splitk", "streamk", "wgmma_rs", "dequant_cublas", "wgmma_ss",
+                                                        "decode_tma"]
     # the binding's mode table is the one Python parsed from cuda/gemm_modes.h
     assert dict(ext.gemm_modes()) == kernels.GEMM_MODES and set(CHOICE_MODES) == set(names)
     n, k = 1136, 640

@@ -27,6 +27,7 @@ CU_SOURCES = (
     "nvfp4_gemm_wgmma.cu",
     "nvfp4_gemm_wgmma_ss.cu",
     "nvfp4_gemm_wgmma_wide.cu",
+    "nvfp4_gemm_decode_tma.cu",
     "nvfp4_dequant.cu",
 )
 #: The thin torch binding.

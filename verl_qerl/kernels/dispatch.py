@@ -1,7 +1,7 @@
 """Auto mode's calibration table: which GEMM kernel is fastest for a weight shape and token count.
 
 Why a table: the GEMMs the op can run (the split-K decode kernel ``splitk``, the mma.sync ``streamk`` kernel, the
-Hopper wgmma kernels ``wgmma_rs`` / ``wgmma_ss``, dequantize + cuBLAS ``dequant_cublas``) cross over at M and
+Hopper wgmma kernels ``wgmma_rs`` / ``wgmma_ss``, the Hopper copy-engine decode kernel ``decode_tma``, dequantize + cuBLAS ``dequant_cublas``) cross over at M and
 shape points that depend on the GPU; hand-set thresholds drift every time a kernel changes. ``benchmarks/kernel.py``
 times all of them per GEMM shape and M (CUDA-graph timing) and writes the winners as a table
 (:func:`table_from_rows`); the package ships the table measured on an H200 (``gemm_dispatch_h200.json``) and
@@ -32,6 +32,7 @@ FORMER_NAMES = {"v5": "splitk", "wgmma": "wgmma_rs", "dqmm": "dequant_cublas"}
 #: writes ``kernel_<name>_graph_ms`` and ``dequant_cublas_graph_ms``; the former keys are read too).
 ROW_KEYS = {"kernel_splitk_graph_ms": "splitk", "kernel_streamk_graph_ms": "streamk",
             "kernel_wgmma_rs_graph_ms": "wgmma_rs", "kernel_wgmma_ss_graph_ms": "wgmma_ss",
+            "kernel_decode_tma_graph_ms": "decode_tma",
             "dequant_cublas_graph_ms": "dequant_cublas",
             "kernel_graph_ms": "splitk", "kernel_wgmma_graph_ms": "wgmma_rs", "dqmm_graph_ms": "dequant_cublas"}
 

@@ -9,8 +9,8 @@ compiler and checks that both sides see the same table.
 
 Names (``QERL_GEMM_KERNEL`` values, benchmark ``--variants``, table entries): ``splitk`` (the split-K mma.sync
 kernel, decode and small M), ``streamk`` (the stream-K mma.sync kernel), ``wgmma_rs`` (Hopper wgmma, A from
-registers), ``wgmma_ss`` (Hopper wgmma, both operands in shared memory), ``dequant_cublas`` (dequantize, then
-cuBLAS).
+registers), ``wgmma_ss`` (Hopper wgmma, both operands in shared memory), ``decode_tma`` (Hopper, M <= 16: the
+split-K kernel's math fed by the copy engine), ``dequant_cublas`` (dequantize, then cuBLAS).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def load(path: Path | None = None) -> tuple[list[Entry], list[Entry]]:
 
 MODE_ENTRIES, KERNEL_ENTRIES = load()
 #: mode name -> the integer ``qerl::nvfp4_gemm`` takes (``auto``, ``splitk``, ``dequant_cublas``, ``auto_streamk``,
-#: ``streamk``, ``auto_splitk``, ``wgmma_rs``, ``wgmma_ss``).
+#: ``streamk``, ``auto_splitk``, ``wgmma_rs``, ``wgmma_ss``, ``decode_tma``).
 GEMM_MODES: dict[str, int] = {e.name: e.value for e in MODE_ENTRIES}
 #: The modes as an enum (``GemmMode.SPLITK`` == 1); an ``IntEnum`` passes straight to the op.
 GemmMode = enum.IntEnum("GemmMode", {e.name.upper(): e.value for e in MODE_ENTRIES})

@@ -1,0 +1,308 @@
+// FP4 x BF16 GEMM for decode batches (M <= 16 tokens per tile) on Hopper's copy engine: the split-K kernel's math
+// (cuda/nvfp4_gemm.cu: mma.sync with the decoded weight as A, tokens as B) fed by a producer warp through a deep
+// mbarrier ring, over a persistent stream-K schedule. sm_90a only (the QERL_WGMMA_DEVICE rule of wgmma_sm90.cuh;
+// the launcher reports cudaErrorNotSupported elsewhere).
+//
+// Why (benchmarks/NOTES.md, "Final profile of the decode kernel", "The split count at M <= 16"): the split-K kernel
+// moves 7B gate_up's 76 MB at 2.2 TB/s where cuBLAS streams BF16 at 3.7-3.9 TB/s. It is not issue-bound (~20 us
+// of issue for a 74 us layer); its warps wait at the per-stage CTA barrier of the cp.async ring and on the data, and
+// its grid runs 296 tiles on 264 slots (a second, nearly empty wave). Here:
+//  * CTA = 8 consumer warps + 1 producer warp, 2 CTAs per SM. Consumer warp w computes as in split-K: rows
+//    [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every 128-K stage, BM / 8 n8 token
+//    tiles; the two k halves are summed through shared memory at the end of a segment.
+//  * Ring of kStages slots. Per slot: the stage's activations as two TMA boxes of 64 K x BM tokens (128-byte
+//    swizzle, rows past M zero-filled), its 8 KB of weights and 1 KB of scales (each one contiguous run of the
+//    repacked layout: one bulk copy each), all completing on the slot's `full` mbarrier. One producer thread walks the
+//    CTA's whole unit range without stopping at tile boundaries; consumer warps release a slot by one arrival each
+//    on its `empty` mbarrier. No CTA-wide barrier in the main loop, and the ring keeps streaming while the consumers
+//    sum, fix up and store a finished segment.
+//  * Persistent stream-K over (128-row tile x BM tokens, 128-K stage) units (cuda/streamk_schedule.cuh): every CTA
+//    gets the same number of stages whatever the tile count, partial tiles are combined in CTA order (deterministic).
+//  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only. No LoRA epilogue: the
+//    op keeps split-K where a LoRA term is fused (cuda/qerl_torch.cpp).
+#include "nvfp4_common.cuh"
+#include "qerl_nvfp4.h"
+#include "streamk_schedule.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace qerl {
+namespace {
+
+constexpr int DT_ROWS = QERL_GEMM_BN;  // weight rows per tile: one 128-row tile of the repacked layout
+constexpr int DT_BK = QERL_GEMM_BK;    // K per stage
+constexpr int DT_CONSUMERS = 8;        // consumer warps
+constexpr int DT_THREADS = (DT_CONSUMERS + 1) * 32;
+constexpr int DT_W_BYTES = (DT_ROWS / 16) * (DT_BK / 64) * 512;  // 8 KB
+constexpr int DT_S_BYTES = (DT_ROWS / 16) * (DT_BK / 64) * 64;   // 1 KB
+static_assert(DT_BK == 2 * tma::kBoxK, "a stage is two 64-K activation boxes");
+
+template <int BM>
+struct DtCfg {
+  static constexpr int MT = BM / 8;                         // n8 token tiles
+  static constexpr int X_HALF_BYTES = BM * tma::kBoxK * 2;  // one 64-K box: BM rows of 128 bytes
+  static constexpr int W_OFF = 2 * X_HALF_BYTES;            // in a slot: activations (1024-aligned), weights, scales
+  static constexpr int S_OFF = W_OFF + DT_W_BYTES;
+  static constexpr int SLOT_BYTES = ((S_OFF + DT_S_BYTES + 1023) / 1024) * 1024;
+  // 2 CTAs per SM within Hopper's 228 KB: ~9 KB of weight bytes per slot, ~7 slots per CTA in flight
+  static constexpr int STAGES = BM == 8 ? 8 : 7;
+  static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;  // the k-half sum: 2 n16 blocks x MT x 4 floats x 128 threads
+  static constexpr int SMEM_BYTES = STAGES * SLOT_BYTES + RED_BYTES + 1024;  // + the ring's 1024-byte alignment
+  static_assert(BM == 8 || BM == 16, "decode kernel: block_m 8 or 16");
+  static_assert(X_HALF_BYTES % 1024 == 0, "swizzled boxes stay 1024-byte aligned");
+  static_assert(2 * SMEM_BYTES <= 227 * 1024, "two CTAs per SM");
+};
+
+#ifdef QERL_WGMMA_DEVICE
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// The consumer warps' barrier (named barrier 1; the producer warp never joins it).
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(DT_CONSUMERS * 32) : "memory");
+}
+#endif  // QERL_WGMMA_DEVICE
+
+template <int BM>
+__global__ void __launch_bounds__(DT_THREADS, 2)
+    nvfp4_gemm_decode_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
+                                 const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                 int units_per_cta) {
+#ifdef QERL_WGMMA_DEVICE
+  using C = DtCfg<BM>;
+  constexpr int MT = C::MT;
+  constexpr int STAGES = C::STAGES;
+  constexpr int W_VEC = DT_W_BYTES / 16;  // uint4 per tile-stage of weights: 512
+  constexpr int S_VEC = DT_S_BYTES / 16;  // 64
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  __shared__ int s_is_last;
+  __shared__ __align__(8) uint64_t full_bar[STAGES];   // a slot's copies landed (transaction count)
+  __shared__ __align__(8) uint64_t empty_bar[STAGES];  // every consumer warp is done with a slot
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int S = K / DT_BK;
+  const int n_tiles = (N + DT_ROWS - 1) / DT_ROWS;
+  const int m_tiles = (M + BM - 1) / BM;
+  const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
+  const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
+  float* red = reinterpret_cast<float*>(smem + STAGES * C::SLOT_BYTES);
+  const uint32_t full0 = smem_u32(&full_bar[0]);
+  const uint32_t empty0 = smem_u32(&empty_bar[0]);
+
+  if (tid == 0) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_map)) : "memory");
+    for (int i = 0; i < STAGES; ++i) {
+      tma::mbar_init(full0 + 8 * i, 1);
+      tma::mbar_init(empty0 + 8 * i, DT_CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // the last CTA-wide barrier: from here on the producer and the consumers go their own ways
+
+  if (warp == DT_CONSUMERS) {
+    // ---- producer: one thread issues every copy of this CTA's range, unit after unit
+    if (lane == 0) {
+      const int n_units = range.end - range.begin;
+      for (int i = 0; i < n_units; ++i) {
+        const int slot = i % STAGES;
+        if (i >= STAGES) tma::mbar_wait(empty0 + 8 * slot, ((i / STAGES) + 1) & 1);  // its last use was released
+        const int u = range.begin + i;
+        const int tile = u / S;
+        const int st = u - tile * S;
+        const int mtile = tile / n_tiles;
+        const int ntile = tile - mtile * n_tiles;
+        const uint32_t base = smem_base + slot * C::SLOT_BYTES;
+        const uint32_t bar = full0 + 8 * slot;
+        const size_t blk = size_t(ntile) * S + st;  // the tile-stage's block of the repacked layout
+        tma::mbar_expect_tx(bar, 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);
+        tma::load_2d(base, &x_map, bar, st * DT_BK, mtile * BM);
+        tma::load_2d(base + C::X_HALF_BYTES, &x_map, bar, st * DT_BK + tma::kBoxK, mtile * BM);
+        tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES, bar);
+        tma::bulk_copy(base + C::S_OFF, qs + blk * S_VEC, DT_S_BYTES, bar);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  const int wn = warp & 3;        // 32-row group of the tile
+  const int kh = warp >> 2;       // k64 half of each stage
+  const int rt = wn * 32 + lane;  // index among the 128 threads holding one output fragment set
+  const int my_first_tile = range.first_tile();
+  // ldmatrix source of this lane in a slot's k64 half kh (swizzled box: token row r at r * 128, 16-byte chunk q at
+  // (q ^ r % 8) * 16): row (lane / 16) * 8 + lane % 8 of each 16-row pair (lane % 8 for MT = 1), chunk 2 j + lane / 8 % 2
+  const int xrow = (MT == 1 ? 0 : (lane >> 4) * 8) + (lane & 7);
+  const uint32_t x_lane = kh * C::X_HALF_BYTES + xrow * 128;
+  const int xq = (lane >> 3) & 1;
+  const int xsw = lane & 7;  // = xrow % 8
+
+  int g = 0;  // stages this CTA's consumers have taken from the ring: slot g % STAGES, phase parity (g / STAGES) % 2
+  for (int u = range.begin; u < range.end;) {
+    const streamk::Segment seg = range.segment_at(u);
+    const int tile = seg.tile;
+    const int mtile = tile / n_tiles;
+    const int ntile = tile - mtile * n_tiles;
+    const int m0 = mtile * BM;
+    const int nb0 = ntile * (DT_ROWS / 16);
+
+    float acc[2][MT][4];
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < MT; ++b)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.0f;
+
+    for (int it = 0; it < seg.count(); ++it, ++g) {
+      const int slot = g % STAGES;
+      tma::mbar_wait(full0 + 8 * slot, (g / STAGES) & 1);
+      const uint8_t* base = smem + slot * C::SLOT_BYTES;
+      const uint4* wsm = reinterpret_cast<const uint4*>(base + C::W_OFF);
+      const uint2* ssm = reinterpret_cast<const uint2*>(base + C::S_OFF);
+      const uint32_t xa = smem_base + slot * C::SLOT_BYTES + x_lane;
+      uint4 wv[2];
+      uint2 sv[2];
+#pragma unroll
+      for (int nbw = 0; nbw < 2; ++nbw) {
+        const int blk = (wn * 2 + nbw) * (DT_BK / 64) + kh;
+        wv[nbw] = wsm[blk * 32 + lane];
+        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t xaddr = xa + uint32_t(((2 * j + xq) ^ xsw) * 16);
+        uint32_t b[MT][2];
+        if constexpr (MT == 1) {
+          asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                       : "=r"(b[0][0]), "=r"(b[0][1])
+                       : "r"(xaddr));
+        } else {
+          ldmatrix_x4_u32(b[0][0], b[0][1], b[1][0], b[1][1], xaddr);
+        }
+#pragma unroll
+        for (int nbw = 0; nbw < 2; ++nbw) {
+          uint32_t a[4];
+          decode_scaled(wv[nbw], sv[nbw], j, a);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // this warp is done with the slot
+    }
+
+    // ---- the two k halves: kh = 0 ends with the totals (red is the consumers' own buffer: the ring keeps filling)
+    if (kh == 1) {
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) red[((nb * MT + mt) * 4 + c) * 128 + rt] = acc[nb][mt][c];
+    }
+    consumers_sync();
+    if (kh == 0) {
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[nb][mt][c] += red[((nb * MT + mt) * 4 + c) * 128 + rt];
+    }
+
+    // ---- CTAs sharing this tile combine their partials in CTA order; one of them stores it
+    const bool do_store = streamk::finish_segment(
+        range, counters, tile, tid == 0, s_is_last, [] { consumers_sync(); },
+        [&] {
+          if (kh == 0)
+            store_partial(acc, streamk::partial_slot<BM * DT_ROWS>(ws, blockIdx.x, range.my_slot(tile, my_first_tile)),
+                          m0, lane, rt, M);
+        },
+        [&](int c_first, int c_last) {
+          if (kh != 0) return;
+          float4 sum[2][MT];
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) sum[nb][mt] = make_float4(0.f, 0.f, 0.f, 0.f);
+          streamk::for_each_partial<BM * DT_ROWS>(range, ws, tile, c_first, c_last, [&](const float4* part) {
+            float4 v[2][MT];
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt)
+                v[nb][mt] = (m0 + mt * 8 + (lane & 3) * 2 < M) ? __ldcg(part + (nb * MT + mt) * 128 + rt)
+                                                               : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+              for (int mt = 0; mt < MT; ++mt) {
+                sum[nb][mt].x += v[nb][mt].x;
+                sum[nb][mt].y += v[nb][mt].y;
+                sum[nb][mt].z += v[nb][mt].z;
+                sum[nb][mt].w += v[nb][mt].w;
+              }
+          });
+#pragma unroll
+          for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              acc[nb][mt][0] = sum[nb][mt].x;
+              acc[nb][mt][1] = sum[nb][mt].y;
+              acc[nb][mt][2] = sum[nb][mt].z;
+              acc[nb][mt][3] = sum[nb][mt].w;
+            }
+        });
+    if (do_store && kh == 0)
+      store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+    consumers_sync();  // red and s_is_last are reused by the next segment
+    u = range.after(seg);
+  }
+#else
+  __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
+#endif
+}
+
+template <int BM>
+using DtLauncher = tma::Launcher<nvfp4_gemm_decode_tma_kernel<BM>, BM, DT_THREADS, DtCfg<BM>::SMEM_BYTES, DT_ROWS>;
+
+}  // namespace
+}  // namespace qerl
+
+// The C API (qerl_nvfp4.h): block_m 8 or 16.
+extern "C" cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
+                                                         const float* global_scale, const void* bias, void* out,
+                                                         float* workspace, int* counters, int M, int N, int K,
+                                                         int grid, int block_m, cudaStream_t stream) {
+  if (block_m == 8)
+    return qerl::DtLauncher<8>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                       stream);
+  if (block_m == 16)
+    return qerl::DtLauncher<16>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
+                                        grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+extern "C" size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m) {
+  if (block_m == 8) return qerl::DtLauncher<8>::workspace_floats(M, N, K, grid);
+  if (block_m == 16) return qerl::DtLauncher<16>::workspace_floats(M, N, K, grid);
+  return 0;
+}
+
+extern "C" int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m) {
+  if (block_m == 8) return qerl::DtLauncher<8>::tiles(M, N);
+  if (block_m == 16) return qerl::DtLauncher<16>::tiles(M, N);
+  return 0;
+}
+
+extern "C" int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m) {
+  if (block_m == 8) return qerl::DtLauncher<8>::ctas_per_sm();
+  if (block_m == 16) return qerl::DtLauncher<16>::ctas_per_sm();
+  return 0;
+}
