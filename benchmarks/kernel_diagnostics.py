@@ -76,6 +76,27 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
         bad += not ok
         print(f"sanitize M={m} N={n} K={k} mode={mode} splits={splits}: rel err {err:.2e} "
               f"dequant equal {torch.equal(w1, w2)}")
+    # the fused LoRA epilogues (split-K's; the decode kernel's in mode decode_tma): three slices, a masked token
+    for m, n, k, mode in [(5, 528, 896, "splitk"), (5, 528, 896, "decode_tma"), (16, 1136, 640, "decode_tma")]:
+        if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
+            continue
+        packed, scale, gs = random_nvfp4(n, k)
+        rw = kernels.repack(packed, scale)
+        r, bounds = 16, [0, 256, 384, n]
+        x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+        shrunk = torch.randn(m, 3 * r, device=DEV).to(torch.bfloat16)
+        lora_b = (torch.randn(n, 3 * r, device=DEV) * 0.05).to(torch.bfloat16)
+        mask = (torch.arange(m, device=DEV) != 1).to(torch.bfloat16)
+        out = torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
+                                             kernels.GEMM_MODES[mode], 0)
+        ref = reference.linear_f64(x, packed, scale, gs, None).clone()
+        for i in range(3):
+            c = slice(bounds[i], bounds[i + 1])
+            ref[:, c] += mask.double()[:, None] * (shrunk[:, i * r:(i + 1) * r].double()
+                                                   @ lora_b[c, i * r:(i + 1) * r].double().T)
+        err = float((out.double() - ref).norm() / ref.norm())
+        bad += not err < 1e-2
+        print(f"sanitize LoRA M={m} N={n} K={k} mode={mode}: rel err {err:.2e}")
     torch.cuda.synchronize()
     print("SANITIZE", "OK" if bad == 0 else f"{bad} FAILED")
     return 1 if bad else 0

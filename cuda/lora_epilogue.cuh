@@ -1,4 +1,5 @@
-// The LoRA expand of one GEMM output tile, for the split-K kernel's epilogue (cuda/nvfp4_gemm.cu).
+// The LoRA expand of one GEMM output tile, for the epilogues of the split-K kernel (cuda/nvfp4_gemm.cu) and the
+// copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu).
 //
 // Why in the epilogue: at decode token counts a separate expand kernel costs a launch and a dependent memory round
 // trip (~2.5 us) for a few KB of work, and a 7B model has 112 LoRA layers per step. Here the CTA that writes an output
@@ -129,5 +130,26 @@ struct LoraTile {
   int n0;
   __device__ __forceinline__ float operator()(int t, int n) const { return lt[t * lora_tile_pitch<BN>() + (n - n0)]; }
 };
+
+// (host) A LoRA epilogue a kernel staging up to max_ranks shrunk columns can run for an [M, N] output: operands
+// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N. On success `norm` is a copy with the unused
+// slice_end entries set to N (the kernel's slice lookup reads the first two).
+inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
+  auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;
+  if (p.rank <= 0 || p.rank % 8 != 0 || p.n_slices < 1 || p.n_slices > 3 || p.n_slices * p.rank > max_ranks)
+    return false;
+  if (p.ld_shrunk % 8 != 0 || p.ld_b % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank || p.ld_b < p.n_slices * p.rank)
+    return false;
+  int prev = 0;
+  for (int i = 0; i < p.n_slices; ++i) {
+    if (p.slice_end[i] <= prev) return false;
+    prev = p.slice_end[i];
+  }
+  if (prev != N) return false;
+  *norm = p;
+  for (int i = p.n_slices; i < 3; ++i) norm->slice_end[i] = N;
+  return true;
+}
 
 }  // namespace qerl

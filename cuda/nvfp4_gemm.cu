@@ -305,27 +305,6 @@ int lora_max_ranks(int block_m) {
   }
 }
 
-// A LoRA epilogue the kernel can run for an [M, N] output: operands present and 16-byte aligned rows, rank a
-// positive multiple of 8, 1..3 increasing slices ending at N. On success `norm` is a copy with the unused
-// slice_end entries set to N (the kernel's slice lookup reads the first two).
-bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
-  auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;
-  if (p.rank <= 0 || p.rank % 8 != 0 || p.n_slices < 1 || p.n_slices > 3 || p.n_slices * p.rank > max_ranks)
-    return false;
-  if (p.ld_shrunk % 8 != 0 || p.ld_b % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank || p.ld_b < p.n_slices * p.rank)
-    return false;
-  int prev = 0;
-  for (int i = 0; i < p.n_slices; ++i) {
-    if (p.slice_end[i] <= prev) return false;
-    prev = p.slice_end[i];
-  }
-  if (prev != N) return false;
-  *norm = p;
-  for (int i = p.n_slices; i < 3; ++i) norm->slice_end[i] = N;
-  return true;
-}
-
 template <int BM>
 int ctas_per_sm() {
   if (prepare<BM>() != cudaSuccess) return 0;

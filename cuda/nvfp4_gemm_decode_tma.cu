@@ -18,8 +18,10 @@
 //    sum, fix up and store a finished segment.
 //  * Persistent stream-K over (128-row tile x BM tokens, 128-K stage) units (cuda/streamk_schedule.cuh): every CTA
 //    gets the same number of stages whatever the tile count, partial tiles are combined in CTA order (deterministic).
-//  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only. No LoRA epilogue: the
-//    op keeps split-K where a LoRA term is fused (cuda/qerl_torch.cpp).
+//  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only; with LORA the tile's LoRA
+//    term (cuda/lora_epilogue.cuh) is added in FP32 before the rounding: the k-half-1 warps, idle once the halves are
+//    summed, stage the tile's rows of `shrunk` and build the term in the LoRA region while the others wait.
+#include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
@@ -37,17 +39,22 @@ constexpr int DT_W_BYTES = (DT_ROWS / 16) * (DT_BK / 64) * 512;  // 8 KB
 constexpr int DT_S_BYTES = (DT_ROWS / 16) * (DT_BK / 64) * 64;   // 1 KB
 static_assert(DT_BK == 2 * tma::kBoxK, "a stage is two 64-K activation boxes");
 
-template <int BM>
+template <int BM, bool LORA>
 struct DtCfg {
   static constexpr int MT = BM / 8;                         // n8 token tiles
   static constexpr int X_HALF_BYTES = BM * tma::kBoxK * 2;  // one 64-K box: BM rows of 128 bytes
   static constexpr int W_OFF = 2 * X_HALF_BYTES;            // in a slot: activations (1024-aligned), weights, scales
   static constexpr int S_OFF = W_OFF + DT_W_BYTES;
   static constexpr int SLOT_BYTES = ((S_OFF + DT_S_BYTES + 1023) / 1024) * 1024;
-  // 2 CTAs per SM within Hopper's 228 KB: ~9 KB of weight bytes per slot, ~7 slots per CTA in flight
-  static constexpr int STAGES = BM == 8 ? 8 : 7;
+  // 2 CTAs per SM within Hopper's 228 KB: ~9 KB of weight bytes per slot, 6-8 slots per CTA in flight (one fewer
+  // where the LoRA region takes its place)
+  static constexpr int STAGES = (BM == 8 ? 8 : 7) - (LORA ? 1 : 0);
   static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;  // the k-half sum: 2 n16 blocks x MT x 4 floats x 128 threads
-  static constexpr int SMEM_BYTES = STAGES * SLOT_BYTES + RED_BYTES + 1024;  // + the ring's 1024-byte alignment
+  // LoRA region: the tile's LoRA term, then its rows of `shrunk` (up to LORA_MAX_RANKS columns each)
+  static constexpr int LORA_MAX_RANKS = 128;
+  static constexpr int LT_BYTES = LORA ? lora_tile_bytes<BM, DT_ROWS>() : 0;
+  static constexpr int SHRUNK_BYTES = LORA ? BM * LORA_MAX_RANKS * 2 : 0;
+  static constexpr int SMEM_BYTES = STAGES * SLOT_BYTES + RED_BYTES + LT_BYTES + SHRUNK_BYTES + 1024;  // + alignment
   static_assert(BM == 8 || BM == 16, "decode kernel: block_m 8 or 16");
   static_assert(X_HALF_BYTES % 1024 == 0, "swizzled boxes stay 1024-byte aligned");
   static_assert(2 * SMEM_BYTES <= 227 * 1024, "two CTAs per SM");
@@ -64,15 +71,15 @@ __device__ __forceinline__ void consumers_sync() {
 }
 #endif  // QERL_WGMMA_DEVICE
 
-template <int BM>
+template <int BM, bool LORA>
 __global__ void __launch_bounds__(DT_THREADS, 2)
     nvfp4_gemm_decode_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                 int units_per_cta) {
+                                 int units_per_cta, const QerlLoraEpilogue lora) {
 #ifdef QERL_WGMMA_DEVICE
-  using C = DtCfg<BM>;
+  using C = DtCfg<BM, LORA>;
   constexpr int MT = C::MT;
   constexpr int STAGES = C::STAGES;
   constexpr int W_VEC = DT_W_BYTES / 16;  // uint4 per tile-stage of weights: 512
@@ -92,6 +99,9 @@ __global__ void __launch_bounds__(DT_THREADS, 2)
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (smem_base - smem_u32(smem_raw));
   float* red = reinterpret_cast<float*>(smem + STAGES * C::SLOT_BYTES);
+  float* lt = reinterpret_cast<float*>(smem + STAGES * C::SLOT_BYTES + C::RED_BYTES);
+  __nv_bfloat16* s_sm =
+      reinterpret_cast<__nv_bfloat16*>(smem + STAGES * C::SLOT_BYTES + C::RED_BYTES + C::LT_BYTES);
   const uint32_t full0 = smem_u32(&full_bar[0]);
   const uint32_t empty0 = smem_u32(&empty_bar[0]);
 
@@ -150,6 +160,10 @@ __global__ void __launch_bounds__(DT_THREADS, 2)
     const int ntile = tile - mtile * n_tiles;
     const int m0 = mtile * BM;
     const int nb0 = ntile * (DT_ROWS / 16);
+    if constexpr (LORA) {
+      // the tile's B rows into L2 while its stages stream (one CTA per tile: the one holding its first stage)
+      if (kh == 1 && seg.kb == 0) lora_prefetch_b<DT_ROWS, 128>(lora, nb0 * 16, N, rt);
+    }
 
     float acc[2][MT][4];
 #pragma unroll
@@ -259,9 +273,21 @@ __global__ void __launch_bounds__(DT_THREADS, 2)
               acc[nb][mt][3] = sum[nb][mt].w;
             }
         });
-    if (do_store && kh == 0)
-      store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
-    consumers_sync();  // red and s_is_last are reused by the next segment
+    if constexpr (LORA) {
+      if (do_store) {  // uniform over the consumers (a whole tile, or the shared last-arrival flag)
+        if (kh == 1) lora_stage_shrunk<BM, DT_ROWS>(s_sm, lora, m0, M, rt);
+        consumers_sync();
+        if (kh == 1) lora_tile<BM, DT_ROWS>(lt, s_sm, lora, nb0 * 16, m0, M, N, rt);
+        consumers_sync();
+        if (kh == 0)
+          store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N,
+                     LoraTile<DT_ROWS>{lt, nb0 * 16});
+      }
+    } else {
+      if (do_store && kh == 0)
+        store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+    }
+    consumers_sync();  // red, the LoRA region and s_is_last are reused by the next segment
     u = range.after(seg);
   }
 #else
@@ -269,40 +295,65 @@ __global__ void __launch_bounds__(DT_THREADS, 2)
 #endif
 }
 
+template <int BM, bool LORA>
+using DtLauncher =
+    tma::Launcher<nvfp4_gemm_decode_tma_kernel<BM, LORA>, BM, DT_THREADS, DtCfg<BM, LORA>::SMEM_BYTES, DT_ROWS>;
+
 template <int BM>
-using DtLauncher = tma::Launcher<nvfp4_gemm_decode_tma_kernel<BM>, BM, DT_THREADS, DtCfg<BM>::SMEM_BYTES, DT_ROWS>;
+cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
+                   void* out, float* ws, int* counters, int M, int N, int K, int grid, const QerlLoraEpilogue* lora,
+                   cudaStream_t stream) {
+  if (lora == nullptr)
+    return DtLauncher<BM, false>::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream,
+                                         QerlLoraEpilogue{});
+  QerlLoraEpilogue norm{};
+  if (!lora_valid(*lora, N, DtCfg<BM, true>::LORA_MAX_RANKS, &norm)) return cudaErrorInvalidValue;
+  return DtLauncher<BM, true>::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream,
+                                      norm);
+}
 
 }  // namespace
 }  // namespace qerl
 
-// The C API (qerl_nvfp4.h): block_m 8 or 16.
+// The C API (qerl_nvfp4.h): block_m 8 or 16; `lora` null for the plain GEMM.
 extern "C" cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
                                                          const float* global_scale, const void* bias, void* out,
                                                          float* workspace, int* counters, int M, int N, int K,
-                                                         int grid, int block_m, cudaStream_t stream) {
+                                                         int grid, int block_m, const QerlLoraEpilogue* lora,
+                                                         cudaStream_t stream) {
   if (block_m == 8)
-    return qerl::DtLauncher<8>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                       stream);
+    return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, lora,
+                           stream);
   if (block_m == 16)
-    return qerl::DtLauncher<16>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                        grid, stream);
+    return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, lora,
+                            stream);
   return cudaErrorInvalidValue;
 }
 
+extern "C" int qerl_nvfp4_gemm_decode_tma_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora) {
+  QerlLoraEpilogue norm{};
+  return lora != nullptr && N > 0 && (block_m == 8 || block_m == 16) &&
+                 qerl::lora_valid(*lora, N, qerl::DtCfg<16, true>::LORA_MAX_RANKS, &norm)
+             ? 1
+             : 0;
+}
+
+// The schedule's answers are the same with and without the LoRA epilogue (its ring depth does not enter them).
 extern "C" size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m) {
-  if (block_m == 8) return qerl::DtLauncher<8>::workspace_floats(M, N, K, grid);
-  if (block_m == 16) return qerl::DtLauncher<16>::workspace_floats(M, N, K, grid);
+  if (block_m == 8) return qerl::DtLauncher<8, false>::workspace_floats(M, N, K, grid);
+  if (block_m == 16) return qerl::DtLauncher<16, false>::workspace_floats(M, N, K, grid);
   return 0;
 }
 
 extern "C" int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m) {
-  if (block_m == 8) return qerl::DtLauncher<8>::tiles(M, N);
-  if (block_m == 16) return qerl::DtLauncher<16>::tiles(M, N);
+  if (block_m == 8) return qerl::DtLauncher<8, false>::tiles(M, N);
+  if (block_m == 16) return qerl::DtLauncher<16, false>::tiles(M, N);
   return 0;
 }
 
+// Resident CTAs per SM of the plain kernel (the LoRA one keeps the same count: two, by its smaller ring).
 extern "C" int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m) {
-  if (block_m == 8) return qerl::DtLauncher<8>::ctas_per_sm();
-  if (block_m == 16) return qerl::DtLauncher<16>::ctas_per_sm();
+  if (block_m == 8) return qerl::DtLauncher<8, false>::ctas_per_sm();
+  if (block_m == 16) return qerl::DtLauncher<16, false>::ctas_per_sm();
   return 0;
 }

@@ -129,12 +129,14 @@ int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t);
 
 // Decode kernel on the copy engine (cuda/nvfp4_gemm_decode_tma.cu, sm_90a builds only): the split-K kernel's math
 // for block_m in {8, 16} tokens per tile, fed by a producer warp through a TMA / bulk-copy mbarrier ring, persistent
-// stream-K over 128-row tiles. Same workspace / counter contract and availability rule as the wgmma launch above;
-// no LoRA epilogue.
+// stream-K over 128-row tiles. Same workspace / counter contract and availability rule as the wgmma launch above.
+// `lora` (null: none): the LoRA expand added in the epilogue, as the split-K launch's, up to 128 shrunk columns
+// (qerl_nvfp4_gemm_decode_tma_lora_supported; an unsupported one is cudaErrorInvalidValue).
 cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,
                                               float* workspace, int* counters, int M, int N, int K, int grid,
-                                              int block_m, cudaStream_t stream);
+                                              int block_m, const QerlLoraEpilogue* lora, cudaStream_t stream);
+int qerl_nvfp4_gemm_decode_tma_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m);
 int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m);
 int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m);

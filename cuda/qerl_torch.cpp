@@ -391,17 +391,18 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  // the decode kernel has no LoRA epilogue: with a LoRA term to fuse, split-K (which has one) runs instead
-  if (const int64_t grid = decode_tma && lora == nullptr ? decode_tma_grid(m, n) : 0; grid > 0) {
+  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n) : 0; grid > 0) {
     const int block_m = pick_block_m(m);
+    const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), block_m, lora) != 0;
     const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
     check_cuda(qerl_nvfp4_gemm_decode_tma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
                                                  bptr, out.data_ptr(), wsf > 0 ? dws.data_ptr<float>() : nullptr,
                                                  counters_for(x.device()), int(m), int(n), int(k), int(grid), block_m,
-                                                 at::cuda::getCurrentCUDAStream()),
-               "nvfp4_gemm (decode TMA) launch");
+                                                 with_lora ? lora : nullptr, at::cuda::getCurrentCUDAStream()),
+               with_lora ? "nvfp4_gemm_lora (decode TMA) launch" : "nvfp4_gemm (decode TMA) launch");
+    if (lora_done != nullptr) *lora_done = with_lora;
     return out;
   }
   if (const int64_t grid = wgmma_grid(m, n, wgmma); grid > 0) {
@@ -638,7 +639,7 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
 }
 
-// ---- qerl::nvfp4_gemm_lora: the GEMM plus a LoRA expand, in the split-K kernel's epilogue where that kernel runs
+// ---- qerl::nvfp4_gemm_lora: the GEMM plus a LoRA expand, in the epilogue where the split-K or decode kernel runs
 //
 // out = x @ W^T + bias + mask * expand(shrunk, lora_b) with expand[:, n] = shrunk[:, s(n) r : s(n) r + r] @
 // lora_b[n, s(n) r : s(n) r + r] (s(n): the slice holding column n; slice_bounds = [0, end_0, .., n]). Wherever the
@@ -718,15 +719,16 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
     QerlLoraEpilogue ep;
     const bool fits = lora_epilogue_for(shrunk, lora_b, mask, rank, slice_bounds, &ep);
     out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, fits ? &ep : nullptr, &done,
-                           r.decode_tma && !fits);
+                           r.decode_tma);
   } else {
     out = dequant_cublas_cuda(x, qw, qs, gs, bias, n);
   }
   return done ? out : lora_expand_op(out, shrunk, lora_b.t(), mask);
 }
 
-// Whether qerl::nvfp4_gemm_lora adds the LoRA term in the split-K kernel's epilogue for these sizes (with operands
-// that fit it) rather than running qerl::lora_expand after the GEMM (tests and benchmarks ask; no launch).
+// Whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue (the split-K kernel's, or the decode
+// kernel's where mode / table run it) for these sizes (with operands that fit it) rather than running
+// qerl::lora_expand after the GEMM (tests and benchmarks ask; no launch).
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   return r.kernel && r.wgmma == Wgmma::kNone && streamk_launch_grid(m, n, k, r.policy) == 0 &&
@@ -780,7 +782,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");
   m.def("lora_epilogue_runs", &lora_epilogue_runs,
-        "whether qerl::nvfp4_gemm_lora adds the LoRA term in the split-K epilogue for (M, N, K, mode)");
+        "whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue for (M, N, K, mode)");
   m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");

@@ -108,8 +108,9 @@ using KernelFn = void (*)(const CUtensorMap, const uint4*, const uint4*, const f
 
 // kKernel (sm_90a only) with kThreads threads, kSmemBytes of dynamic shared memory, block_m = kBlockM tokens per
 // tile (also the box's rows) and kTileRows weight rows per tile: the Launcher of streamk_schedule.cuh for a kernel
-// whose first argument is the activations' tensor map.
-template <KernelFn kKernel, int kBlockM_, int kThreads, int kSmemBytes, int kTileRows_>
+// whose first argument is the activations' tensor map. kKernel takes KernelFn's arguments, then any `extra` ones
+// launch() is given (the decode kernel's LoRA epilogue).
+template <auto kKernel, int kBlockM_, int kThreads, int kSmemBytes, int kTileRows_>
 struct Launcher {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kRows = kTileRows_;
@@ -151,9 +152,10 @@ struct Launcher {
 
   // Checks the arguments (streamk::check_launch_args), encodes x's map and launches over the CTAs with a
   // non-empty range.
+  template <class... Extra>
   static cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
                             const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int grid,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const Extra&... extra) {
     cudaError_t e = streamk::check_launch_args(M, N, K, grid, counters, ws, workspace_floats(M, N, K, grid));
     if (e != cudaSuccess) return e;
     if ((e = prepare()) != cudaSuccess) return e;
@@ -164,7 +166,7 @@ struct Launcher {
     kKernel<<<s.ctas, kThreads, kSmemBytes, stream>>>(
         x_map, static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
         static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-        s.units_per_cta);
+        s.units_per_cta, extra...);
     return cudaGetLastError();
   }
 };

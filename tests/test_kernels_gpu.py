@@ -360,30 +360,41 @@ def test_decode_tma_graph_capture(m: int) -> None:
         assert rel(y_static, reference.linear_f64(x_new, packed, scale, gs)) <= TOL, f"replay {i}"
 
 
-def test_decode_tma_leaves_the_lora_epilogue_to_split_k() -> None:
-    """With a LoRA term the split-K kernel can fuse, mode decode_tma runs split-K (bit-equal to mode splitk); with
-    operands it cannot fuse (float32 shrunk), the decode kernel runs and the expand is added after, within bf16 of
-    the fused result."""
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_decode_tma_lora_epilogue(m: int) -> None:
+    """qerl::nvfp4_gemm_lora in mode decode_tma adds the LoRA term (three slices, masked tokens) in the decode kernel's
+    epilogue: float64 reference of base + mask * expand, NaN-poisoned outputs, bit-identical repeats, within bf16 of
+    split-K's fused epilogue; operands the epilogue cannot take (float32 shrunk) run the GEMM and the expand after."""
     _needs_decode_tma()
     ext = kernels.extension()
-    n, k, m, r = 4608, 3584, 5, 16
-    packed, scale, gs = rand_nvfp4(n, k, seed=44)
+    n, k, r = 4608, 3584, 32
+    packed, scale, gs = rand_nvfp4(n, k, seed=44 + m)
     rw = kernels.repack(packed, scale)
-    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    shrunk = (torch.randn(m, 3 * r, device=DEV) * 0.1).to(torch.bfloat16)
-    lora_b = (torch.randn(n, 3 * r, device=DEV) * 0.1).to(torch.bfloat16)
-    mask = torch.ones(m, device=DEV, dtype=torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
+    shrunk = torch.randn(m, 3 * r, device=DEV, generator=g).to(torch.bfloat16)
+    lora_b = (torch.randn(n, 3 * r, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    mask = (torch.arange(m, device=DEV) % 3 != 1).to(torch.bfloat16)  # some tokens without the adapter
     bounds = [0, 3584, 4096, 4608]
     assert ext.lora_epilogue_runs(m, n, k, Mode.DECODE_TMA)
+    expand = torch.zeros(m, n, dtype=torch.float64, device=DEV)
+    for s_i in range(3):
+        cols = slice(bounds[s_i], bounds[s_i + 1])
+        expand[:, cols] = shrunk[:, s_i * r:(s_i + 1) * r].double() @ lora_b[cols, s_i * r:(s_i + 1) * r].double().T
+    ref = reference.linear_f64(x, packed, scale, gs, bias) + mask.double()[:, None] * expand
 
     def lora(s: torch.Tensor, mode: int) -> torch.Tensor:
-        return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, s, lora_b, mask, bounds,
+        poison((m, n), torch.bfloat16)
+        return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, bias, n, s, lora_b, mask, bounds,
                                               int(mode), 0)
 
-    fused_decode = lora(shrunk, Mode.DECODE_TMA)
-    assert torch.equal(fused_decode, lora(shrunk, Mode.SPLITK))
-    unfused = lora(shrunk.float(), Mode.DECODE_TMA)
-    assert rel(unfused, fused_decode.double()) <= TOL
+    outs = [lora(shrunk, Mode.DECODE_TMA) for _ in range(2)]
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0]).any(), "unwritten (NaN-poisoned) or NaN outputs"
+    assert rel(outs[0], ref) <= TOL and torch.equal(outs[0], outs[1])
+    assert rel(outs[0], lora(shrunk, Mode.SPLITK).double()) <= TOL
+    assert rel(lora(shrunk.float(), Mode.DECODE_TMA), ref) <= TOL
 
 
 #: gemm_choice's answer -> the op mode that forces that kernel
