@@ -7,7 +7,7 @@
 // moves 7B gate_up's 76 MB at 2.2 TB/s where cuBLAS streams BF16 at 3.7-3.9 TB/s. It is not issue-bound (~20 us
 // of issue for a 74 us layer); its warps wait at the per-stage CTA barrier of the cp.async ring and on the data, and
 // its grid runs 296 tiles on 264 slots (a second, nearly empty wave). Here:
-//  * CTA = 8 consumer warps + 1 producer warp, 2 CTAs per SM. Consumer warp w computes as in split-K: rows
+//  * CTA = 8 consumer warps + 1 producer warp, 3 CTAs per SM (2 with the LoRA epilogue). Consumer warp w computes as in split-K: rows
 //    [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every 128-K stage, BM / 8 n8 token
 //    tiles; the two k halves are summed through shared memory at the end of a segment.
 //  * Ring of kStages slots. Per slot: the stage's activations as two TMA boxes of 64 K x BM tokens (128-byte
@@ -46,9 +46,11 @@ struct DtCfg {
   static constexpr int W_OFF = 2 * X_HALF_BYTES;            // in a slot: activations (1024-aligned), weights, scales
   static constexpr int S_OFF = W_OFF + DT_W_BYTES;
   static constexpr int SLOT_BYTES = ((S_OFF + DT_S_BYTES + 1023) / 1024) * 1024;
-  // 2 CTAs per SM within Hopper's 228 KB: ~9 KB of weight bytes per slot, 6-8 slots per CTA in flight (one fewer
-  // where the LoRA region takes its place)
-  static constexpr int STAGES = (BM == 8 ? 8 : 7) - (LORA ? 1 : 0);
+  // CTAs per SM: 3 for the plain kernel (6 warps per scheduler: 32.3 vs 34.2 us at 2 on 7B gate_up, M = 1;
+  // benchmarks/NOTES.md, v7), 2 with the LoRA epilogue (its 92 registers do not fit 3 x 288 threads). The ring
+  // takes what shared memory is left: ~9 KB of weight bytes per slot.
+  static constexpr int CTAS_PER_SM = LORA ? 2 : 3;
+  static constexpr int STAGES = LORA ? (BM == 8 ? 7 : 6) : (BM == 8 ? 5 : 4);
   static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;  // the k-half sum: 2 n16 blocks x MT x 4 floats x 128 threads
   // LoRA region: the tile's LoRA term, then its rows of `shrunk` (up to LORA_MAX_RANKS columns each)
   static constexpr int LORA_MAX_RANKS = 128;
@@ -57,7 +59,7 @@ struct DtCfg {
   static constexpr int SMEM_BYTES = STAGES * SLOT_BYTES + RED_BYTES + LT_BYTES + SHRUNK_BYTES + 1024;  // + alignment
   static_assert(BM == 8 || BM == 16, "decode kernel: block_m 8 or 16");
   static_assert(X_HALF_BYTES % 1024 == 0, "swizzled boxes stay 1024-byte aligned");
-  static_assert(2 * SMEM_BYTES <= 227 * 1024, "two CTAs per SM");
+  static_assert(CTAS_PER_SM * (SMEM_BYTES + 2048) <= 228 * 1024, "CTAS_PER_SM CTAs per SM");
 };
 
 #ifdef QERL_WGMMA_DEVICE
@@ -72,7 +74,7 @@ __device__ __forceinline__ void consumers_sync() {
 #endif  // QERL_WGMMA_DEVICE
 
 template <int BM, bool LORA>
-__global__ void __launch_bounds__(DT_THREADS, 2)
+__global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
     nvfp4_gemm_decode_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
@@ -351,9 +353,10 @@ extern "C" int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m) {
   return 0;
 }
 
-// Resident CTAs per SM of the plain kernel (the LoRA one keeps the same count: two, by its smaller ring).
-extern "C" int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m) {
-  if (block_m == 8) return qerl::DtLauncher<8, false>::ctas_per_sm();
-  if (block_m == 16) return qerl::DtLauncher<16, false>::ctas_per_sm();
+// Resident CTAs per SM of the plain kernel (lora = 0) or the one with the LoRA epilogue (lora = 1).
+extern "C" int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m, int lora) {
+  if (block_m == 8) return lora ? qerl::DtLauncher<8, true>::ctas_per_sm() : qerl::DtLauncher<8, false>::ctas_per_sm();
+  if (block_m == 16)
+    return lora ? qerl::DtLauncher<16, true>::ctas_per_sm() : qerl::DtLauncher<16, false>::ctas_per_sm();
   return 0;
 }

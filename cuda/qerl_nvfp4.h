@@ -139,7 +139,7 @@ cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight
 int qerl_nvfp4_gemm_decode_tma_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m);
 int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m);
-int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m);
+int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m, int lora);  // lora: 1 for the LoRA-epilogue kernel
 
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,

@@ -340,26 +340,26 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
-// The copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu) for M <= 16: the CTAs it requests on the current
-// device (SMs x resident CTAs per SM), or 0 where it does not run (M > 16, not an sm_90a build or sm_90 device, more
-// tiles than counters).
-int64_t decode_tma_grid(int64_t m, int64_t n) {
+// The copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu) for M <= 16, plain or with the LoRA epilogue: the
+// CTAs it requests on the current device (SMs x resident CTAs per SM), or 0 where it does not run (M > 16, not an
+// sm_90a build or sm_90 device, more tiles than counters).
+int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
   if (m > 16) return 0;
   const int block_m = pick_block_m(m);
-  static int cache[64][2];
-  static bool known[64][2] = {};
+  static int cache[64][2][2];
+  static bool known[64][2][2] = {};
   const int dev = at::cuda::current_device();
   const int b = block_m == 16 ? 1 : 0;
   int per_sm = 0;
   if (dev < 0 || dev >= 64) {
-    per_sm = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m);
+    per_sm = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora);
   } else {
     std::lock_guard<std::mutex> lk(g_mu);
-    if (!known[dev][b]) {
-      cache[dev][b] = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m);
-      known[dev][b] = true;
+    if (!known[dev][b][lora]) {
+      cache[dev][b][lora] = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora);
+      known[dev][b][lora] = true;
     }
-    per_sm = cache[dev][b];
+    per_sm = cache[dev][b][lora];
   }
   if (per_sm <= 0 || qerl_nvfp4_gemm_decode_tma_tiles(int(m), int(n), block_m) > kCounterCap) return 0;
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
@@ -391,9 +391,10 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n) : 0; grid > 0) {
+  const bool decode_lora = lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
+  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_lora) : 0; grid > 0) {
     const int block_m = pick_block_m(m);
-    const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), block_m, lora) != 0;
+    const bool with_lora = decode_lora;
     const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
@@ -731,6 +732,7 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
 // qerl::lora_expand after the GEMM (tests and benchmarks ask; no launch).
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
+  if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
   return r.kernel && r.wgmma == Wgmma::kNone && streamk_launch_grid(m, n, k, r.policy) == 0 &&
          pick_block_m(m) <= QERL_LORA_EPILOGUE_MAX_BLOCK_M;
 }

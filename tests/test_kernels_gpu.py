@@ -363,8 +363,9 @@ def test_decode_tma_graph_capture(m: int) -> None:
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_decode_tma_lora_epilogue(m: int) -> None:
     """qerl::nvfp4_gemm_lora in mode decode_tma adds the LoRA term (three slices, masked tokens) in the decode kernel's
-    epilogue: float64 reference of base + mask * expand, NaN-poisoned outputs, bit-identical repeats, within bf16 of
-    split-K's fused epilogue; operands the epilogue cannot take (float32 shrunk) run the GEMM and the expand after."""
+    epilogue, also at M = 9-16 where split-K has none: float64 reference of base + mask * expand, NaN-poisoned
+    outputs, bit-identical repeats, within bf16 of mode splitk's result; operands the epilogue cannot take (float32
+    shrunk) run the GEMM and the expand after."""
     _needs_decode_tma()
     ext = kernels.extension()
     n, k, r = 4608, 3584, 32
@@ -374,9 +375,14 @@ def test_decode_tma_lora_epilogue(m: int) -> None:
     x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
     shrunk = torch.randn(m, 3 * r, device=DEV, generator=g).to(torch.bfloat16)
-    lora_b = (torch.randn(n, 3 * r, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
-    mask = (torch.arange(m, device=DEV) % 3 != 1).to(torch.bfloat16)  # some tokens without the adapter
     bounds = [0, 3584, 4096, 4608]
+    # block-diagonal B (slice s's rows use only columns s r .. s r + r): the epilogues read the diagonal blocks, the
+    # expand after the GEMM multiplies by all of B (the form vLLM's fast path builds)
+    lora_b = torch.zeros(n, 3 * r, device=DEV, dtype=torch.bfloat16)
+    for s_i in range(3):
+        lora_b[bounds[s_i]:bounds[s_i + 1], s_i * r:(s_i + 1) * r] = (
+            torch.randn(bounds[s_i + 1] - bounds[s_i], r, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    mask = (torch.arange(m, device=DEV) % 3 != 1).to(torch.bfloat16)  # some tokens without the adapter
     assert ext.lora_epilogue_runs(m, n, k, Mode.DECODE_TMA)
     expand = torch.zeros(m, n, dtype=torch.float64, device=DEV)
     for s_i in range(3):
@@ -647,5 +653,5 @@ def test_zz_refusals_and_other_shapes() -> None:
         torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, 18)
     with pytest.raises(RuntimeError, match="splits=2 .* needs mode 1 \\(splitk\\)"):
         torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, 64, Mode.STREAMK, 2)
-    with pytest.raises(RuntimeError, match="unknown mode 9"):
-        kernels.extension().gemm_choice(4, 64, 256, 9)
+    with pytest.raises(RuntimeError, match="unknown mode 10"):
+        kernels.extension().gemm_choice(4, 64, 256, 10)
