@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "qerl_nvfp4.h"
+
 namespace qerl {
 
 // Bits of a bf16x2 register that one decoded word fills: magnitude (e1 e0 m) at 8..6, sign 15.
@@ -177,9 +179,10 @@ __device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Comput
 }
 
 // The two k-half warps of an output fragment set (kh = 0 / 1, same rt in 0..127) sum their accumulators
-// through `red` (NB * MT * 4 * 128 floats of drained shared memory): afterwards kh == 0 holds the total.
-template <int NB, int MT>
-__device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red, int kh, int rt) {
+// through `red` (NB * MT * 4 * 128 floats of free shared memory): afterwards kh == 0 holds the total. `sync` is the
+// barrier over the warps taking part (the CTA; the decode kernel's consumer warps).
+template <int NB, int MT, class Sync>
+__device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red, int kh, int rt, Sync&& sync) {
   if (kh == 1) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
@@ -188,7 +191,7 @@ __device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red
 #pragma unroll
         for (int c = 0; c < 4; ++c) red[((nb * MT + mt) * 4 + c) * 128 + rt] = acc[nb][mt][c];
   }
-  __syncthreads();
+  sync();
   if (kh == 0) {
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb)
@@ -196,6 +199,34 @@ __device__ __forceinline__ void sum_k_halves(float (&acc)[NB][MT][4], float* red
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[nb][mt][c] += red[((nb * MT + mt) * 4 + c) * 128 + rt];
+  }
+}
+
+// ---- the warp's share of a 128-row stage (the split-K and decode kernels: warp rows 32 wn .., k64 half kh)
+
+// This warp's two n16 blocks of the stage in shared memory (wsm: its 8 KB of weights, ssm: its 1 KB of scales): the
+// lane's 16 weight bytes and 8 scale bytes of each.
+__device__ __forceinline__ void load_warp_blocks(const uint4* wsm, const uint2* ssm, int wn, int kh, int lane,
+                                                 uint4 (&wv)[2], uint2 (&sv)[2]) {
+#pragma unroll
+  for (int nbw = 0; nbw < 2; ++nbw) {
+    const int blk = (wn * 2 + nbw) * (QERL_GEMM_BK / 64) + kh;
+    wv[nbw] = wsm[blk * 32 + lane];
+    sv[nbw] = ssm[blk * 8 + (lane >> 2)];
+  }
+}
+
+// k16 step j of the warp's two blocks: decode each block's A fragment and multiply it with the MT token tiles' B
+// fragments.
+template <int MT>
+__device__ __forceinline__ void mma_k16_step(const uint4 (&wv)[2], const uint2 (&sv)[2], int j,
+                                             const uint32_t (&b)[MT][2], float (&acc)[2][MT][4]) {
+#pragma unroll
+  for (int nbw = 0; nbw < 2; ++nbw) {
+    uint32_t a[4];
+    decode_scaled(wv[nbw], sv[nbw], j, a);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
   }
 }
 

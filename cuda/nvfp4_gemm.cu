@@ -136,12 +136,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     const uint8_t* xs = base + W_STAGE_BYTES + S_STAGE_BYTES;
     uint4 wv[2];
     uint2 sv[2];
-#pragma unroll
-    for (int nbw = 0; nbw < 2; ++nbw) {
-      const int blk = (wn * 2 + nbw) * (BK / 64) + kh;
-      wv[nbw] = wsm[blk * 32 + lane];
-      sv[nbw] = ssm[blk * 8 + (lane >> 2)];
-    }
+    load_warp_blocks(wsm, ssm, wn, kh, lane, wv, sv);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int kk = kh * 64 + j * 16;
@@ -157,25 +152,13 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
           ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
         }
       }
-#pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw) {
-        const uint32_t sword = (j < 2) ? sv[nbw].x : sv[nbw].y;
-        const uint32_t s2 = scale_two(sword, (j & 1) * 2);  // {S(row r), S(row r+8)}
-        uint32_t a[4];
-        decode_raw(word_of(wv[nbw], j), a);
-        a[0] = bf16x2_mul_lo(a[0], s2);
-        a[1] = bf16x2_mul_hi(a[1], s2);
-        a[2] = bf16x2_mul_lo(a[2], s2);
-        a[3] = bf16x2_mul_hi(a[3], s2);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
-      }
+      mma_k16_step(wv, sv, j, b, acc);
     }
   };
 
   // ---- main loop: STAGES-deep cp.async ring; then the drained ring sums the two k halves
   run_cp_async_ring<STAGES>(s_count, load_stage, compute_stage);
-  sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt);
+  sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt, [] { __syncthreads(); });
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
   if (splits > 1) {

@@ -184,12 +184,7 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
       const uint32_t xa = smem_base + slot * C::SLOT_BYTES + x_lane;
       uint4 wv[2];
       uint2 sv[2];
-#pragma unroll
-      for (int nbw = 0; nbw < 2; ++nbw) {
-        const int blk = (wn * 2 + nbw) * (DT_BK / 64) + kh;
-        wv[nbw] = wsm[blk * 32 + lane];
-        sv[nbw] = ssm[blk * 8 + (lane >> 2)];
-      }
+      load_warp_blocks(wsm, ssm, wn, kh, lane, wv, sv);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint32_t xaddr = xa + uint32_t(((2 * j + xq) ^ xsw) * 16);
@@ -201,36 +196,14 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
         } else {
           ldmatrix_x4_u32(b[0][0], b[0][1], b[1][0], b[1][1], xaddr);
         }
-#pragma unroll
-        for (int nbw = 0; nbw < 2; ++nbw) {
-          uint32_t a[4];
-          decode_scaled(wv[nbw], sv[nbw], j, a);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[nbw][mt], a, b[mt]);
-        }
+        mma_k16_step(wv, sv, j, b, acc);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * slot);  // this warp is done with the slot
     }
 
     // ---- the two k halves: kh = 0 ends with the totals (red is the consumers' own buffer: the ring keeps filling)
-    if (kh == 1) {
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) red[((nb * MT + mt) * 4 + c) * 128 + rt] = acc[nb][mt][c];
-    }
-    consumers_sync();
-    if (kh == 0) {
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[nb][mt][c] += red[((nb * MT + mt) * 4 + c) * 128 + rt];
-    }
+    sum_k_halves(acc, red, kh, rt, [] { consumers_sync(); });
 
     // ---- CTAs sharing this tile combine their partials in CTA order; one of them stores it
     const bool do_store = streamk::finish_segment(

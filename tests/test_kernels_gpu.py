@@ -199,6 +199,24 @@ def test_gemm_variants_vs_f64(m: int, n: int, k: int, variant: str) -> None:
         assert torch.equal(o, out), f"{variant}: not deterministic"
 
 
+def check_forced_mode(rw, gs: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor,  # noqa: ANN001
+                      mode: int) -> None:
+    """The op in `mode` on x (cast to bf16) against the float64 reference x @ w^T + b: NaN-poisoned outputs all
+    written, within TOL, bit-identical on a second run."""
+    x = x.to(torch.bfloat16)
+    m, n = x.shape[0], w.shape[0]
+    ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
+    outs = []
+    for _ in range(2):
+        poison((m, n), torch.bfloat16)
+        outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode))
+    torch.cuda.synchronize()
+    assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
+    err = rel(outs[0], ref)
+    assert err <= TOL, f"M={m}: rel err {err:.3e}"
+    assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+
+
 #: the Hopper wgmma kernels: variant name -> forced op mode (register-A, both operands in shared memory)
 WGMMA_MODES = {"wgmma_rs": Mode.WGMMA_RS, "wgmma_ss": Mode.WGMMA_SS}
 
@@ -257,18 +275,7 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
         for m in WGMMA_MS:
             if m * n > 4096 * 4608 or (narrow and m < 129):
                 continue
-            x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
-            b = bias if m % 2 else None
-            ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
-            outs = []
-            for _ in range(2):
-                poison((m, n), torch.bfloat16)
-                outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, mode))
-            torch.cuda.synchronize()
-            assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
-            err = rel(outs[0], ref)
-            assert err <= TOL, f"M={m}: rel err {err:.3e}"
-            assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+            check_forced_mode(rw, gs, w, bias if m % 2 else None, torch.randn(m, k, device=DEV, generator=g), mode)
 
 
 def test_wgmma_wide_min_m_refuses_small_m() -> None:
@@ -328,18 +335,8 @@ def test_decode_tma_kernel_every_m(n: int, k: int) -> None:
     for m in DECODE_MS:
         want = "decode_tma" if m <= 16 else ("streamk" if ext.streamk_grid(m, n) > 0 else "splitk")
         assert ext.gemm_choice(m, n, k, Mode.DECODE_TMA) == want, m
-        x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
-        b = bias if m % 2 else None
-        ref = x.double() @ w.T + (b.double() if b is not None else 0.0)
-        outs = []
-        for _ in range(2):
-            poison((m, n), torch.bfloat16)
-            outs.append(torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, b, n, Mode.DECODE_TMA))
-        torch.cuda.synchronize()
-        assert not torch.isnan(outs[0]).any(), f"M={m}: unwritten (NaN-poisoned) or NaN outputs"
-        err = rel(outs[0], ref)
-        assert err <= TOL, f"M={m}: rel err {err:.3e}"
-        assert torch.equal(outs[0], outs[1]), f"M={m}: not deterministic"
+        check_forced_mode(rw, gs, w, bias if m % 2 else None, torch.randn(m, k, device=DEV, generator=g),
+                          Mode.DECODE_TMA)
 
 
 @pytest.mark.parametrize("m", [1, 16])
