@@ -132,8 +132,8 @@ struct LoraTile {
 };
 
 // (host) A LoRA epilogue a kernel staging up to max_ranks shrunk columns can run for an [M, N] output: operands
-// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N. On success `norm` is a copy with the unused
-// slice_end entries set to N (the kernel's slice lookup reads the first two).
+// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N. On success
+// `norm` is a copy with the unused slice_end entries set to N (the kernel's slice lookup reads the first two).
 inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
   auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;

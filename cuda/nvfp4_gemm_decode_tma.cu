@@ -7,10 +7,10 @@
 // moves 7B gate_up's 76 MB at 2.2 TB/s where cuBLAS streams BF16 at 3.7-3.9 TB/s. It is not issue-bound (~20 us
 // of issue for a 74 us layer); its warps wait at the per-stage CTA barrier of the cp.async ring and on the data, and
 // its grid runs 296 tiles on 264 slots (a second, nearly empty wave). Here:
-//  * CTA = 8 consumer warps + 1 producer warp, 3 CTAs per SM (2 with the LoRA epilogue). Consumer warp w computes as in split-K: rows
-//    [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every 128-K stage, BM / 8 n8 token
-//    tiles; the two k halves are summed through shared memory at the end of a segment.
-//  * Ring of kStages slots. Per slot: the stage's activations as two TMA boxes of 64 K x BM tokens (128-byte
+//  * CTA = 8 consumer warps + 1 producer warp, 3 CTAs per SM (2 with the LoRA epilogue). Consumer warp w computes
+//    as in split-K: rows [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every 128-K stage,
+//    BM / 8 n8 token tiles; the two k halves are summed through shared memory at the end of a segment.
+//  * Ring of STAGES slots. Per slot: the stage's activations as two TMA boxes of 64 K x BM tokens (128-byte
 //    swizzle, rows past M zero-filled), its 8 KB of weights and 1 KB of scales (each one contiguous run of the
 //    repacked layout: one bulk copy each), all completing on the slot's `full` mbarrier. One producer thread walks the
 //    CTA's whole unit range without stopping at tile boundaries; consumer warps release a slot by one arrival each
@@ -21,6 +21,9 @@
 //  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only; with LORA the tile's LoRA
 //    term (cuda/lora_epilogue.cuh) is added in FP32 before the rounding: the k-half-1 warps, idle once the halves are
 //    summed, stage the tile's rows of `shrunk` and build the term in the LoRA region while the others wait.
+// Measured (NOTES, "v7"): about split-K's speed at M = 1 and on the small GEMMs (whose persistent fix-up costs 1-3
+// us), 1.06-1.20x split-K on the wide ones at M = 8-16, where the shipped table runs it. The barrier and the wave were
+// not the bound: with its decode and MMAs switched off its copies alone move only ~2.8 TB/s.
 #include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
@@ -148,7 +151,8 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
   const int rt = wn * 32 + lane;  // index among the 128 threads holding one output fragment set
   const int my_first_tile = range.first_tile();
   // ldmatrix source of this lane in a slot's k64 half kh (swizzled box: token row r at r * 128, 16-byte chunk q at
-  // (q ^ r % 8) * 16): row (lane / 16) * 8 + lane % 8 of each 16-row pair (lane % 8 for MT = 1), chunk 2 j + lane / 8 % 2
+  // (q ^ r % 8) * 16): row (lane / 16) * 8 + lane % 8 of each 16-row pair (lane % 8 for MT = 1), chunk
+  // 2 j + lane / 8 % 2
   const int xrow = (MT == 1 ? 0 : (lane >> 4) * 8) + (lane & 7);
   const uint32_t x_lane = kh * C::X_HALF_BYTES + xrow * 128;
   const int xq = (lane >> 3) & 1;

@@ -365,9 +365,10 @@ int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
-// The fused GEMM the route picks. `lora` (qerl::nvfp4_gemm_lora): a LoRA expand for the split-K kernel's epilogue;
-// *lora_done tells whether it ran there (only the split-K kernel has it, and only for what
-// qerl_nvfp4_gemm_lora_supported accepts): when false the caller adds the LoRA term itself.
+// The fused GEMM the route picks (`decode_tma`: the copy-engine decode kernel first, where it runs). `lora`
+// (qerl::nvfp4_gemm_lora): a LoRA expand for the kernel's epilogue; *lora_done tells whether it ran there (only the
+// split-K and decode kernels have one, and only for what their *_lora_supported accept): when false the caller adds
+// the LoRA term itself.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
                             StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone,
@@ -391,10 +392,10 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  const bool decode_lora = lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
-  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_lora) : 0; grid > 0) {
+  const bool with_lora =
+      decode_tma && lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
+  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, with_lora) : 0; grid > 0) {
     const int block_m = pick_block_m(m);
-    const bool with_lora = decode_lora;
     const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
@@ -636,7 +637,8 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
   const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm");
   c10::cuda::CUDAGuard g(x.device());
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
-  if (r.kernel) return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, nullptr, nullptr, r.decode_tma);
+  if (r.kernel)
+    return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, nullptr, nullptr, r.decode_tma);
   return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
 }
 
