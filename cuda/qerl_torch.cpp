@@ -392,10 +392,11 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  const bool with_lora =
+  const bool decode_lora =
       decode_tma && lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
-  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, with_lora) : 0; grid > 0) {
+  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_lora) : 0; grid > 0) {
     const int block_m = pick_block_m(m);
+    const bool with_lora = decode_lora;
     const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
