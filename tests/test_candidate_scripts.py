@@ -79,3 +79,29 @@ def test_check_refuses_unstaged_folders_and_stops_at_the_build_without_a_gpu(sta
     assert run.returncode == 1
     assert log.count(f"[{folder.name}] build rc=1") == 1 and f"[candidates_check] {folder.name} rc=1" in log
     assert "NOT loaded" in log and not (out_dir / f"{folder.name}-kernel.json").exists()
+
+
+def test_decode_skeleton_edits_match_the_kernel(tmp_path: Path) -> None:
+    """benchmarks/gpu/decode_skeleton.sh edits the decode kernel with sed; a pattern that no longer matches would time
+    the full kernel as a "skeleton" without a word. Each of its three edits, applied to a copy of the kernel as the
+    script does, changes what it is meant to change."""
+    import re
+
+    script = (REPO / "benchmarks" / "gpu" / "decode_skeleton.sh").read_text()
+    skip, wonly, w4k = re.findall(r"sed -i '([^']+)' \$F", script)
+    kernel = (REPO / "cuda" / "nvfp4_gemm_decode_tma.cu").read_text()
+
+    def edited(*exprs: str) -> str:
+        f = tmp_path / "k.cu"
+        f.write_text(kernel)
+        for e in exprs:
+            subprocess.run(["sed", "-i", e, str(f)], check=True)
+        return f.read_text()
+
+    sk = edited(skip)
+    assert sk.count("if (M < 0) mma_k16_step(") == 1 and "load_2d(base" in sk
+    w = edited(skip, wonly)
+    assert "load_2d(base" not in w and "bulk_copy(base + C::S_OFF" not in w
+    assert "mbar_expect_tx(bar, DT_W_BYTES);" in w
+    h = edited(skip, w4k)
+    assert h.count("DT_W_BYTES / 2, bar)") == 2 and "W_VEC / 2" in h
