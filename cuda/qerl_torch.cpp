@@ -312,28 +312,30 @@ int wgmma_block_t(int64_t m, Wgmma kind) {
   return kind == Wgmma::kRegA && m >= g_wgmma_wide_min_m.load() ? 256 : 128;
 }
 
+// Resident CTAs per SM of kernel variant `variant` (< kVariants) on the current device: ask(), answered once per
+// device and variant (an occupancy query per GEMM call would cost more than a small GEMM).
+template <int kVariants, class Ask>
+int cached_ctas_per_sm(int variant, Ask&& ask) {
+  static int cache[64][kVariants];
+  static bool known[64][kVariants] = {};
+  const int dev = at::cuda::current_device();
+  if (dev < 0 || dev >= 64) return ask();
+  std::lock_guard<std::mutex> lk(g_mu);
+  if (!known[dev][variant]) {
+    cache[dev][variant] = ask();
+    known[dev][variant] = true;
+  }
+  return cache[dev][variant];
+}
+
 int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   if (kind == Wgmma::kNone) return 0;
   const int block_t = wgmma_block_t(m, kind);
   const int ki = kind == Wgmma::kSS ? 1 : 0;
-  auto per_sm_of = [&]() {
-    return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
-  };
-  static int cache[64][2][3];
-  static bool known[64][2][3] = {};
-  const int dev = at::cuda::current_device();
   const int b = block_t == 256 ? 2 : block_t == 128 ? 1 : 0;
-  int per_sm = 0;
-  if (dev < 0 || dev >= 64) {
-    per_sm = per_sm_of();
-  } else {
-    std::lock_guard<std::mutex> lk(g_mu);
-    if (!known[dev][ki][b]) {
-      cache[dev][ki][b] = per_sm_of();
-      known[dev][ki][b] = true;
-    }
-    per_sm = cache[dev][ki][b];
-  }
+  const int per_sm = cached_ctas_per_sm<6>(ki * 3 + b, [&] {
+    return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
+  });
   const int tiles = kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_tiles(int(m), int(n), block_t)
                                        : qerl_nvfp4_gemm_wgmma_tiles(int(m), int(n), block_t);
   if (per_sm <= 0 || tiles > kCounterCap) return 0;
@@ -346,21 +348,9 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
 int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
   if (m > 16) return 0;
   const int block_m = pick_block_m(m);
-  static int cache[64][2][2];
-  static bool known[64][2][2] = {};
-  const int dev = at::cuda::current_device();
-  const int b = block_m == 16 ? 1 : 0;
-  int per_sm = 0;
-  if (dev < 0 || dev >= 64) {
-    per_sm = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora);
-  } else {
-    std::lock_guard<std::mutex> lk(g_mu);
-    if (!known[dev][b][lora]) {
-      cache[dev][b][lora] = qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora);
-      known[dev][b][lora] = true;
-    }
-    per_sm = cache[dev][b][lora];
-  }
+  const int per_sm = cached_ctas_per_sm<4>((block_m == 16 ? 2 : 0) + (lora ? 1 : 0), [&] {
+    return qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora ? 1 : 0);
+  });
   if (per_sm <= 0 || qerl_nvfp4_gemm_decode_tma_tiles(int(m), int(n), block_m) > kCounterCap) return 0;
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
@@ -392,20 +382,20 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
+  // (its own name: the split-K path below declares with_lora in this scope)
   const bool decode_lora =
       decode_tma && lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
   if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_lora) : 0; grid > 0) {
     const int block_m = pick_block_m(m);
-    const bool with_lora = decode_lora;
     const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
     check_cuda(qerl_nvfp4_gemm_decode_tma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
                                                  bptr, out.data_ptr(), wsf > 0 ? dws.data_ptr<float>() : nullptr,
                                                  counters_for(x.device()), int(m), int(n), int(k), int(grid), block_m,
-                                                 with_lora ? lora : nullptr, at::cuda::getCurrentCUDAStream()),
-               with_lora ? "nvfp4_gemm_lora (decode TMA) launch" : "nvfp4_gemm (decode TMA) launch");
-    if (lora_done != nullptr) *lora_done = with_lora;
+                                                 decode_lora ? lora : nullptr, at::cuda::getCurrentCUDAStream()),
+               decode_lora ? "nvfp4_gemm_lora (decode TMA) launch" : "nvfp4_gemm (decode TMA) launch");
+    if (lora_done != nullptr) *lora_done = decode_lora;
     return out;
   }
   if (const int64_t grid = wgmma_grid(m, n, wgmma); grid > 0) {
