@@ -268,8 +268,11 @@ def tune_splits(models: dict, ms: list[int]) -> dict:
 
 
 def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: int, bnb_mods,
-                  marlin_mod=None, variants: list[str] | None = None) -> list[dict]:
-    """All methods, eager and graph, for one GEMM shape over ms (weights rotate over ROT sets)."""
+                  marlin_mod=None, variants: list[str] | None = None, pdl: bool = False) -> list[dict]:
+    """All methods, eager and graph, for one GEMM shape over ms (weights rotate over ROT sets). ``pdl``: ``ours``
+    (auto dispatch) runs as vLLM's forward does, its decode kernels as programmatic dependent launches, and
+    ``ours_nopdl`` beside it without (the graph replays one GEMM after another: each may start while the one
+    before drains, as a decode GEMM does after the RMSNorm / attention / activation kernel before it)."""
     ext = kernels.extension()
     w_bf16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
     q4 = [random_nvfp4(n, k) for _ in range(ROT)]
@@ -281,17 +284,18 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
     if minfo:
         print(f"# marlin {mname} {lname} {n}x{k}: {json.dumps(minfo)}", flush=True)
 
-    def ours(mode: str, x: torch.Tensor):  # noqa: ANN202
+    def ours(mode: str, x: torch.Tensor, with_pdl: bool = False):  # noqa: ANN202
         mode = kernels.GEMM_MODES[mode]
         return lambda r: torch.ops.qerl.nvfp4_gemm(
-            x, rws[r % ROT].qweight, rws[r % ROT].qscale, gss[r % ROT], None, n, mode)
+            x, rws[r % ROT].qweight, rws[r % ROT].qscale, gss[r % ROT], None, n, mode, 0, with_pdl)
 
     recs = []
     for m in ms:
         x = xs[m]
         fns = {
             "bf16": lambda r, x=x: F.linear(x, w_bf16[r % ROT]),
-            "ours": ours("auto", x),
+            "ours": ours("auto", x, pdl),
+            **({"ours_nopdl": ours("auto", x)} if pdl else {}),
             f"kernel_{BASELINE}": ours(BASELINE, x),
             "dequant_cublas": ours("dequant_cublas", x),
         }
@@ -402,6 +406,9 @@ def main() -> int:
     ap.add_argument("--models", default=None,
                     help=f"comma list of {sorted(MODELS)}, or all (default {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--ms", default=None, help="comma list of M (default: all, or --quick's)")
+    ap.add_argument("--pdl", action="store_true",
+                    help="time `ours` with programmatic dependent launch (as vLLM's forward runs it; QERL_PDL) and "
+                    "`ours_nopdl` beside it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     try:
@@ -443,6 +450,7 @@ def main() -> int:
         "rot_weight_sets": ROT,
         "variants": variants,
         "gemm_kernel_env": os.environ.get(kernels.GEMM_KERNEL_ENV, ""),
+        "pdl": args.pdl,
     }
     bw, tf = ceilings()
     out["copy_TBps"], out["bf16_TFLOPs"] = round(bw, 3), round(tf, 1)
@@ -483,7 +491,7 @@ def main() -> int:
     for mname, cfg in models.items():
         recs = []
         for lname, n, k in layer_shapes(cfg):
-            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods, marlin_mod, variants):
+            for rec in measure_shape(mname, lname, n, k, ms, iters, bnb_mods, marlin_mod, variants, args.pdl):
                 recs.append(rec)
                 print(json.dumps(rec), flush=True)
             torch.cuda.empty_cache()
@@ -524,6 +532,14 @@ def main() -> int:
     if len(variants) > 1:
         print()
         print("\n".join(variant_lines(rows, variants)))
+    if args.pdl:
+        print("\n# programmatic dependent launch: per layer, ours (PDL) vs ours_nopdl, CUDA graph ms")
+        for r in rows:
+            if r["layer"] == "sum" and r.get("ours_graph_ms") and r.get("ours_nopdl_graph_ms"):
+                print(f"{r['model']:12s} M={r['M']:5d}  pdl {r['ours_graph_ms']:.4f}  no pdl "
+                      f"{r['ours_nopdl_graph_ms']:.4f}  gain {r['ours_nopdl_graph_ms'] / r['ours_graph_ms']:.3f}x  "
+                      f"vs bf16 {r['bf16_graph_ms'] / r['ours_graph_ms']:.3f}x (no pdl "
+                      f"{r['bf16_graph_ms'] / r['ours_nopdl_graph_ms']:.3f}x)")
     if "streamk" in variants:
         tun = out["tuning"]
         out["streamk_calibration"] = cal = streamk_calibration(rows, tun["streamk_min_tiles_per_cta"],

@@ -148,6 +148,38 @@ __device__ __forceinline__ void decode_scaled(const uint4& wv, const uint2& sv, 
   a[3] = bf16x2_mul_hi(a[3], s2);
 }
 
+// ---- programmatic dependent launch (PDL, sm_90+; benchmarks/NOTES.md "PDL")
+//
+// A kernel launched with launch_kernel(..., pdl = true) may start while the kernel before it on the stream is still
+// running (with no explicit trigger there, from when that kernel's last CTAs exit; the LoRA shrink triggers at its
+// start). Until wait_prior_grid() returns it may only read what the previous kernel cannot be writing and the
+// caller promised stays unchanged: the weights, scales and LoRA B. Activations, `shrunk`, the mask, the bias, the
+// workspace, the counters and the output (whose memory the allocator may have handed over from a tensor the
+// previous kernel still reads) come after it. Without the launch attribute, and below sm_90, the wait is a no-op.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// (host) Launch `kernel` on `stream`, as a programmatic dependent launch when `pdl` (the kernel must then keep the
+// wait_prior_grid() rule above; the caller passes pdl only on sm_90+ devices).
+template <class... Params, class... Args>
+inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                 cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+}
+
 // ---- the pipeline both GEMM kernels drive (one definition: a fix to the ring protocol reaches both)
 
 // Streams `count` K stages through a STAGES-deep cp.async ring: STAGES - 1 stages in flight ahead of the one
@@ -158,11 +190,26 @@ __device__ __forceinline__ void decode_scaled(const uint4& wv, const uint2& sv, 
 // holds its address registers until the load/store unit accepts them, and a register-tight kernel then
 // stalls on reusing them (stream-K at 246 registers: 7% of warp samples on that write-after-read wait).
 // Returns with the ring drained and every warp past a barrier, so the caller may reuse the shared memory.
-template <int STAGES, bool kLoadAfterCompute = false, class Load, class Compute>
-__device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
+//
+// With a `load_early` (run_cp_async_ring_after_prior) the prologue first issues load_early for the first STAGES - 1
+// stages (the weights and scales), then waits for the prior grid (PDL), then issues `load` for them (the
+// activations); later stages issue both together. The early copies join the first commit group, so the
+// wait_group count of every stage still covers all of its copies.
+template <int STAGES, bool kLoadAfterCompute, bool kWaitPrior, class LoadEarly, class Load, class Compute>
+__device__ __forceinline__ void run_cp_async_ring_impl(int count, LoadEarly&& load_early, Load&& load,
+                                                       Compute&& compute) {
+  if constexpr (kWaitPrior) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < count) load_early(s, s);
+    wait_prior_grid();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < count) load(s, s);
+    if (s < count) {
+      if constexpr (!kWaitPrior) load_early(s, s);
+      load(s, s);
+    }
     cp_async_commit();
   }
   for (int it = 0; it < count; ++it) {
@@ -170,12 +217,26 @@ __device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Comput
     __syncthreads();
     const int nxt = it + STAGES - 1;
     if constexpr (kLoadAfterCompute) compute(it % STAGES);
-    if (nxt < count) load(nxt % STAGES, nxt);
+    if (nxt < count) {
+      load_early(nxt % STAGES, nxt);
+      load(nxt % STAGES, nxt);
+    }
     cp_async_commit();
     if constexpr (!kLoadAfterCompute) compute(it % STAGES);
   }
   cp_async_wait<0>();
   __syncthreads();
+}
+
+template <int STAGES, bool kLoadAfterCompute = false, class Load, class Compute>
+__device__ __forceinline__ void run_cp_async_ring(int count, Load&& load, Compute&& compute) {
+  run_cp_async_ring_impl<STAGES, kLoadAfterCompute, false>(count, [](int, int) {}, load, compute);
+}
+
+template <int STAGES, class LoadEarly, class Load, class Compute>
+__device__ __forceinline__ void run_cp_async_ring_after_prior(int count, LoadEarly&& load_early, Load&& load,
+                                                              Compute&& compute) {
+  run_cp_async_ring_impl<STAGES, false, true>(count, load_early, load, compute);
 }
 
 // The two k-half warps of an output fragment set (kh = 0 / 1, same rt in 0..127) sum their accumulators

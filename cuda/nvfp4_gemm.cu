@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   }
   const uint32_t smem_base = smem_u32(smem);
 
-  auto load_stage = [&](int buf, int s_rel) {
+  // A stage's weights and scales (read before wait_prior_grid: see launch_kernel), then its activations.
+  auto load_weights = [&](int buf, int s_rel) {
     const uint32_t base = smem_base + buf * C::STAGE_BYTES;
     const uint4* w = wsrc + size_t(s_rel) * (W_STAGE_BYTES / 16);
 #pragma unroll
@@ -123,6 +124,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
       cp_async16_u32(base + (tid + i * THREADS) * 16, w + i * THREADS, 16);
     if (tid < S_STAGE_BYTES / 16)
       cp_async16_u32(base + W_STAGE_BYTES + tid * 16, ssrc + size_t(s_rel) * (S_STAGE_BYTES / 16), 16);
+  };
+  auto load_acts = [&](int buf, int s_rel) {
+    const uint32_t base = smem_base + buf * C::STAGE_BYTES;
 #pragma unroll
     for (int i = 0; i < XPER; ++i)
       if (XCHUNKS % THREADS == 0 || tid + i * THREADS < XCHUNKS)
@@ -156,8 +160,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     }
   };
 
-  // ---- main loop: STAGES-deep cp.async ring; then the drained ring sums the two k halves
-  run_cp_async_ring<STAGES>(s_count, load_stage, compute_stage);
+  // ---- main loop: STAGES-deep cp.async ring, the first stages' weights in flight before the wait for the prior grid
+  // (a no-op unless launched with PDL); then the drained ring sums the two k halves
+  run_cp_async_ring_after_prior<STAGES>(s_count, load_weights, load_acts, compute_stage);
   sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt, [] { __syncthreads(); });
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
@@ -245,29 +250,30 @@ cudaError_t prepare() {
 template <int BM, bool LORA>
 cudaError_t launch_as(const void* x, const void* qweight, const void* qscale, const float* gscale,
                       const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
-                      const QerlLoraEpilogue& lora, cudaStream_t stream) {
+                      const QerlLoraEpilogue& lora, bool pdl, cudaStream_t stream) {
   cudaError_t e = prepare<BM, LORA>();
   if (e != cudaSuccess) return e;
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
-  dim3 grid(n_tiles, splits, m_tiles);
-  nvfp4_gemm_splitk_kernel<BM, LORA><<<grid, THREADS, Cfg<BM>::SMEM_BYTES, stream>>>(
-      static_cast<const __nv_bfloat16*>(x), static_cast<const uint4*>(qweight),
-      static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
-      static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K, splits, lora);
-  return cudaGetLastError();
+  e = launch_kernel(nvfp4_gemm_splitk_kernel<BM, LORA>, dim3(n_tiles, splits, m_tiles), dim3(THREADS),
+                    Cfg<BM>::SMEM_BYTES, stream, pdl, static_cast<const __nv_bfloat16*>(x),
+                    static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
+                    static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
+                    splits, lora);
+  return e != cudaSuccess ? e : cudaGetLastError();
 }
 
 template <int BM>
 cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
                    const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
-                   const QerlLoraEpilogue* lora, cudaStream_t stream) {
+                   const QerlLoraEpilogue* lora, bool pdl, cudaStream_t stream) {
   if (lora == nullptr)
     return launch_as<BM, false>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
-                                QerlLoraEpilogue{}, stream);
+                                QerlLoraEpilogue{}, pdl, stream);
   // LoRA kernels exist only up to QERL_LORA_EPILOGUE_MAX_BLOCK_M tokens per tile (qerl_nvfp4_gemm_lora_supported)
   if constexpr (BM <= QERL_LORA_EPILOGUE_MAX_BLOCK_M)
-    return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, stream);
+    return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, pdl,
+                               stream);
   else
     return cudaErrorInvalidValue;
 }
@@ -313,7 +319,8 @@ extern "C" int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLora
 extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
                                                    const float* global_scale, const void* bias, void* out,
                                                    float* workspace, int* counters, int M, int N, int K, int splits,
-                                                   int block_m, const QerlLoraEpilogue* lora, cudaStream_t stream) {
+                                                   int block_m, const QerlLoraEpilogue* lora, int pdl,
+                                                   cudaStream_t stream) {
   if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || splits < 1 ||
       splits > K / QERL_GEMM_BK)
     return cudaErrorInvalidValue;
@@ -326,16 +333,16 @@ extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qw
   switch (block_m) {
     case 8:
       return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
-                             stream);
+                             pdl != 0, stream);
     case 16:
       return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
-                              stream);
+                              pdl != 0, stream);
     case 32:
       return qerl::launch<32>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
-                              stream);
+                              pdl != 0, stream);
     case 64:
       return qerl::launch<64>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, splits, ep,
-                              stream);
+                              pdl != 0, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -346,7 +353,7 @@ extern "C" cudaError_t qerl_nvfp4_gemm_launch(const void* x, const void* qweight
                                               float* workspace, int* counters, int M, int N, int K,
                                               int splits, int block_m, cudaStream_t stream) {
   return qerl_nvfp4_gemm_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                     splits, block_m, nullptr, stream);
+                                     splits, block_m, nullptr, 0, stream);
 }
 
 extern "C" size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m) {

@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
     // ---- producer: one thread issues every copy of this CTA's range, unit after unit
     if (lane == 0) {
       const int n_units = range.end - range.begin;
-      for (int i = 0; i < n_units; ++i) {
+      // Unit i's copies into its slot: the weights and scales (`weights`), the two activation boxes (`acts`).
+      auto copy_unit = [&](int i, bool weights, bool acts) {
         const int slot = i % STAGES;
-        if (i >= STAGES) tma::mbar_wait(empty0 + 8 * slot, ((i / STAGES) + 1) & 1);  // its last use was released
         const int u = range.begin + i;
         const int tile = u / S;
         const int st = u - tile * S;
@@ -135,15 +135,30 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
         const uint32_t base = smem_base + slot * C::SLOT_BYTES;
         const uint32_t bar = full0 + 8 * slot;
         const size_t blk = size_t(ntile) * S + st;  // the tile-stage's block of the repacked layout
-        tma::mbar_expect_tx(bar, 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);
-        tma::load_2d(base, &x_map, bar, st * DT_BK, mtile * BM);
-        tma::load_2d(base + C::X_HALF_BYTES, &x_map, bar, st * DT_BK + tma::kBoxK, mtile * BM);
-        tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES, bar);
-        tma::bulk_copy(base + C::S_OFF, qs + blk * S_VEC, DT_S_BYTES, bar);
+        if (weights) {
+          tma::mbar_expect_tx(bar, 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);  // the slot's bytes, all copies
+          tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES, bar);
+          tma::bulk_copy(base + C::S_OFF, qs + blk * S_VEC, DT_S_BYTES, bar);
+        }
+        if (acts) {
+          tma::load_2d(base, &x_map, bar, st * DT_BK, mtile * BM);
+          tma::load_2d(base + C::X_HALF_BYTES, &x_map, bar, st * DT_BK + tma::kBoxK, mtile * BM);
+        }
+      };
+      // The first pass over the ring: its weights stream before the wait for the prior grid (PDL; a no-op without
+      // it), its activations after.
+      const int first = min(n_units, STAGES);
+      for (int i = 0; i < first; ++i) copy_unit(i, true, false);
+      wait_prior_grid();
+      for (int i = 0; i < first; ++i) copy_unit(i, false, true);
+      for (int i = first; i < n_units; ++i) {
+        tma::mbar_wait(empty0 + 8 * (i % STAGES), ((i / STAGES) + 1) & 1);  // the slot's last use was released
+        copy_unit(i, true, true);
       }
     }
     return;
   }
+  wait_prior_grid();  // the consumers touch the workspace, counters, shrunk and out: after the prior grid
 
   // ---- consumers
   const int wn = warp & 3;        // 32-row group of the tile
@@ -281,14 +296,14 @@ using DtLauncher =
 template <int BM>
 cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
                    void* out, float* ws, int* counters, int M, int N, int K, int grid, const QerlLoraEpilogue* lora,
-                   cudaStream_t stream) {
+                   bool pdl, cudaStream_t stream) {
   if (lora == nullptr)
     return DtLauncher<BM, false>::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream,
-                                         QerlLoraEpilogue{});
+                                         pdl, QerlLoraEpilogue{});
   QerlLoraEpilogue norm{};
   if (!lora_valid(*lora, N, DtCfg<BM, true>::LORA_MAX_RANKS, &norm)) return cudaErrorInvalidValue;
   return DtLauncher<BM, true>::launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream,
-                                      norm);
+                                      pdl, norm);
 }
 
 }  // namespace
@@ -299,13 +314,13 @@ extern "C" cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const vo
                                                          const float* global_scale, const void* bias, void* out,
                                                          float* workspace, int* counters, int M, int N, int K,
                                                          int grid, int block_m, const QerlLoraEpilogue* lora,
-                                                         cudaStream_t stream) {
+                                                         int pdl, cudaStream_t stream) {
   if (block_m == 8)
     return qerl::launch<8>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, lora,
-                           stream);
+                           pdl != 0, stream);
   if (block_m == 16)
     return qerl::launch<16>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, lora,
-                            stream);
+                            pdl != 0, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -67,10 +67,14 @@ int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* l
 // qerl_nvfp4_gemm_launch with the LoRA expand above in its epilogue (lora == NULL: exactly that launch). The LoRA
 // term is added where the bf16 output is written: by every CTA with one split, by the last CTA of a tile (after the
 // deterministic sum of the partials) with several.
+// pdl != 0 (sm_90+ devices only): a programmatic dependent launch. The kernel may start while the previous kernel on
+// the stream finishes and streams its first stages of qweight / qscale (and prefetches lora_b) before waiting for it;
+// everything else (x, shrunk, mask, bias, workspace, counters, out) is touched after the wait. The caller promises
+// that the previous kernel does not write qweight, qscale or lora_b.
 cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
                                         const float* global_scale, const void* bias, void* out, float* workspace,
                                         int* counters, int M, int N, int K, int splits, int block_m,
-                                        const QerlLoraEpilogue* lora, cudaStream_t stream);
+                                        const QerlLoraEpilogue* lora, int pdl, cudaStream_t stream);
 
 // Resident CTAs per SM of the GEMM for this block_m (0 on error).
 int qerl_nvfp4_gemm_ctas_per_sm(int block_m);
@@ -131,11 +135,13 @@ int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t);
 // for block_m in {8, 16} tokens per tile, fed by a producer warp through a TMA / bulk-copy mbarrier ring, persistent
 // stream-K over 128-row tiles. Same workspace / counter contract and availability rule as the wgmma launch above.
 // `lora` (null: none): the LoRA expand added in the epilogue, as the split-K launch's, up to 128 shrunk columns
-// (qerl_nvfp4_gemm_decode_tma_lora_supported; an unsupported one is cudaErrorInvalidValue).
+// (qerl_nvfp4_gemm_decode_tma_lora_supported; an unsupported one is cudaErrorInvalidValue). `pdl`: as
+// qerl_nvfp4_gemm_lora_launch's (the producer issues the first ring slots' weight and scale copies before the wait).
 cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,
                                               float* workspace, int* counters, int M, int N, int K, int grid,
-                                              int block_m, const QerlLoraEpilogue* lora, cudaStream_t stream);
+                                              int block_m, const QerlLoraEpilogue* lora, int pdl,
+                                              cudaStream_t stream);
 int qerl_nvfp4_gemm_decode_tma_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m);
 int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m);

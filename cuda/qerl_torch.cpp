@@ -358,13 +358,15 @@ int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
 // The fused GEMM the route picks (`decode_tma`: the copy-engine decode kernel first, where it runs). `lora`
 // (qerl::nvfp4_gemm_lora): a LoRA expand for the kernel's epilogue; *lora_done tells whether it ran there (only the
 // split-K and decode kernels have one, and only for what their *_lora_supported accept): when false the caller adds
-// the LoRA term itself.
+// the LoRA term itself. `pdl` (the ops' argument): the split-K and decode kernels go out as programmatic dependent
+// launches on sm_90+ devices (cuda/qerl_nvfp4.h says what the caller promises); the other kernels ignore it.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                             const c10::optional<at::Tensor>& bias, int64_t n, int64_t splits_override,
                             StreamK policy = StreamK::kNever, Wgmma wgmma = Wgmma::kNone,
                             const QerlLoraEpilogue* lora = nullptr, bool* lora_done = nullptr,
-                            bool decode_tma = false) {
+                            bool decode_tma = false, bool pdl = false) {
   if (lora_done != nullptr) *lora_done = false;
+  const int pdl_launch = pdl && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
   QCHECK(x_in.scalar_type() == at::kBFloat16, "qerl::nvfp4_gemm (kernel): x must be bfloat16, got ",
               x_in.scalar_type());
   const int64_t m = x_in.size(0), k = x_in.size(1);
@@ -393,7 +395,8 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
     check_cuda(qerl_nvfp4_gemm_decode_tma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
                                                  bptr, out.data_ptr(), wsf > 0 ? dws.data_ptr<float>() : nullptr,
                                                  counters_for(x.device()), int(m), int(n), int(k), int(grid), block_m,
-                                                 decode_lora ? lora : nullptr, at::cuda::getCurrentCUDAStream()),
+                                                 decode_lora ? lora : nullptr, pdl_launch,
+                                                 at::cuda::getCurrentCUDAStream()),
                decode_lora ? "nvfp4_gemm_lora (decode TMA) launch" : "nvfp4_gemm (decode TMA) launch");
     if (lora_done != nullptr) *lora_done = decode_lora;
     return out;
@@ -441,7 +444,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_lora_supported(int(n), block_m, lora) != 0;
   check_cuda(qerl_nvfp4_gemm_lora_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
                                          out.data_ptr(), splits > 1 ? ws.data_ptr<float>() : nullptr, counters, int(m),
-                                         int(n), int(k), splits, block_m, with_lora ? lora : nullptr,
+                                         int(n), int(k), splits, block_m, with_lora ? lora : nullptr, pdl_launch,
                                          at::cuda::getCurrentCUDAStream()),
              with_lora ? "nvfp4_gemm_lora launch" : "nvfp4_gemm launch");
   if (lora_done != nullptr) *lora_done = with_lora;
@@ -624,12 +627,12 @@ GemmMode check_gemm_args(const at::Tensor& x, const at::Tensor& qw, const at::Te
 }
 
 at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
-                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode_value, int64_t splits) {
+                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t mode_value, int64_t splits, bool pdl) {
   const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm");
   c10::cuda::CUDAGuard g(x.device());
   const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
   if (r.kernel)
-    return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, nullptr, nullptr, r.decode_tma);
+    return gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, nullptr, nullptr, r.decode_tma, pdl);
   return dequant_cublas_cuda(x, qw, qs, gs, bias, n);
 }
 
@@ -702,7 +705,7 @@ bool lora_epilogue_for(const at::Tensor& shrunk, const at::Tensor& lora_b, const
 at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
                           const c10::optional<at::Tensor>& bias, int64_t n, const at::Tensor& shrunk,
                           const at::Tensor& lora_b, const at::Tensor& mask, at::IntArrayRef slice_bounds,
-                          int64_t mode_value, int64_t splits) {
+                          int64_t mode_value, int64_t splits, bool pdl) {
   const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_gemm_lora");
   const int64_t rank = check_lora_args(x, n, shrunk, lora_b, mask, slice_bounds);
   c10::cuda::CUDAGuard g(x.device());
@@ -713,7 +716,7 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
     QerlLoraEpilogue ep;
     const bool fits = lora_epilogue_for(shrunk, lora_b, mask, rank, slice_bounds, &ep);
     out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, fits ? &ep : nullptr, &done,
-                           r.decode_tma);
+                           r.decode_tma, pdl);
   } else {
     out = dequant_cublas_cuda(x, qw, qs, gs, bias, n);
   }

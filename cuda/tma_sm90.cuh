@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "nvfp4_common.cuh"
 #include "streamk_schedule.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -151,11 +152,16 @@ struct Launcher {
   }
 
   // Checks the arguments (streamk::check_launch_args), encodes x's map and launches over the CTAs with a
-  // non-empty range.
+  // non-empty range; `pdl`: as a programmatic dependent launch (launch_kernel, nvfp4_common.cuh).
+  static cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
+                            const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int grid,
+                            cudaStream_t stream) {
+    return launch(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, grid, stream, false);
+  }
   template <class... Extra>
   static cudaError_t launch(const void* x, const void* qweight, const void* qscale, const float* gscale,
                             const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int grid,
-                            cudaStream_t stream, const Extra&... extra) {
+                            cudaStream_t stream, bool pdl, const Extra&... extra) {
     cudaError_t e = streamk::check_launch_args(M, N, K, grid, counters, ws, workspace_floats(M, N, K, grid));
     if (e != cudaSuccess) return e;
     if ((e = prepare()) != cudaSuccess) return e;
@@ -163,11 +169,11 @@ struct Launcher {
     if (s.ctas <= 0) return cudaErrorInvalidValue;
     CUtensorMap x_map;
     if ((e = encode_activations(&x_map, x, M, K, kBlockM)) != cudaSuccess) return e;
-    kKernel<<<s.ctas, kThreads, kSmemBytes, stream>>>(
-        x_map, static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
-        static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
-        s.units_per_cta, extra...);
-    return cudaGetLastError();
+    e = launch_kernel(kKernel, dim3(s.ctas), dim3(kThreads), kSmemBytes, stream, pdl, x_map,
+                      static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
+                      static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N,
+                      K, s.units_per_cta, extra...);
+    return e != cudaSuccess ? e : cudaGetLastError();
   }
 };
 

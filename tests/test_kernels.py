@@ -247,6 +247,28 @@ def test_ops_cpu_and_shapes() -> None:
         assert torch.equal(wr, oracle_dequantize(packed, scale, gs, dtype))
 
 
+def test_pdl_argument_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pdl`` changes when a CUDA kernel may start, never the result: the ops take it (CPU: the reference either
+    way); ``$QERL_PDL`` is 1 by default, 0 turns it off, anything else names the variable."""
+    n, k = 80, 128
+    packed, scale, gs = random_nvfp4(n, k, seed=6)
+    qw, qs = torch.ops.qerl.nvfp4_repack(packed, scale.view(torch.uint8))
+    x = torch.randn(3, k).to(torch.bfloat16)
+    base = torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, None, n, 0)
+    assert torch.equal(torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, None, n, 0, 0, True), base)
+    assert torch.equal(torch.ops.qerl.nvfp4_gemm(x, qw, qs, gs, None, n, pdl=True), base)
+    rw = kernels.RepackedWeight(qw, qs)
+    assert torch.equal(kernels.linear(x, None, None, gs, kernel_weight=rw, n=n, pdl=True),
+                       kernels.linear(x, None, None, gs, kernel_weight=rw, n=n))
+    monkeypatch.delenv(kernels.PDL_ENV, raising=False)
+    assert kernels.pdl_enabled()
+    monkeypatch.setenv(kernels.PDL_ENV, "0")
+    assert not kernels.pdl_enabled()
+    monkeypatch.setenv(kernels.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match=r"QERL_PDL='yes'"):
+        kernels.pdl_enabled()
+
+
 def test_autograd_through_gemm_op() -> None:
     n, k = 32, 128
     packed, scale, gs = random_nvfp4(n, k, seed=9)

@@ -163,6 +163,12 @@ def test_shrink_mode_is_validated(monkeypatch):
         assert ls.shrink_impl(8192, torch.device("cuda")) == "triton"
 
 
+def test_launch_signal_only_on_cuda():
+    """The kernel signals programmatic dependent launch only on CUDA (sm_90+, a Triton with grid dependency
+    control); the interpreter runs it without."""
+    assert ls._launches_dependents(torch.device("cpu")) is False
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or ls.triton is None, reason="needs CUDA and Triton")
 def test_kernel_bf16_on_cuda(monkeypatch):
     """The compiled kernel at 7B's LoRA shrink shapes (R = 32 o / down, 64 gate_up, 96 qkv; K = 3584, 18944 down),

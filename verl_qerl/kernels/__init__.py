@@ -51,6 +51,7 @@ __all__ = [
     "linear",
     "linear_lora",
     "load_extension",
+    "pdl_enabled",
     "repack",
 ]
 
@@ -93,6 +94,21 @@ def canonical_kernel_name(name: str, what: str = GEMM_KERNEL_ENV) -> str:
         _warned_aliases.add(v)
         warnings.warn(f"{what}: {v!r} is a deprecated name; use {new!r}", FutureWarning, stacklevel=3)
     return new
+
+
+#: ``QERL_PDL``: ``1`` (default) lets vLLM's forward launch the decode GEMMs as programmatic dependent launches
+#: (:func:`pdl_enabled`; the ``pdl`` argument of :func:`linear`); ``0`` turns it off (A/B measurements).
+PDL_ENV = "QERL_PDL"
+
+
+def pdl_enabled() -> bool:
+    """Whether ``$QERL_PDL`` allows programmatic dependent launch of the decode GEMMs (default yes). Read at every
+    call in eager mode; a CUDA graph keeps what it captured. Anything but 0 / 1 (or empty) raises ``ValueError``
+    naming the variable."""
+    raw = os.environ.get(PDL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV}={raw!r}; expected 1 (programmatic dependent launch, the default) or 0 (off)")
+    return raw != "0"
 
 
 #: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
@@ -276,8 +292,12 @@ def linear(
     *,
     kernel_weight: RepackedWeight | None = None,
     n: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for an NVFP4 weight W [N, K]; x is [..., K] (bf16, fp16 or fp32).
+
+    ``pdl``: let the op's decode kernels start while the previous kernel drains (``qerl::nvfp4_gemm``'s ``pdl``,
+    :mod:`verl_qerl.kernels.ops`): only when the kernel right before does not write the weight (a model's forward).
 
     Paths, in order:
 
@@ -307,7 +327,7 @@ def linear(
         check_tuning_env()
         x2 = x.reshape(-1, k)
         out = torch.ops.qerl.nvfp4_gemm(
-            x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, mode
+            x2, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n_out, mode, 0, pdl
         )
         return out.reshape(*x.shape[:-1], n_out)
     if packed is None or scale is None:
@@ -332,9 +352,12 @@ def linear_lora(
     lora_b: torch.Tensor,
     mask: torch.Tensor,
     slice_bounds: list[int] | tuple[int, ...],
+    pdl: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T + bias + mask * expand(shrunk, lora_b)`` for an NVFP4 weight in the kernel layout: one
-    ``qerl::nvfp4_gemm_lora`` op (see :mod:`verl_qerl.kernels.ops` for the operands). x is [M, K].
+    ``qerl::nvfp4_gemm_lora`` op (see :mod:`verl_qerl.kernels.ops` for the operands). x is [M, K]. ``pdl``: as
+    :func:`linear`'s (the kernel before must not write the weight or ``lora_b``; the LoRA shrink before it triggers
+    the launch at its start, so the GEMM's weights stream while the shrink runs).
 
     Why one op: at decode token counts the LoRA expand as its own kernel costs about as much as the GEMM's tail; on
     CUDA the op adds it in the split-K kernel's epilogue wherever that kernel runs (the same ``$QERL_GEMM_KERNEL``
@@ -350,4 +373,4 @@ def linear_lora(
         mode = int(GEMM_KERNEL_MODES[gemm_kernel_variant()])
         check_tuning_env()
     return torch.ops.qerl.nvfp4_gemm_lora(x, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n,
-                                          shrunk, lora_b, mask, [int(b) for b in slice_bounds], mode)
+                                          shrunk, lora_b, mask, [int(b) for b in slice_bounds], mode, 0, pdl)

@@ -16,6 +16,11 @@ kernel's parallelism is the number of output tiles, and from a few dozen tokens 
 two launches amortised over real work) is the faster one. ``QERL_LORA_SHRINK=auto|triton|cublas`` (default
 ``auto``) forces one side on CUDA, for measurements. CPU tensors, or CUDA without Triton, use ``F.linear``.
 
+On a GPU that has it (sm_90+, a Triton with grid dependency control) every program first signals that the next
+kernel may launch: the fast path's GEMM (``qerl::nvfp4_gemm_lora`` with ``pdl``) then starts streaming its weights
+while the shrink runs and waits for the shrink's results only before its epilogue reads ``shrunk``. A kernel
+launched normally after the shrink is unaffected.
+
 Shapes: x [T, K], a [R, K], any strides (vLLM's concatenated A is a contiguous [R, K] view); same floating dtype
 (bfloat16, float16, float32) and device. Returns [T, R] in that dtype.
 """
@@ -30,6 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from .op_library import LIB_NAME, library, tl, triton
+
+try:  # Triton >= 3.4: grid dependency control (programmatic dependent launch, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - depends on the Triton version
+    gdc_launch_dependents = None
 
 _lib = library()
 _lib.define("lora_shrink(Tensor x, Tensor a) -> Tensor")
@@ -161,7 +171,10 @@ if triton is not None:
     @triton.jit
     def _lora_shrink_kernel(x_ptr, a_ptr, y_ptr, T, R, K,
                             stride_xt, stride_xk, stride_ar, stride_ak, stride_yt, stride_yr,
-                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                            LAUNCH_DEPENDENTS: tl.constexpr):
+        if LAUNCH_DEPENDENTS:  # the next kernel, if a programmatic dependent launch, may start now
+            gdc_launch_dependents()
         pid_t = tl.program_id(0)
         pid_r = tl.program_id(1)
         rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -192,6 +205,13 @@ if triton is not None:
                  mask=(rt[:, None] < T) & (rr[None, :] < R))
 
 
+def _launches_dependents(device: torch.device) -> bool:
+    """Whether the kernel signals programmatic dependent launch: on CUDA devices of sm_90+ with a Triton that has
+    grid dependency control (the interpreter and older GPUs run without it)."""
+    return (gdc_launch_dependents is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config: ShrinkConfig | None = None) -> None:
     """Run the Triton kernel into ``y`` [T, R] (any strides; every element written). ``config`` overrides the
     tile (benchmarks, tests). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
@@ -208,7 +228,7 @@ def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config
     grid = (triton.cdiv(t, c.block_t), triton.cdiv(r, c.block_r))
     _lora_shrink_kernel[grid](x, a, y, t, r, k, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                               y.stride(0), y.stride(1), BLOCK_T=c.block_t, BLOCK_R=c.block_r, BLOCK_K=c.block_k,
-                              num_warps=c.num_warps)
+                              LAUNCH_DEPENDENTS=_launches_dependents(x.device), num_warps=c.num_warps)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, config: ShrinkConfig | None = None) -> torch.Tensor:

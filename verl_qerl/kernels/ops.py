@@ -7,15 +7,19 @@ allocates only shape-determined outputs, so it can be captured.
 
 Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 
-* ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0) -> [M, n]``: ``x @ W.T + bias``
+* ``nvfp4_gemm(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0, pdl=False) -> [M, n]``: ``x @ W.T + bias``
   on the repacked layout. On CUDA the kernel itself dispatches by M and shape: on a device with a
   calibration table (``verl_qerl/kernels/dispatch.py``; an H200 one ships) the measured fastest of split-K,
   stream-K, the Hopper wgmma kernel and dequantize + cuBLAS for the nearest measured shape and M; elsewhere
   the fused FP4xBF16 GEMM up to a tuned M, dequantize + cuBLAS above it. ``mode`` (benchmarks/tests) is one
   of :data:`verl_qerl.kernels.modes.GEMM_MODES`, defined once in ``cuda/gemm_modes.h`` with what each runs;
-  ``splits`` (mode ``splitk`` only) fixes the split-K kernel's K-split count (0: its heuristic).
+  ``splits`` (mode ``splitk`` only) fixes the split-K kernel's K-split count (0: its heuristic). ``pdl``: on
+  sm_90+ the decode kernels (split-K, ``decode_tma``) go out as programmatic dependent launches: a GEMM starts while
+  the kernel before it drains and streams its first weight stages before waiting for that kernel's results (at
+  decode the launch gap and ramp are ~1/3 of a small GEMM's time). Only pass it when the kernel right before the
+  op does not write ``qweight``, ``qscale`` (or ``lora_b``): a model's forward (``verl_qerl.kernels.pdl_enabled``).
 * ``nvfp4_gemm_lora(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,
-  splits=0) -> [M, n]``: ``nvfp4_gemm`` plus a single-adapter LoRA expand, ``out[m, c] += mask[m] *
+  splits=0, pdl=False) -> [M, n]``: ``nvfp4_gemm`` plus a single-adapter LoRA expand, ``out[m, c] += mask[m] *
   shrunk[m, s r:(s+1) r] . lora_b[c, s r:(s+1) r]`` with ``s`` the slice of output column ``c`` (``slice_bounds =
   [0, end_0, ..., n]``, 1-3 slices of one rank ``r``: a fused qkv or gate_up layer). ``shrunk`` [M, S r] is the
   shrink ``x @ A_cat^T`` (``qerl::lora_shrink``), ``lora_b`` [n, S r] the slices' B on a block diagonal (zero
@@ -43,11 +47,12 @@ from .op_library import LIB_NAME, library
 _lib = library()
 _lib.define(
     "nvfp4_gemm(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
-    "int mode=0, int splits=0) -> Tensor"
+    "int mode=0, int splits=0, bool pdl=False) -> Tensor"
 )
 _lib.define(
     "nvfp4_gemm_lora(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
-    "Tensor shrunk, Tensor lora_b, Tensor mask, int[] slice_bounds, int mode=0, int splits=0) -> Tensor"
+    "Tensor shrunk, Tensor lora_b, Tensor mask, int[] slice_bounds, int mode=0, int splits=0, "
+    "bool pdl=False) -> Tensor"
 )
 _lib.define("nvfp4_dequant(Tensor packed, Tensor scale, Tensor global_scale, ScalarType dtype) -> Tensor")
 _lib.define(
@@ -62,7 +67,7 @@ _lib.define("nvfp4_repack(Tensor packed, Tensor scale) -> (Tensor, Tensor)")
 
 def _gemm_cpu(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
-    bias: torch.Tensor | None, n: int, mode: int = 0, splits: int = 0,
+    bias: torch.Tensor | None, n: int, mode: int = 0, splits: int = 0, pdl: bool = False,
 ) -> torch.Tensor:
     w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
     out = x.to(torch.float32) @ w.T
@@ -119,7 +124,7 @@ def lora_expand_reference(
 def _gemm_lora_cpu(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
     bias: torch.Tensor | None, n: int, shrunk: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
-    slice_bounds: list[int], mode: int = 0, splits: int = 0,
+    slice_bounds: list[int], mode: int = 0, splits: int = 0, pdl: bool = False,
 ) -> torch.Tensor:
     check_lora_operands(x, n, shrunk, lora_b, mask, slice_bounds)
     w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
@@ -169,7 +174,7 @@ def register_cuda_fallbacks() -> None:
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm")
-def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0):  # noqa: ANN001, ANN202
+def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0, pdl=False):  # noqa: ANN001, ANN202
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm: x must be 2-D [M, K]")
     torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm: K mismatch")
     return x.new_empty((x.shape[0], n))
@@ -177,7 +182,7 @@ def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0):  # 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm_lora")
 def _gemm_lora_fake(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,  # noqa: ANN001, ANN202
-                    splits=0):
+                    splits=0, pdl=False):
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm_lora: x must be 2-D [M, K]")
     torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm_lora: K mismatch")
     return x.new_empty((x.shape[0], n))
@@ -209,7 +214,7 @@ def _repack_fake(packed, scale):  # noqa: ANN001, ANN202
 
 
 def _gemm_setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    x, qweight, qscale, global_scale, bias, n, _mode, _splits = inputs
+    x, qweight, qscale, global_scale, bias, n, _mode, _splits, _pdl = inputs
     ctx.save_for_backward(qweight, qscale, global_scale)
     ctx.n = n
     ctx.x_dtype = x.dtype
@@ -224,7 +229,7 @@ def _gemm_backward(ctx, grad):  # noqa: ANN001, ANN202
         grad_x = grad.matmul(w).to(ctx.x_dtype)
     if ctx.has_bias and ctx.needs_input_grad[4]:
         grad_bias = grad.sum(0)
-    return grad_x, None, None, None, grad_bias, None, None, None
+    return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
 torch.library.register_autograd(

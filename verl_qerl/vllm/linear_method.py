@@ -301,9 +301,10 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         n = layer.output_size_per_partition
         g = layer.weight_global_scale[:1]
         col_scale = layer.qerl_state.col_scale
+        pdl = kernels.pdl_enabled()  # the forward never writes weights: the decode GEMMs may overlap the kernel before
         if col_scale is None:
-            return kernels.linear(x, None, None, g, bias, kernel_weight=repacked, n=n)
-        y = kernels.linear(x, None, None, g, None, kernel_weight=repacked, n=n)
+            return kernels.linear(x, None, None, g, bias, kernel_weight=repacked, n=n, pdl=pdl)
+        y = kernels.linear(x, None, None, g, None, kernel_weight=repacked, n=n, pdl=pdl)
         y = (y.to(torch.float32) * col_scale).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -324,7 +325,7 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
         return kernels.linear_lora(x, layer.weight_global_scale[:1], bias, kernel_weight=repacked,
                                    n=layer.output_size_per_partition, shrunk=shrunk, lora_b=lora_b, mask=mask,
-                                   slice_bounds=slice_bounds)
+                                   slice_bounds=slice_bounds, pdl=kernels.pdl_enabled())
 
     @staticmethod
     def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
