@@ -1,0 +1,129 @@
+"""What the single-adapter LoRA path costs per decode GEMM, on one GPU, kernel by kernel.
+
+For the 7B (and 32B) layer shapes with their LoRA slices (qkv: 3, gate_up: 2, o / down: 1; rank 32) and decode
+token counts, each method is captured ``ROT`` times into one CUDA graph (weights cycling over ``ROT`` sets, as
+``kernel.py`` does) and replayed in round-robin rounds:
+
+* ``gemm``: ``qerl::nvfp4_gemm`` (auto dispatch), the base alone;
+* ``gemm_lora``: ``qerl::nvfp4_gemm_lora`` with a ready ``shrunk`` (the expand in the GEMM's epilogue where it runs);
+* ``shrink``: ``qerl::lora_shrink`` alone;
+* ``pair``: shrink, then ``nvfp4_gemm_lora`` (the fast path's two ops), as launched without PDL;
+* ``pair_pdl``: the same with ``pdl=True`` (the GEMM may launch while the shrink runs, if the shrink signals it).
+
+Per layer (sum of the four GEMMs) it prints the epilogue's cost (gemm_lora - gemm), the pair's cost over the base
+(pair - gemm) with and without PDL, and whether the shrink signals programmatic launch here (Triton's grid
+dependency control). Writes ``lora-gemm-<gpu>.json`` to ``--out`` (default ``$OUT`` or ``.``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
+
+from kernel import MODELS, ROT, capture_graph, interleaved_graph_ms, layer_shapes, run_header  # noqa: E402
+from kernel_common import random_nvfp4  # noqa: E402
+
+from verl_qerl import kernels  # noqa: E402
+from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
+
+DEV = "cuda"
+RANK = 32
+#: LoRA slices of each fused layer (vLLM's packed modules)
+SLICES = {"qkv": 3, "gate_up": 2, "o": 1, "down": 1}
+METHODS = ("gemm", "gemm_lora", "shrink", "pair", "pair_pdl")
+
+
+def slice_bounds(name: str, n: int, cfg: dict) -> list[int]:
+    """Column bounds of the layer's slices: q / k / v (kv heads), gate / up, or the whole output."""
+    if name == "qkv":
+        q, kv = cfg["q"], cfg["kv"]
+        return [0, q, q + kv, n]
+    if name == "gate_up":
+        return [0, n // 2, n]
+    return [0, n]
+
+
+def measure(name: str, n: int, k: int, m: int, cfg: dict, iters: int) -> dict:
+    s = SLICES[name]
+    ws = [kernels.repack(*random_nvfp4(n, k)[:2]) for _ in range(ROT)]
+    gs = random_nvfp4(16, 128)[2]
+    a_cat = [(torch.randn(s * RANK, k, device=DEV) / k**0.5).to(torch.bfloat16) for _ in range(ROT)]
+    bounds = slice_bounds(name, n, cfg)
+    lora_b = torch.zeros(n, s * RANK, device=DEV, dtype=torch.bfloat16)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        lora_b[lo:hi, i * RANK:(i + 1) * RANK] = (torch.randn(hi - lo, RANK, device=DEV) * 0.02).to(torch.bfloat16)
+    mask = torch.ones(m, 1, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    shrunk = torch.ops.qerl.lora_shrink(x, a_cat[0])
+
+    def gemm_lora(r: int, sh: torch.Tensor, pdl: bool) -> torch.Tensor:
+        w = ws[r % ROT]
+        return torch.ops.qerl.nvfp4_gemm_lora(x, w.qweight, w.qscale, gs, None, n, sh, lora_b, mask, bounds, 0, 0,
+                                              pdl)
+
+    fns = {
+        "gemm": lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, 0),
+        "gemm_lora": lambda r: gemm_lora(r, shrunk, False),
+        "shrink": lambda r: torch.ops.qerl.lora_shrink(x, a_cat[r % ROT]),
+        "pair": lambda r: gemm_lora(r, torch.ops.qerl.lora_shrink(x, a_cat[r % ROT]), False),
+        "pair_pdl": lambda r: gemm_lora(r, torch.ops.qerl.lora_shrink(x, a_cat[r % ROT]), True),
+    }
+    graphs = {key: capture_graph(fn) for key, fn in fns.items()}
+    ext = kernels.extension()
+    rec = {"layer": name, "N": n, "K": k, "M": m, "slices": s, "rank": RANK,
+           "gemm_runs": ext.gemm_choice(m, n, k, 0), "lora_epilogue": bool(ext.lora_epilogue_runs(m, n, k, 0))}
+    for key, ms in interleaved_graph_ms(graphs, reps=iters).items():
+        rec[f"{key}_us"] = round(ms * 1e3, 3) if ms is not None else None
+    return rec
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen2.5-7b", help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--ms", default="1,8", help="comma list of token counts")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not kernels.load_extension(verbose=False):
+        raise SystemExit(f"CUDA extension did not load: {kernels.cuda_unavailable_reason()}")
+    name = torch.cuda.get_device_name()
+    signals = ls._launches_dependents(torch.device(DEV))
+    out = {**run_header(name), "triton": getattr(ls.triton, "__version__", None), "shrink_signals_launch": signals,
+           "rows": []}
+    print(f"# {name}; Triton {out['triton']}; shrink signals programmatic launch: {signals}", flush=True)
+    ms = [int(v) for v in args.ms.split(",")]
+    for model in args.models.split(","):
+        cfg = MODELS[model]
+        for m in ms:
+            recs = []
+            for lname, n, k in layer_shapes(cfg):
+                rec = {"model": model, **measure(lname, n, k, m, cfg, args.iters)}
+                recs.append(rec)
+                print(json.dumps(rec), flush=True)
+            tot = {key: round(sum(r[f"{key}_us"] for r in recs), 3) for key in METHODS}
+            lay = {"model": model, "layer": "sum", "M": m, **{f"{key}_us": v for key, v in tot.items()},
+                   "epilogue_cost_us": round(tot["gemm_lora"] - tot["gemm"], 3),
+                   "pair_cost_us": round(tot["pair"] - tot["gemm"], 3),
+                   "pair_pdl_cost_us": round(tot["pair_pdl"] - tot["gemm"], 3)}
+            out["rows"] += recs + [lay]
+            print(f"{model} M={m}: per layer gemm {tot['gemm']:.1f} us, LoRA epilogue "
+                  f"+{lay['epilogue_cost_us']:.1f}, shrink alone {tot['shrink']:.1f}, pair +{lay['pair_cost_us']:.1f} "
+                  f"(PDL +{lay['pair_pdl_cost_us']:.1f})", flush=True)
+    path = Path(args.out or os.environ.get("OUT", ".")) / f"lora-gemm-{name.split()[-1].lower()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
