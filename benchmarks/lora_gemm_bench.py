@@ -8,11 +8,11 @@ token counts, each method is captured ``ROT`` times into one CUDA graph (weights
 * ``gemm_lora``: ``qerl::nvfp4_gemm_lora`` with a ready ``shrunk`` (the expand in the GEMM's epilogue where it runs);
 * ``shrink``: ``qerl::lora_shrink`` alone;
 * ``pair``: shrink, then ``nvfp4_gemm_lora`` (the fast path's two ops), as launched without PDL;
-* ``pair_pdl``: the same with ``pdl=True`` (the GEMM may launch while the shrink runs, if the shrink signals it).
+* ``pair_pdl``: the same with ``pdl=True`` (the GEMM may launch as the shrink's programs exit).
 
 Per layer (sum of the four GEMMs) it prints the epilogue's cost (gemm_lora - gemm), the pair's cost over the base
-(pair - gemm) with and without PDL, and whether the shrink signals programmatic launch here (Triton's grid
-dependency control). Writes ``lora-gemm-<gpu>.json`` to ``--out`` (default ``$OUT`` or ``.``).
+(pair - gemm) with and without PDL (the shrink does not signal: the GEMM may launch as its programs exit). Writes
+``lora-gemm-<gpu>.json`` to ``--out`` (default ``$OUT`` or ``.``).
 """
 
 from __future__ import annotations
@@ -96,10 +96,8 @@ def main() -> int:
     if not kernels.load_extension(verbose=False):
         raise SystemExit(f"CUDA extension did not load: {kernels.cuda_unavailable_reason()}")
     name = torch.cuda.get_device_name()
-    signals = ls._launches_dependents(torch.device(DEV))
-    out = {**run_header(name), "triton": getattr(ls.triton, "__version__", None), "shrink_signals_launch": signals,
-           "rows": []}
-    print(f"# {name}; Triton {out['triton']}; shrink signals programmatic launch: {signals}", flush=True)
+    out = {**run_header(name), "triton": getattr(ls.triton, "__version__", None), "rows": []}
+    print(f"# {name}; Triton {out['triton']}", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     for model in args.models.split(","):
         cfg = MODELS[model]

@@ -75,16 +75,24 @@ __device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const Qer
   }
 }
 
-// lt[t * pitch + c] = mask(t) * sum_j s_sm[t * ranks + off + j] * brow[j] for the tile's tokens t < rows; column c
-// is this thread's (0 .. BN - 1), `brow` its `rank` values of B (16-byte aligned, global or shared memory), `off` its
-// slice's first column in `shrunk`, FP32 sums in j order. Columns >= N (col_ok false) get 0; rows >= `rows` are not
-// written (the store skips them). Run by BN threads after the tile's rows of `shrunk` are in s_sm and a CTA barrier;
-// a global `brow` is read once per 8 tokens (from L1 after the first).
-template <int BN, class Mask>
-__device__ __forceinline__ void lora_tile_rows(float* lt, const __nv_bfloat16* s_sm, int ranks, int off, int rank,
-                                               const uint4* brow, bool col_ok, int rows, int c, Mask&& mask) {
+// lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
+// slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
+// Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA)
+// after lora_stage_shrunk and a CTA barrier; the B row of each column is read once per 8 tokens (from L1 after the
+// first).
+template <int BM, int BN>
+__device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
+                                          int m0, int M, int N, int c) {
   constexpr int PITCH = lora_tile_pitch<BN>();
-  const int chunks = rank / 8;
+  const int ranks = p.n_slices * p.rank;
+  const int rows = min(BM, M - m0);
+  const int n = n0 + c;
+  const bool col_ok = n < N;
+  const int off = col_ok ? lora_slice(p, n) * p.rank : 0;
+  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
+                                                     size_t(col_ok ? n : 0) * p.ld_b + off);
+  const __nv_bfloat16* mask = static_cast<const __nv_bfloat16*>(p.mask);
+  const int chunks = p.rank / 8;
 #pragma unroll 1
   for (int t0 = 0; t0 < rows; t0 += 8) {
     float sum[8];
@@ -93,7 +101,7 @@ __device__ __forceinline__ void lora_tile_rows(float* lt, const __nv_bfloat16* s
 #pragma unroll 2
     for (int j = 0; j < chunks; ++j) {
       float b[8];
-      bf16x8_to_float(brow[j], b);
+      bf16x8_to_float(__ldg(brow + j), b);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if (t0 + i < rows) {
@@ -106,46 +114,12 @@ __device__ __forceinline__ void lora_tile_rows(float* lt, const __nv_bfloat16* s
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      if (t0 + i < rows) lt[(t0 + i) * PITCH + c] = col_ok ? sum[i] * mask(t0 + i) : 0.0f;
+      if (t0 + i < rows) {
+        const float mk = __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
+        lt[(t0 + i) * PITCH + c] = col_ok ? sum[i] * mk : 0.0f;
+      }
     }
   }
-}
-
-// lora_tile_rows with B and the mask read from global memory (the decode kernel's epilogue): column n0 + c's B row
-// and slice from `p`, mask[m0 + t].
-template <int BM, int BN>
-__device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
-                                          int m0, int M, int N, int c) {
-  const int n = n0 + c;
-  const bool col_ok = n < N;
-  const int off = col_ok ? lora_slice(p, n) * p.rank : 0;
-  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
-                                                     size_t(col_ok ? n : 0) * p.ld_b + off);
-  const __nv_bfloat16* mask = static_cast<const __nv_bfloat16*>(p.mask);
-  lora_tile_rows<BN>(lt, s_sm, p.n_slices * p.rank, off, p.rank, brow, col_ok, min(BM, M - m0), c,
-                     [&](int t) { return __bfloat162float(mask[size_t(m0 + t) * p.mask_stride]); });
-}
-
-// acc += lt / alpha for the elements this thread holds (store_bf16's layout: fragment set (nb, mt) covers columns
-// (blk0 + nb) * 16 + lane / 4 (+ 8) and tile rows mt * 8 + 2 * (lane % 4) (+ 1)), tile rows < rows and columns < N:
-// the LoRA term folded into a partial before the split-K sum, so that alpha * (sum of the partials) is the GEMM plus
-// the term, still in FP32 before the one rounding.
-template <int BN, int NB, int MT>
-__device__ __forceinline__ void fold_lora_tile(float (&acc)[NB][MT][4], const float* lt, float inv_alpha, int blk0,
-                                               int n0, int lane, int rows, int N) {
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int n = (blk0 + nb) * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int t = mt * 8 + (lane & 3) * 2 + e;
-          if (t < rows && n < N) acc[nb][mt][2 * h + e] += lt[t * lora_tile_pitch<BN>() + (n - n0)] * inv_alpha;
-        }
-    }
 }
 
 // store_bf16's addend for the LoRA tile: token row t of the tile, column n - n0 (the tile's first column n0).
@@ -157,16 +131,13 @@ struct LoraTile {
   __device__ __forceinline__ float operator()(int t, int n) const { return lt[t * lora_tile_pitch<BN>() + (n - n0)]; }
 };
 
-// (host) A LoRA epilogue a kernel staging up to max_ranks shrunk columns (and B rows of up to max_rank values) can run
-// for an [M, N] output: operands present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing
-// slices ending at N. On success `norm` is a copy with the unused slice_end entries set to N (the kernel's slice
-// lookup reads the first two).
-inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm,
-                       int max_rank = 1 << 30) {
+// (host) A LoRA epilogue a kernel staging up to max_ranks shrunk columns can run for an [M, N] output: operands
+// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N. On success
+// `norm` is a copy with the unused slice_end entries set to N (the kernel's slice lookup reads the first two).
+inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
   auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;
-  if (p.rank <= 0 || p.rank % 8 != 0 || p.rank > max_rank || p.n_slices < 1 || p.n_slices > 3 ||
-      p.n_slices * p.rank > max_ranks)
+  if (p.rank <= 0 || p.rank % 8 != 0 || p.n_slices < 1 || p.n_slices > 3 || p.n_slices * p.rank > max_ranks)
     return false;
   if (p.ld_shrunk % 8 != 0 || p.ld_b % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank || p.ld_b < p.n_slices * p.rank)
     return false;

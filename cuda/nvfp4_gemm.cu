@@ -45,17 +45,13 @@ struct Cfg {
   static constexpr int X_STAGE_BYTES = BM * XROW_BYTES;
   static constexpr int STAGE_BYTES = W_STAGE_BYTES + S_STAGE_BYTES + X_STAGE_BYTES;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
-  // After the ring drains: the k-half reduction buffer (sum_k_halves), then (LORA kernels) the LoRA tile.
+  // After the ring drains: the k-half reduction buffer (sum_k_halves), then (LORA kernels) the LoRA tile and the
+  // tile's rows of `shrunk`, as many ranks per row as the rest of the ring holds.
   static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;
   static constexpr int LT_OFFSET = RED_BYTES;
-  static_assert(LT_OFFSET + lora_tile_bytes<BM, BN>() <= SMEM_BYTES, "the drained ring holds the LoRA tile");
-  // LORA kernels only, behind the ring (filled while it streams): the tile's B rows (MAX_LORA_RANK values each, the
-  // column's slice) and its rows of `shrunk` (MAX_LORA_RANKS columns).
-  static constexpr int MAX_LORA_RANK = 128;
-  static constexpr int MAX_LORA_RANKS = 3 * MAX_LORA_RANK;
-  static constexpr int B_OFFSET = SMEM_BYTES;
-  static constexpr int S_OFFSET = B_OFFSET + BN * MAX_LORA_RANK * 2;
-  static constexpr int LORA_SMEM_BYTES = S_OFFSET + BM * MAX_LORA_RANKS * 2;
+  static constexpr int S_OFFSET = LT_OFFSET + lora_tile_bytes<BM, BN>();
+  static constexpr int MAX_LORA_RANKS = (SMEM_BYTES - S_OFFSET) / (BM * 2) / 8 * 8;
+  static_assert(MAX_LORA_RANKS >= 96, "the drained ring must hold the LoRA tile and shrunk rows of rank 32 x 3");
 };
 
 template <int BM, bool LORA>
@@ -87,25 +83,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   const int s_count = q + (split < rem ? 1 : 0);
   const int nb0 = ntile * (BN / 16);
   const int m0 = mtile * BM;
-  // LoRA (split 0's CTA folds the tile's term into its accumulators): the tile's B rows, each column's slice, into
-  // shared memory behind the ring now (they join the ring's first commit group); its `shrunk` rows and mask after the
-  // wait for the prior grid (with stage 0's activations).
-  __nv_bfloat16* b_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::B_OFFSET);
-  __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
-  __shared__ float s_mask[BM];
-  float mask_v = 0.0f;  // thread t < BM: token m0 + t's mask (loaded with stage 0, used after the main loop)
   if constexpr (LORA) {
-    if (split == 0) {
-      const int chunks = lora.rank / 8;
-      for (int i = tid; i < BN * chunks; i += THREADS) {
-        const int c = i / chunks, ch = i % chunks;
-        const int n = nb0 * 16 + c;
-        const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(lora.lora_b) +
-                                   size_t(n < N ? n : 0) * lora.ld_b + (n < N ? lora_slice(lora, n) : 0) * lora.rank +
-                                   ch * 8;
-        cp_async16_u32(smem_u32(b_sm + c * lora.rank + ch * 8), src, n < N ? 16 : 0);
-      }
-    }
+    if (split == 0) lora_prefetch_b<BN, THREADS>(lora, nb0 * 16, N, tid);
   }
 
   float acc[2][MT][4];
@@ -148,22 +127,6 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   };
   auto load_acts = [&](int buf, int s_rel) {
     const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-    if constexpr (LORA) {
-      if (split == 0 && s_rel == 0) {  // (first call: after the wait) the tile's rows of `shrunk` and its mask
-        const int ranks = lora.n_slices * lora.rank;
-        const int row_chunks = ranks / 8;
-        for (int i = tid; i < BM * row_chunks; i += THREADS) {
-          const int t = i / row_chunks, ch = i % row_chunks;
-          const bool ok = m0 + t < M;
-          cp_async16_u32(smem_u32(s_sm + t * ranks + ch * 8),
-                         static_cast<const __nv_bfloat16*>(lora.shrunk) + size_t(ok ? m0 + t : 0) * lora.ld_shrunk +
-                             ch * 8,
-                         ok ? 16 : 0);
-        }
-        if (tid < BM && m0 + tid < M)
-          mask_v = __bfloat162float(static_cast<const __nv_bfloat16*>(lora.mask)[size_t(m0 + tid) * lora.mask_stride]);
-      }
-    }
 #pragma unroll
     for (int i = 0; i < XPER; ++i)
       if (XCHUNKS % THREADS == 0 || tid + i * THREADS < XCHUNKS)
@@ -200,30 +163,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // ---- main loop: STAGES-deep cp.async ring, the first stages' weights in flight before the wait for the prior grid
   // (a no-op unless launched with PDL); then the drained ring sums the two k halves
   run_cp_async_ring_after_prior<STAGES>(s_count, load_weights, load_acts, compute_stage);
-  if constexpr (LORA) {
-    if (split == 0 && tid < BM) s_mask[tid] = mask_v;  // ordered before its reads by sum_k_halves' barrier
-  }
   sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt, [] { __syncthreads(); });
-
-  // LoRA: split 0's CTA adds the tile's term to its accumulators (every operand already in shared memory), so that
-  // the term rides with its partial through the split-K sum and the last CTA's tail is the plain GEMM's. The kh = 1
-  // warps, idle from here on, build it while the kh = 0 warps wait.
-  if constexpr (LORA) {
-    if (split == 0) {
-      float* lt = reinterpret_cast<float*>(smem + C::LT_OFFSET);
-      if (kh == 1) {
-        const int n = nb0 * 16 + rt;
-        const int off = n < N ? lora_slice(lora, n) * lora.rank : 0;
-        lora_tile_rows<BN>(lt, s_sm, lora.n_slices * lora.rank, off, lora.rank,
-                           reinterpret_cast<const uint4*>(b_sm + rt * lora.rank), n < N, min(BM, M - m0), rt,
-                           [&](int t) { return s_mask[t]; });
-      }
-      __syncthreads();
-      if (kh == 0)
-        fold_lora_tile<BN>(acc, lt, __fdiv_rn(__ldg(gscale), 128.0f), nb0 + wn * 2, nb0 * 16, lane, min(BM, M - m0),
-                           N);
-    }
-  }
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
   if (splits > 1) {
@@ -272,9 +212,24 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     if (tid == 0) counters[tile_id] = 0;  // every split has arrived: ready for the next launch
   }
 
+  // The LoRA tile is built by the kh = 1 warps, idle from here on (with several splits they pass the partial sum
+  // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
+  // reduction buffer.
+  if constexpr (LORA) {
+    __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
+    if (kh == 1) lora_stage_shrunk<BM, BN>(s_sm, lora, m0, M, rt);
+    __syncthreads();
+    if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, lora, nb0 * 16, m0, M, N, rt);
+    __syncthreads();
+  }
   if (kh != 0) return;
-  // ---- epilogue: scale by 128 / global_scale, add bias, store bf16
-  store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+  // ---- epilogue: scale by 128 / global_scale, add bias (and the LoRA tile), store bf16
+  if constexpr (LORA) {
+    store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N,
+               LoraTile<BN>{reinterpret_cast<const float*>(smem + C::LT_OFFSET), nb0 * 16});
+  } else {
+    store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N);
+  }
 }
 
 template <int BM, bool LORA = false>
@@ -285,7 +240,7 @@ cudaError_t prepare() {
   if (e != cudaSuccess) return e;
   if (dev < 0 || dev >= 64 || !done[dev]) {
     e = cudaFuncSetAttribute(nvfp4_gemm_splitk_kernel<BM, LORA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             LORA ? Cfg<BM>::LORA_SMEM_BYTES : Cfg<BM>::SMEM_BYTES);
+                             Cfg<BM>::SMEM_BYTES);
     if (e != cudaSuccess) return e;
     if (dev >= 0 && dev < 64) done[dev] = true;
   }
@@ -301,8 +256,7 @@ cudaError_t launch_as(const void* x, const void* qweight, const void* qscale, co
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
   e = launch_kernel(nvfp4_gemm_splitk_kernel<BM, LORA>, dim3(n_tiles, splits, m_tiles), dim3(THREADS),
-                    LORA ? Cfg<BM>::LORA_SMEM_BYTES : Cfg<BM>::SMEM_BYTES, stream, pdl,
-                    static_cast<const __nv_bfloat16*>(x),
+                    Cfg<BM>::SMEM_BYTES, stream, pdl, static_cast<const __nv_bfloat16*>(x),
                     static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
                     static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
                     splits, lora);
@@ -324,12 +278,20 @@ cudaError_t launch(const void* x, const void* qweight, const void* qscale, const
     return cudaErrorInvalidValue;
 }
 
-// Whether the LoRA kernels (block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M) take `lora` for N columns: rank <= 128 (the
-// B rows they stage) and lora_valid's checks; *norm as lora_valid's.
-bool lora_fits(const QerlLoraEpilogue& lora, int N, int block_m, QerlLoraEpilogue* norm) {
-  using C = Cfg<QERL_LORA_EPILOGUE_MAX_BLOCK_M>;
-  return block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M &&
-         lora_valid(lora, N, C::MAX_LORA_RANKS, norm, C::MAX_LORA_RANK);
+// Most shrunk columns (n_slices x rank) the LoRA epilogue of the BM kernel stages in its drained ring (0: no kernel).
+int lora_max_ranks(int block_m) {
+  switch (block_m) {
+    case 8:
+      return Cfg<8>::MAX_LORA_RANKS;
+    case 16:
+      return Cfg<16>::MAX_LORA_RANKS;
+    case 32:
+      return Cfg<32>::MAX_LORA_RANKS;
+    case 64:
+      return Cfg<64>::MAX_LORA_RANKS;
+    default:
+      return 0;
+  }
 }
 
 template <int BM>
@@ -348,7 +310,10 @@ int ctas_per_sm() {
 
 extern "C" int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora) {
   QerlLoraEpilogue norm{};
-  return lora != nullptr && N > 0 && qerl::lora_fits(*lora, N, block_m, &norm) ? 1 : 0;
+  return lora != nullptr && N > 0 && block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M &&
+                 qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)
+             ? 1
+             : 0;
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
@@ -361,7 +326,9 @@ extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qw
     return cudaErrorInvalidValue;
   if (splits > 1 && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
   QerlLoraEpilogue norm{};
-  if (lora != nullptr && !qerl::lora_fits(*lora, N, block_m, &norm)) return cudaErrorInvalidValue;
+  if (lora != nullptr && (block_m > QERL_LORA_EPILOGUE_MAX_BLOCK_M ||
+                          !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)))
+    return cudaErrorInvalidValue;
   const QerlLoraEpilogue* ep = lora != nullptr ? &norm : nullptr;
   switch (block_m) {
     case 8:

@@ -50,10 +50,11 @@ struct DtCfg {
   static constexpr int S_OFF = W_OFF + DT_W_BYTES;
   static constexpr int SLOT_BYTES = ((S_OFF + DT_S_BYTES + 1023) / 1024) * 1024;
   // CTAs per SM: 3 for the plain kernel (6 warps per scheduler: 32.3 vs 34.2 us at 2 on 7B gate_up, M = 1;
-  // benchmarks/NOTES.md, v7), 2 with the LoRA epilogue (its 92 registers do not fit 3 x 288 threads). The ring
-  // takes what shared memory is left: ~9 KB of weight bytes per slot.
-  static constexpr int CTAS_PER_SM = LORA ? 2 : 3;
-  static constexpr int STAGES = LORA ? (BM == 8 ? 7 : 6) : (BM == 8 ? 5 : 4);
+  // benchmarks/NOTES.md, v7) and for the LoRA epilogue at block_m 8; 2 with it at block_m 16 (its LoRA region does
+  // not fit three CTAs beside a 4-slot ring). The ring takes what shared memory is left: ~9 KB of weight bytes per
+  // slot.
+  static constexpr int CTAS_PER_SM = (LORA && BM == 16) ? 2 : 3;
+  static constexpr int STAGES = (LORA && BM == 16) ? 6 : (BM == 8 ? 5 : 4);
   static constexpr int RED_BYTES = 2 * MT * 4 * 128 * 4;  // the k-half sum: 2 n16 blocks x MT x 4 floats x 128 threads
   // LoRA region: the tile's LoRA term, then its rows of `shrunk` (up to LORA_MAX_RANKS columns each)
   static constexpr int LORA_MAX_RANKS = 128;

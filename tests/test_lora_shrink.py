@@ -164,9 +164,9 @@ def test_shrink_mode_is_validated(monkeypatch):
 
 
 def test_launch_signal_only_on_cuda():
-    """The kernel signals programmatic dependent launch only on CUDA (sm_90+, a Triton with grid dependency
+    """The kernel can signal programmatic dependent launch only on CUDA (sm_90+, a Triton with grid dependency
     control); the interpreter runs it without."""
-    assert ls._launches_dependents(torch.device("cpu")) is False
+    assert ls.can_signal_next(torch.device("cpu")) is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or ls.triton is None, reason="needs CUDA and Triton")

@@ -3,11 +3,11 @@ without CUDA).
 
 With ``pdl`` the split-K and ``decode_tma`` kernels may start while the kernel before them still runs and stream
 their first weight stages before ``griddepcontrol.wait``; everything that kernel may write (activations, ``shrunk``,
-workspace, output) must come after the wait. The producer here is the LoRA shrink kernel itself, which signals the
-next launch at its start (the fast path's order: shrink, then the GEMM), run on a long K so that it is still running
-when the GEMM's CTAs start, into a NaN-poisoned buffer: a GEMM that read its activations or ``shrunk`` before the
-wait would see NaN or a partial sum. Oracle: the same op without ``pdl`` once the producer is done, bit for bit
-(PDL changes when a kernel starts, not what it computes).
+workspace, output) must come after the wait. The producer here is the LoRA shrink kernel itself (the fast path's
+order: shrink, then the GEMM), told to signal the next launch at its start (``signal_next``; the fast path does not)
+and run on a long K so that it is still running when the GEMM's CTAs start, into a NaN-poisoned buffer: a GEMM that
+read its activations or ``shrunk`` before the wait would see NaN or a partial sum. Oracle: the same op without
+``pdl`` once the producer is done, bit for bit (PDL changes when a kernel starts, not what it computes).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
-from verl_qerl.kernels.lora_shrink import launch_lora_shrink
+from verl_qerl.kernels.lora_shrink import can_signal_next, launch_lora_shrink
 
 pytestmark = [
     pytest.mark.gpu,
@@ -57,7 +57,8 @@ def slow_product(rows: int, cols: int, depth: int, seed: int) -> torch.Tensor:
     a = (torch.randn(cols, depth, device=DEV, generator=g) / depth**0.5).to(torch.bfloat16)
     y = torch.full((rows, cols), float("nan"), device=DEV, dtype=torch.bfloat16)
     torch.cuda.synchronize()  # the inputs are ready: the shrink is the only kernel in flight when the GEMM launches
-    launch_lora_shrink(u, a, y)
+    assert can_signal_next(u.device), "needs sm_90+ and a Triton with grid dependency control"
+    launch_lora_shrink(u, a, y, signal_next=True)
     return y
 
 

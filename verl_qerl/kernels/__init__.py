@@ -356,8 +356,7 @@ def linear_lora(
 ) -> torch.Tensor:
     """``x @ W.T + bias + mask * expand(shrunk, lora_b)`` for an NVFP4 weight in the kernel layout: one
     ``qerl::nvfp4_gemm_lora`` op (see :mod:`verl_qerl.kernels.ops` for the operands). x is [M, K]. ``pdl``: as
-    :func:`linear`'s (the kernel before must not write the weight or ``lora_b``; the LoRA shrink before it triggers
-    the launch at its start, so the GEMM's weights stream while the shrink runs).
+    :func:`linear`'s (the kernel before must not write the weight or ``lora_b``).
 
     Why one op: at decode token counts the LoRA expand as its own kernel costs about as much as the GEMM's tail; on
     CUDA the op adds it in the split-K kernel's epilogue wherever that kernel runs (the same ``$QERL_GEMM_KERNEL``

@@ -16,10 +16,11 @@ kernel's parallelism is the number of output tiles, and from a few dozen tokens 
 two launches amortised over real work) is the faster one. ``QERL_LORA_SHRINK=auto|triton|cublas`` (default
 ``auto``) forces one side on CUDA, for measurements. CPU tensors, or CUDA without Triton, use ``F.linear``.
 
-On a GPU that has it (sm_90+, a Triton with grid dependency control) every program first signals that the next
-kernel may launch: the fast path's GEMM (``qerl::nvfp4_gemm_lora`` with ``pdl``) then starts streaming its weights
-while the shrink runs and waits for the shrink's results only before its epilogue reads ``shrunk``. A kernel
-launched normally after the shrink is unaffected.
+The kernel does not signal programmatic dependent launch (``signal_next`` is for tests): measured on an H200
+(``benchmarks/lora_gemm_bench.py``, NOTES "Sixth round"), a GEMM launched while the shrink ran could not place all
+of its CTAs beside the shrink's programs and finished later than after a plain launch (7B layer at one token: shrink
++ GEMM 27.8 us over the base GEMM with the signal, 20.9 without). The fast path's GEMM still goes out with ``pdl``
+and starts as the shrink's programs exit.
 
 Shapes: x [T, K], a [R, K], any strides (vLLM's concatenated A is a contiguous [R, K] view); same floating dtype
 (bfloat16, float16, float32) and device. Returns [T, R] in that dtype.
@@ -205,16 +206,19 @@ if triton is not None:
                  mask=(rt[:, None] < T) & (rr[None, :] < R))
 
 
-def _launches_dependents(device: torch.device) -> bool:
-    """Whether the kernel signals programmatic dependent launch: on CUDA devices of sm_90+ with a Triton that has
-    grid dependency control (the interpreter and older GPUs run without it)."""
+def can_signal_next(device: torch.device) -> bool:
+    """Whether the kernel can signal programmatic dependent launch on ``device``: CUDA, sm_90+, a Triton with grid
+    dependency control (the interpreter and older GPUs cannot)."""
     return (gdc_launch_dependents is not None and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config: ShrinkConfig | None = None) -> None:
+def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config: ShrinkConfig | None = None,
+                       signal_next: bool = False) -> None:
     """Run the Triton kernel into ``y`` [T, R] (any strides; every element written). ``config`` overrides the
-    tile (benchmarks, tests). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    tile (benchmarks, tests). ``signal_next``: every program first lets a programmatic dependent launch after it
+    start (where :func:`can_signal_next`; tests use it to have a GEMM start while its input is being written).
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
     if triton is None:
         raise RuntimeError("qerl::lora_shrink: Triton is not importable")
     _check(x, a)
@@ -228,7 +232,7 @@ def launch_lora_shrink(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, config
     grid = (triton.cdiv(t, c.block_t), triton.cdiv(r, c.block_r))
     _lora_shrink_kernel[grid](x, a, y, t, r, k, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                               y.stride(0), y.stride(1), BLOCK_T=c.block_t, BLOCK_R=c.block_r, BLOCK_K=c.block_k,
-                              LAUNCH_DEPENDENTS=_launches_dependents(x.device), num_warps=c.num_warps)
+                              LAUNCH_DEPENDENTS=signal_next and can_signal_next(x.device), num_warps=c.num_warps)
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, config: ShrinkConfig | None = None) -> torch.Tensor:
