@@ -152,10 +152,11 @@ __device__ __forceinline__ void decode_scaled(const uint4& wv, const uint2& sv, 
 //
 // A kernel launched with launch_kernel(..., pdl = true) may start while the kernel before it on the stream is still
 // running (with no explicit trigger there, from when that kernel's last CTAs exit; a trigger at the start of the
-// LoRA shrink measured slower, NOTES "Sixth round"). Until wait_prior_grid() returns it may only read what the previous kernel cannot be writing and the
-// caller promised stays unchanged: the weights, scales and LoRA B. Activations, `shrunk`, the mask, the bias, the
-// workspace, the counters and the output (whose memory the allocator may have handed over from a tensor the
-// previous kernel still reads) come after it. Without the launch attribute, and below sm_90, the wait is a no-op.
+// LoRA shrink measured slower, NOTES "Sixth round"). Until wait_prior_grid() returns it may only read what the
+// previous kernel cannot be writing and the caller promised stays unchanged: the weights, scales and LoRA B.
+// Activations, `shrunk`, the mask, the bias, the workspace, the counters and the output (whose memory the allocator
+// may have handed over from a tensor the previous kernel still reads) come after it. Without the launch attribute,
+// and below sm_90, the wait is a no-op.
 __device__ __forceinline__ void wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -7,9 +7,9 @@
 // moves 7B gate_up's 76 MB at 2.2 TB/s where cuBLAS streams BF16 at 3.7-3.9 TB/s. It is not issue-bound (~20 us
 // of issue for a 74 us layer); its warps wait at the per-stage CTA barrier of the cp.async ring and on the data, and
 // its grid runs 296 tiles on 264 slots (a second, nearly empty wave). Here:
-//  * CTA = 8 consumer warps + 1 producer warp, 3 CTAs per SM (2 with the LoRA epilogue). Consumer warp w computes
-//    as in split-K: rows [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every 128-K stage,
-//    BM / 8 n8 token tiles; the two k halves are summed through shared memory at the end of a segment.
+//  * CTA = 8 consumer warps + 1 producer warp, 3 CTAs per SM (2 with the LoRA epilogue at BM = 16). Consumer warp w
+//    computes as in split-K: rows [32 (w % 4), +32) of the 128-row tile (2 n16 blocks), k64 half w / 4 of every
+//    128-K stage, BM / 8 n8 token tiles; the two k halves are summed through shared memory at the end of a segment.
 //  * Ring of STAGES slots. Per slot: the stage's activations as two TMA boxes of 64 K x BM tokens (128-byte
 //    swizzle, rows past M zero-filled), its 8 KB of weights and 1 KB of scales (each one contiguous run of the
 //    repacked layout: one bulk copy each), all completing on the slot's `full` mbarrier. One producer thread walks the
@@ -21,6 +21,8 @@
 //  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only; with LORA the tile's LoRA
 //    term (cuda/lora_epilogue.cuh) is added in FP32 before the rounding: the k-half-1 warps, idle once the halves are
 //    summed, stage the tile's rows of `shrunk` and build the term in the LoRA region while the others wait.
+//  * Programmatic dependent launch (`pdl`): the producer issues the first ring pass's weight and scale copies, then
+//    waits for the prior grid (wait_prior_grid, nvfp4_common.cuh), then the activation boxes.
 // Measured (NOTES, "v7"): about split-K's speed at M = 1 and on the small GEMMs (whose persistent fix-up costs 1-3
 // us), 1.06-1.20x split-K on the wide ones at M = 8-16, where the shipped table runs it. The barrier and the wave were
 // not the bound: with its decode and MMAs switched off its copies alone move only ~2.8 TB/s.
