@@ -192,23 +192,22 @@ inline cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 bloc
 // stalls on reusing them (stream-K at 246 registers: 7% of warp samples on that write-after-read wait).
 // Returns with the ring drained and every warp past a barrier, so the caller may reuse the shared memory.
 //
-// With a `load_early` (run_cp_async_ring_after_prior) the prologue first issues load_early for the first STAGES - 1
-// stages (the weights and scales), then waits for the prior grid (PDL), then issues `load` for them (the
-// activations); later stages issue both together. The early copies join the first commit group, so the
-// wait_group count of every stage still covers all of its copies.
+// With a `load_early` (run_cp_async_ring_after_prior) the prologue issues stage 0's load_early (its weights and
+// scales) before it waits for the prior grid (PDL), then stage 0's `load` (its activations); every other stage issues
+// both together. Each commit group still holds one stage's copies. Only stage 0's: issuing the first STAGES - 1
+// stages' weights before the wait put them all in group 0, so the first MMA waited for all of them (7B o at M = 1
+// 7.6 -> 8.2 us without PDL, NOTES "Sixth round").
 template <int STAGES, bool kLoadAfterCompute, bool kWaitPrior, class LoadEarly, class Load, class Compute>
 __device__ __forceinline__ void run_cp_async_ring_impl(int count, LoadEarly&& load_early, Load&& load,
                                                        Compute&& compute) {
   if constexpr (kWaitPrior) {
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-      if (s < count) load_early(s, s);
+    if (count > 0) load_early(0, 0);
     wait_prior_grid();
   }
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < count) {
-      if constexpr (!kWaitPrior) load_early(s, s);
+      if (!kWaitPrior || s > 0) load_early(s, s);
       load(s, s);
     }
     cp_async_commit();

@@ -21,8 +21,8 @@
 //  * Epilogue as split-K: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only; with LORA the tile's LoRA
 //    term (cuda/lora_epilogue.cuh) is added in FP32 before the rounding: the k-half-1 warps, idle once the halves are
 //    summed, stage the tile's rows of `shrunk` and build the term in the LoRA region while the others wait.
-//  * Programmatic dependent launch (`pdl`): the producer issues the first ring pass's weight and scale copies, then
-//    waits for the prior grid (wait_prior_grid, nvfp4_common.cuh), then the activation boxes.
+//  * Programmatic dependent launch (`pdl`): the producer issues the first unit's weight and scale copies, then waits
+//    for the prior grid (wait_prior_grid, nvfp4_common.cuh), then its activation boxes and the rest.
 // Measured (NOTES, "v7"): about split-K's speed at M = 1 and on the small GEMMs (whose persistent fix-up costs 1-3
 // us), 1.06-1.20x split-K on the wide ones at M = 8-16, where the shipped table runs it. The barrier and the wave were
 // not the bound: with its decode and MMAs switched off its copies alone move only ~2.8 TB/s.
@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
     // ---- producer: one thread issues every copy of this CTA's range, unit after unit
     if (lane == 0) {
       const int n_units = range.end - range.begin;
-      // Unit i's copies into its slot: the weights and scales (`weights`), the two activation boxes (`acts`).
-      auto copy_unit = [&](int i, bool weights, bool acts) {
+      // Unit i's copies into its slot: the two activation boxes (`acts`), the weights and scales (`weights`).
+      auto copy_unit = [&](int i, bool acts, bool weights) {
         const int slot = i % STAGES;
         const int u = range.begin + i;
         const int tile = u / S;
@@ -138,24 +138,31 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
         const uint32_t base = smem_base + slot * C::SLOT_BYTES;
         const uint32_t bar = full0 + 8 * slot;
         const size_t blk = size_t(ntile) * S + st;  // the tile-stage's block of the repacked layout
-        if (weights) {
-          tma::mbar_expect_tx(bar, 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);  // the slot's bytes, all copies
-          tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES, bar);
-          tma::bulk_copy(base + C::S_OFF, qs + blk * S_VEC, DT_S_BYTES, bar);
-        }
         if (acts) {
           tma::load_2d(base, &x_map, bar, st * DT_BK, mtile * BM);
           tma::load_2d(base + C::X_HALF_BYTES, &x_map, bar, st * DT_BK + tma::kBoxK, mtile * BM);
         }
+        if (weights) {
+          tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES, bar);
+          tma::bulk_copy(base + C::S_OFF, qs + blk * S_VEC, DT_S_BYTES, bar);
+        }
       };
-      // The first pass over the ring: its weights stream before the wait for the prior grid (PDL; a no-op without
-      // it), its activations after.
-      const int first = min(n_units, STAGES);
-      for (int i = 0; i < first; ++i) copy_unit(i, true, false);
+      auto expect_unit = [&](int i) {  // the slot's bytes, all of its copies
+        tma::mbar_expect_tx(full0 + 8 * (i % STAGES), 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);
+      };
+      // Unit 0's weights and scales stream before the wait for the prior grid (PDL; a no-op without it), its
+      // activations after. Only unit 0's: the copy engine serves a CTA's copies in order, so more weights ahead of
+      // the first activation boxes delay the first slot (a whole first pass of them: 7B gate_up at M = 1 33.4 ->
+      // 34.8 us without PDL, NOTES "Sixth round").
+      if (n_units > 0) {
+        expect_unit(0);
+        copy_unit(0, false, true);
+      }
       wait_prior_grid();
-      for (int i = 0; i < first; ++i) copy_unit(i, false, true);
-      for (int i = first; i < n_units; ++i) {
-        tma::mbar_wait(empty0 + 8 * (i % STAGES), ((i / STAGES) + 1) & 1);  // the slot's last use was released
+      if (n_units > 0) copy_unit(0, true, false);
+      for (int i = 1; i < n_units; ++i) {
+        if (i >= STAGES) tma::mbar_wait(empty0 + 8 * (i % STAGES), ((i / STAGES) + 1) & 1);  // its last use ended
+        expect_unit(i);
         copy_unit(i, true, true);
       }
     }
