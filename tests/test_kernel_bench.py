@@ -509,3 +509,22 @@ def test_profile_shape_filter_names_what_matched_nothing(kb_diag):
     assert (256, 3584, 3584) in kb_diag.PROFILE_SHAPES  # the narrow GEMM source_profile.sh NK=3584x3584 profiles
     with pytest.raises(ValueError, match=r"N x K in \{\(1, 1\)\}"):
         kb_diag.profile_run(ms={256}, nks={(1, 1)})
+
+
+def test_lora_gemm_bench_slices_sums_and_targets():
+    """benchmarks/lora_gemm_bench.py's pure parts: the LoRA slices of each 7B layer (q / k / v heads, gate / up),
+    the per-layer sums and LoRA costs, and its targets (base / with the fast path, against 0.90)."""
+    lg = load_script("benchmarks/lora_gemm_bench.py", "lora_gemm_bench")
+    cfg = lg.MODELS["qwen2.5-7b"]
+    shapes = {name: n for name, n, _ in lg.layer_shapes(cfg)}
+    assert lg.slice_bounds("qkv", shapes["qkv"], cfg) == [0, 3584, 4096, 4608]
+    assert lg.slice_bounds("gate_up", shapes["gate_up"], cfg) == [0, 18944, 37888]
+    assert lg.slice_bounds("down", shapes["down"], cfg) == [0, 3584]
+    assert set(lg.SLICES) == set(shapes)
+    recs = [{"model": "m", "M": 1, **{f"{k}_us": v for k, v in zip(lg.METHODS, vals)}}
+            for vals in ((10, 11, 3, 14, 13), (20, 21.5, 4, 26, 25))]
+    lay = lg.layer_sum(recs)
+    assert lay["gemm_us"] == 30 and lay["epilogue_cost_us"] == 2.5 and lay["pair_cost_us"] == 10
+    assert lay["pair_pdl_cost_us"] == 8
+    (t,) = lg.build_targets(recs + [lay])
+    assert t["measured"] == round(30 / 38, 3) and t["op"] == ">=" and t["target"] == 0.9
