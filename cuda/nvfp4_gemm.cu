@@ -160,8 +160,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     }
   };
 
-  // ---- main loop: STAGES-deep cp.async ring, the first stages' weights in flight before the wait for the prior grid
-  // (a no-op unless launched with PDL); then the drained ring sums the two k halves
+  // ---- main loop: STAGES-deep cp.async ring, stage 0's weights in flight before the wait for the prior grid (a no-op
+  // unless launched with PDL); then the drained ring sums the two k halves
   run_cp_async_ring_after_prior<STAGES>(s_count, load_weights, load_acts, compute_stage);
   sum_k_halves(acc, reinterpret_cast<float*>(smem), kh, rt, [] { __syncthreads(); });
 

@@ -151,9 +151,9 @@ __global__ void __launch_bounds__(DT_THREADS, DtCfg<BM, LORA>::CTAS_PER_SM)
         tma::mbar_expect_tx(full0 + 8 * (i % STAGES), 2 * C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);
       };
       // Unit 0's weights and scales stream before the wait for the prior grid (PDL; a no-op without it), its
-      // activations after. Only unit 0's: the copy engine serves a CTA's copies in order, so more weights ahead of
-      // the first activation boxes delay the first slot (a whole first pass of them: 7B gate_up at M = 1 33.4 ->
-      // 34.8 us without PDL, NOTES "Sixth round").
+      // activations after. Only unit 0's: a CTA's copies complete roughly in issue order, so more weights ahead of
+      // the first activation boxes delay the first slot (a whole first pass of them measured 7B gate_up at M = 1
+      // 33.4 -> 34.8 us, PDL off; NOTES "Sixth round").
       if (n_units > 0) {
         expect_unit(0);
         copy_unit(0, false, true);

@@ -68,7 +68,7 @@ int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* l
 // term is added where the bf16 output is written: by every CTA with one split, by the last CTA of a tile (after the
 // deterministic sum of the partials) with several.
 // pdl != 0 (sm_90+ devices only): a programmatic dependent launch. The kernel may start while the previous kernel on
-// the stream finishes and streams its first stages of qweight / qscale (and prefetches lora_b) before waiting for it;
+// the stream finishes and streams its first stage of qweight / qscale (and prefetches lora_b) before waiting for it;
 // everything else (x, shrunk, mask, bias, workspace, counters, out) is touched after the wait. The caller promises
 // that the previous kernel does not write qweight, qscale or lora_b.
 cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
@@ -136,7 +136,7 @@ int qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(int block_t);
 // stream-K over 128-row tiles. Same workspace / counter contract and availability rule as the wgmma launch above.
 // `lora` (null: none): the LoRA expand added in the epilogue, as the split-K launch's, up to 128 shrunk columns
 // (qerl_nvfp4_gemm_decode_tma_lora_supported; an unsupported one is cudaErrorInvalidValue). `pdl`: as
-// qerl_nvfp4_gemm_lora_launch's (the producer issues the first ring slots' weight and scale copies before the wait).
+// qerl_nvfp4_gemm_lora_launch's (the producer issues the first unit's weight and scale copies before the wait).
 cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,
                                               float* workspace, int* counters, int M, int N, int K, int grid,

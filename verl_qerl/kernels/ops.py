@@ -15,9 +15,9 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
   of :data:`verl_qerl.kernels.modes.GEMM_MODES`, defined once in ``cuda/gemm_modes.h`` with what each runs;
   ``splits`` (mode ``splitk`` only) fixes the split-K kernel's K-split count (0: its heuristic). ``pdl``: on
   sm_90+ the decode kernels (split-K, ``decode_tma``) go out as programmatic dependent launches: a GEMM starts while
-  the kernel before it drains and streams its first weight stages before waiting for that kernel's results (at
-  decode the launch gap and ramp are ~1/3 of a small GEMM's time). Only pass it when the kernel right before the
-  op does not write ``qweight``, ``qscale`` (or ``lora_b``): a model's forward (``verl_qerl.kernels.pdl_enabled``).
+  the kernel before it drains and streams its first weight stage before waiting for that kernel's results (1-2 % per
+  decode layer on an H200). Only pass it when the kernel right before the op does not write ``qweight``, ``qscale``
+  (or ``lora_b``): a model's forward (``verl_qerl.kernels.pdl_enabled``).
 * ``nvfp4_gemm_lora(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,
   splits=0, pdl=False) -> [M, n]``: ``nvfp4_gemm`` plus a single-adapter LoRA expand, ``out[m, c] += mask[m] *
   shrunk[m, s r:(s+1) r] . lora_b[c, s r:(s+1) r]`` with ``s`` the slice of output column ``c`` (``slice_bounds =
