@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             os.environ[name] = value
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the profiler sees its GPU work
+    rollout.isolate_compile_cache()  # after the variant's settings: its own compiled graphs
     device = rollout.device_name()
     res = run(args)
     result = {"benchmark": "lora_profile", "device": device, "versions": rollout.versions(),

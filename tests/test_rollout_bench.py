@@ -330,3 +330,20 @@ def test_verl_samples_only_the_checkpoints_tokenizer_ids(tmp_path):
                                       tokenizer=tmp_path / "tok")
     assert sampleable(tiny) == 512
     assert sampleable(real) == 800
+
+
+def test_compile_cache_is_isolated_per_qerl_setting(monkeypatch):
+    """vLLM's compile cache does not key on QERL_* settings (they are baked into the traced graphs), so the rollout
+    and LoRA-profile benchmarks give every setting its own VLLM_CACHE_ROOT below the caller's."""
+    rb = _load_script()
+    for k in [k for k in os.environ if k.startswith("QERL_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setattr(rb, "_CACHE_BASE", "/base")
+    monkeypatch.setenv("QERL_PDL", "0")
+    off = rb.isolate_compile_cache()
+    assert off.startswith("/base/qerl-") and os.environ["VLLM_CACHE_ROOT"] == off
+    monkeypatch.setenv("QERL_PDL", "1")
+    on = rb.isolate_compile_cache()
+    assert on != off and on.startswith("/base/qerl-")
+    monkeypatch.setenv("QERL_PDL", "0")
+    assert rb.isolate_compile_cache() == off  # same settings, same graphs
