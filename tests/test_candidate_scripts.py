@@ -102,6 +102,6 @@ def test_decode_skeleton_edits_match_the_kernel(tmp_path: Path) -> None:
     assert sk.count("if (M < 0) mma_k16_step(") == 1 and "load_2d(base" in sk
     w = edited(skip, wonly)
     assert "load_2d(base" not in w and "bulk_copy(base + C::S_OFF" not in w
-    assert "mbar_expect_tx(bar, DT_W_BYTES);" in w
+    assert "X_HALF_BYTES + DT_W_BYTES" not in w and "(i % STAGES), DT_W_BYTES);" in w  # each slot expects weights only
     h = edited(skip, w4k)
     assert h.count("DT_W_BYTES / 2, bar)") == 2 and "W_VEC / 2" in h

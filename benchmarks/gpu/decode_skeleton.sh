@@ -13,7 +13,7 @@ for v in sk wonly w4k; do
   rm -rf "/tmp/$v"; cp -r "$R" "/tmp/$v"; cd "/tmp/$v" || exit 2
   sed -i 's/^        mma_k16_step(wv, sv, j, b, acc);/        if (M < 0) mma_k16_step(wv, sv, j, b, acc);/' $F
   if [ $v = wonly ]; then
-    sed -i 's/tma::mbar_expect_tx(bar, 2 \* C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);/tma::mbar_expect_tx(bar, DT_W_BYTES);/; /tma::load_2d(base/d; /tma::bulk_copy(base + C::S_OFF/d' $F
+    sed -i 's/, 2 \* C::X_HALF_BYTES + DT_W_BYTES + DT_S_BYTES);/, DT_W_BYTES);/; /tma::load_2d(base/d; /tma::bulk_copy(base + C::S_OFF/d' $F
   fi
   if [ $v = w4k ]; then
     sed -i 's|tma::bulk_copy(base + C::W_OFF, qw + blk \* W_VEC, DT_W_BYTES, bar);|tma::bulk_copy(base + C::W_OFF, qw + blk * W_VEC, DT_W_BYTES / 2, bar); tma::bulk_copy(base + C::W_OFF + DT_W_BYTES / 2, qw + blk * W_VEC + W_VEC / 2, DT_W_BYTES / 2, bar);|' $F
