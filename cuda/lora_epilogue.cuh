@@ -62,16 +62,18 @@ __device__ __forceinline__ void lora_prefetch_b(const QerlLoraEpilogue& p, int n
 // threads (c = 0 .. BN - 1), so that every column then reads them from shared memory. The caller's CTA barrier
 // orders these writes before lora_tile's reads (a CTA-wide barrier, not a named one over the BN threads: with the
 // named barrier compute-sanitizer's racecheck reports hazards on correct code, benchmarks/NOTES.md).
-template <int BM, int BN>
+// kWrittenByThisGrid: `shrunk` was written by other CTAs of this launch (the split-K kernel's in-launch shrink), so it is
+// read through L2 (ld.cg) rather than the read-only path, which is only defined for data no CTA of the grid writes.
+template <int BM, int BN, bool kWrittenByThisGrid = false>
 __device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int m0, int M, int c) {
   const int ranks = p.n_slices * p.rank;  // staged row length (elements), a multiple of 8
   const int rows = min(BM, M - m0);
   const int row_chunks = ranks / 8;
   for (int q = c; q < rows * row_chunks; q += BN) {
     const int t = q / row_chunks, ch = q % row_chunks;
-    reinterpret_cast<uint4*>(s_sm + t * ranks)[ch] =
-        __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.shrunk) +
-                                             size_t(m0 + t) * p.ld_shrunk) + ch);
+    const uint4* src =
+        reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.shrunk) + size_t(m0 + t) * p.ld_shrunk) + ch;
+    reinterpret_cast<uint4*>(s_sm + t * ranks)[ch] = kWrittenByThisGrid ? __ldcg(src) : __ldg(src);
   }
 }
 
@@ -132,15 +134,20 @@ struct LoraTile {
 };
 
 // (host) A LoRA epilogue a kernel staging up to max_ranks shrunk columns can run for an [M, N] output: operands
-// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N. On success
-// `norm` is a copy with the unused slice_end entries set to N (the kernel's slice lookup reads the first two).
-inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm) {
+// present and 16-byte aligned rows, rank a positive multiple of 8, 1..3 increasing slices ending at N; lora_a (the
+// in-launch shrink, then `shrunk` is not read) only where the kernel computes the shrink (in_launch_shrink). On
+// success `norm` is a copy with the unused slice_end entries set to N (the kernel's slice lookup reads the first two).
+inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLoraEpilogue* norm,
+                       bool in_launch_shrink = false) {
   auto aligned = [](const void* q) { return q != nullptr && reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (!aligned(p.shrunk) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0) return false;
+  if (p.lora_a != nullptr && (!in_launch_shrink || !aligned(p.lora_a) || p.ld_a <= 0 || p.ld_a % 8 != 0))
+    return false;
+  if ((p.lora_a == nullptr && !aligned(p.shrunk)) || !aligned(p.lora_b) || p.mask == nullptr || p.mask_stride < 0)
+    return false;
   if (p.rank <= 0 || p.rank % 8 != 0 || p.n_slices < 1 || p.n_slices > 3 || p.n_slices * p.rank > max_ranks)
     return false;
-  if (p.ld_shrunk % 8 != 0 || p.ld_b % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank || p.ld_b < p.n_slices * p.rank)
-    return false;
+  if (p.lora_a == nullptr && (p.ld_shrunk % 8 != 0 || p.ld_shrunk < p.n_slices * p.rank)) return false;
+  if (p.ld_b % 8 != 0 || p.ld_b < p.n_slices * p.rank) return false;
   int prev = 0;
   for (int i = 0; i < p.n_slices; ++i) {
     if (p.slice_end[i] <= prev) return false;

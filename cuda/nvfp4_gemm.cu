@@ -18,8 +18,16 @@
 //  * Split-K over CTAs when the tiles alone cannot fill the GPU: each split writes an FP32
 //    partial, the last CTA of a tile (atomic counter) sums the partials in split order
 //    (deterministic), writes bf16 and re-zeroes its counter, so one launch, no memset.
-//  * Optional LoRA expand in the epilogue (template flag LORA, cuda/lora_epilogue.cuh): the tile's LoRA term is added
-//    in FP32 before the bf16 rounding. LORA = false is the kernel without it, instruction for instruction.
+//  * Optional LoRA expand in the epilogue (template argument LORA, cuda/lora_epilogue.cuh): the tile's LoRA term is
+//    added in FP32 before the bf16 rounding. LORA = kNoLora is the kernel without it, instruction for instruction.
+//  * Optionally the LoRA shrink too (LORA = kLoraShrinkInLaunch): a separate shrink kernel costs 2.5-5 us per decode
+//    GEMM in a CUDA graph for < 1 us of work (NOTES "Sixth round"). The launch carries it as extra CTA columns, the
+//    lowest block indices of each split (x fastest): column c computes ranks [32c, 32c + 32) of x @ A_cat^T over the
+//    split's K range with the same ring and MMA (A rows as the MMA's A operand, as the weights are) and writes an FP32
+//    partial; the last of them to arrive sums all partials in split order, rounds to bf16 into the workspace and sets
+//    a ready flag. Each tile's last CTA waits for that flag before its epilogue. Forward progress rests on in-order
+//    CTA dispatch (as stream-K fix-ups do): a tile's last CTA has seen its last split's CTA start, whose block index
+//    is above every shrink CTA of its m-tile, and shrink CTAs wait on nothing.
 #include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
@@ -54,7 +62,174 @@ struct Cfg {
   static_assert(MAX_LORA_RANKS >= 96, "the drained ring must hold the LoRA tile and shrunk rows of rank 32 x 3");
 };
 
-template <int BM, bool LORA>
+enum LoraMode { kNoLora = 0, kLoraShrunk = 1, kLoraShrinkInLaunch = 2 };
+
+// The in-launch shrink's workspace and counters (kLoraShrinkInLaunch), after the split-K partials and the tiles'
+// counters: per m-tile, `splits x cols` FP32 partials of BM x 32 (row t at t * 32), the bf16 sum [BM, ranks], and
+// three counters (shrink CTAs arrived, sum ready, tiles done with it).
+struct ShrinkPlan {
+  int cols;            // CTA columns: ceil(ranks / 32)
+  int ranks;           // n_slices * rank
+  size_t part_floats;  // split-K partials before it
+  __host__ __device__ static int cols_for(const QerlLoraEpilogue& p) {
+    return (p.n_slices * p.rank + QERL_LORA_SHRINK_RANKS_PER_CTA - 1) / QERL_LORA_SHRINK_RANKS_PER_CTA;
+  }
+  __host__ __device__ static size_t partial_floats(int bm, int cols, int splits) {
+    return size_t(splits) * cols * bm * QERL_LORA_SHRINK_RANKS_PER_CTA;
+  }
+  __host__ __device__ static size_t sum_floats(int bm, int ranks) { return (size_t(bm) * ranks / 2 + 3) / 4 * 4; }
+  __host__ __device__ static size_t floats(int bm, int cols, int ranks, int splits, int m_tiles) {
+    return size_t(m_tiles) * (partial_floats(bm, cols, splits) + sum_floats(bm, ranks));
+  }
+};
+
+// ld.acquire.gpu of a flag another CTA of this launch sets with a release: spin until it is non-zero.
+__device__ __forceinline__ void wait_flag_acquire(const int* flag) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+  } while (v == 0);
+}
+
+// The split-K kernel's activation stage: BM rows x BK bf16 of x (rows >= M zero-filled) into a ring slot at byte
+// offset W_STAGE_BYTES + S_STAGE_BYTES, rows padded to XROW_BYTES; GEMM and in-launch shrink CTAs load it alike.
+template <int BM>
+struct XStage {
+  static constexpr int CHUNKS = BM * (BK / 8);
+  static constexpr int PER = (CHUNKS + THREADS - 1) / THREADS;
+  const __nv_bfloat16* src[PER];
+  uint32_t dst[PER];
+  int bytes[PER];
+  __device__ __forceinline__ XStage(const __nv_bfloat16* x, int M, int K, int m0, int s_begin, int tid) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = tid + i * THREADS;
+      const int row = c / (BK / 8), ch = c % (BK / 8);
+      const bool valid = (CHUNKS % THREADS == 0 || c < CHUNKS) && (m0 + row < M);
+      src[i] = x + size_t(valid ? m0 + row : 0) * K + size_t(s_begin) * BK + ch * 8;
+      dst[i] = W_STAGE_BYTES + S_STAGE_BYTES + row * XROW_BYTES + ch * 16;
+      bytes[i] = valid ? 16 : 0;
+    }
+  }
+  __device__ __forceinline__ void load(uint32_t slot, int s_rel, int tid) const {
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      if (CHUNKS % THREADS == 0 || tid + i * THREADS < CHUNKS)
+        cp_async16_u32(slot + dst[i], src[i] + size_t(s_rel) * BK, bytes[i]);
+  }
+  // The MMA's B fragments (tokens as n) of the k16 step at column kk of the stage's activations `xs`.
+  __device__ __forceinline__ static void fragments(const uint8_t* xs, int kk, int lane, uint32_t (&b)[BM / 8][2]) {
+    if constexpr (BM / 8 == 1) {
+      const uint8_t* p = xs + (lane & 7) * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+      ldmatrix_x2(b[0][0], b[0][1], p);
+    } else {
+#pragma unroll
+      for (int mp = 0; mp < BM / 16; ++mp) {
+        const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
+        const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
+        ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
+      }
+    }
+  }
+};
+
+// One in-launch shrink CTA (column `col`, one split's K range): ranks [32 col, 32 col + 32) of x @ A_cat^T for the
+// m-tile's BM tokens. Ring slots hold 32 A rows x BK bf16 where the GEMM holds its weights (16-byte chunk ch of row r
+// at r * 256 + (ch ^ (r % 8)) * 16: the ldmatrix rows of one fragment fall in 8 different bank groups) and the
+// activations where the GEMM has them. Warp w: ranks 16 (w % 2) .., the k32 quarter w / 2 of each stage; the four
+// quarters are summed through shared memory in a fixed order, then the FP32 partial goes to `part` (row t at t * 32).
+// The last shrink CTA of the m-tile (counter `arrived`) sums every split's and column's partial in split order, rounds
+// to bf16 into `sum` [BM, ranks] and releases `ready`.
+template <int BM>
+__device__ __forceinline__ void shrink_cta(const __nv_bfloat16* __restrict__ x, const QerlLoraEpilogue& lora,
+                                           float* part_base, __nv_bfloat16* sum, int* arrived, int* ready, int M,
+                                           int K, int splits, int split, int s_begin, int s_count, int col, int m0,
+                                           uint8_t* smem, int& s_flag) {
+  using C = Cfg<BM>;
+  constexpr int MT = C::MT;
+  constexpr int RPC = QERL_LORA_SHRINK_RANKS_PER_CTA;
+  static_assert(RPC == 32 && (RPC * BK * 2) / 16 == 2 * THREADS, "two 16-byte A chunks per thread per stage");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int ranks = lora.n_slices * lora.rank;
+  const int cols = (ranks + RPC - 1) / RPC;
+  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(lora.lora_a);
+  const __nv_bfloat16* asrc[2];
+  uint32_t adst[2];
+  int abytes[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int c = tid + i * THREADS, row = c >> 4, ch = c & 15;
+    const bool valid = col * RPC + row < ranks;
+    asrc[i] = a + size_t(valid ? col * RPC + row : 0) * lora.ld_a + size_t(s_begin) * BK + ch * 8;
+    adst[i] = row * (BK * 2) + ((ch ^ (row & 7)) << 4);
+    abytes[i] = valid ? 16 : 0;
+  }
+  const XStage<BM> xstage(x, M, K, m0, s_begin, tid);
+  const uint32_t smem_base = smem_u32(smem);
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[mt][c] = 0.0f;
+  const int h = warp & 1, kq = warp >> 1;
+  auto load_a = [&](int buf, int s_rel) {
+    const uint32_t slot = smem_base + buf * C::STAGE_BYTES;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) cp_async16_u32(slot + adst[i], asrc[i] + size_t(s_rel) * BK, abytes[i]);
+  };
+  auto load_x = [&](int buf, int s_rel) { xstage.load(smem_base + buf * C::STAGE_BYTES, s_rel, tid); };
+  auto compute = [&](int buf) {
+    const uint32_t slot = smem_base + buf * C::STAGE_BYTES;
+    const uint8_t* xs = smem + buf * C::STAGE_BYTES + W_STAGE_BYTES + S_STAGE_BYTES;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int kk = kq * 32 + j * 16;
+      const int row = h * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const int chunk = (kk >> 3) + (lane >> 4);
+      uint32_t af[4];
+      ldmatrix_x4_u32(af[0], af[1], af[2], af[3], slot + row * (BK * 2) + ((chunk ^ (row & 7)) << 4));
+      uint32_t b[MT][2];
+      XStage<BM>::fragments(xs, kk, lane, b);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma_bf16(acc[mt], af, b[mt]);
+    }
+  };
+  run_cp_async_ring_after_prior<C::STAGES>(s_count, load_a, load_x, compute);
+
+  // The four k quarters of each 16-rank half, in quarter order: red[warp][mt][c][lane] -> part[t][rank].
+  float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[((warp * MT + mt) * 4 + c) * 32 + lane] = acc[mt][c];
+  __syncthreads();
+  float* part = part_base + (size_t(split) * cols + col) * (BM * RPC);
+  for (int e = tid; e < BM * RPC; e += THREADS) {
+    const int t = e / RPC, rho = e % RPC;
+    const int hh = rho >> 4, r_in = rho & 15, mt = t >> 3;
+    const int c = ((r_in >> 3) << 1) | (t & 1);
+    const int ln = ((r_in & 7) << 2) | ((t & 7) >> 1);
+    float v = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v += red[(((hh + 2 * q) * MT + mt) * 4 + c) * 32 + ln];
+    part[e] = v;
+  }
+  // Publish; the last shrink CTA of the m-tile acquires every partial and sums them.
+  if (!arrive_last(arrived, 0, splits * cols, tid, s_flag)) return;
+  const int rows = min(BM, M - m0);
+  for (int e = tid; e < rows * ranks; e += THREADS) {
+    const int t = e / ranks, j = e % ranks;
+    const float* p = part_base + size_t(j / RPC) * (BM * RPC) + t * RPC + (j % RPC);
+    float v = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) v += __ldcg(p + size_t(s) * cols * (BM * RPC));
+    sum[e] = __float2bfloat16_rn(v);
+  }
+  __syncthreads();
+  if (tid == 0) asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(ready), "r"(1) : "memory");
+}
+
+template <int BM, int LORA>
 __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     nvfp4_gemm_splitk_kernel(const __nv_bfloat16* __restrict__ x, const uint4* __restrict__ qw,
                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -73,7 +248,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   const int wn = warp & 3;   // 32-row group of the 128-row tile
   const int kh = warp >> 2;  // k64 half of each stage
   const int rt = wn * 32 + lane;  // index among the 128 threads holding one output fragment set
-  const int ntile = blockIdx.x;
+  const int shrink_cols = LORA == kLoraShrinkInLaunch ? ShrinkPlan::cols_for(lora) : 0;
+  const int n_tiles = gridDim.x - shrink_cols;
+  const int ntile = blockIdx.x - shrink_cols;
   const int split = blockIdx.y;
   const int mtile = blockIdx.z;
   const int stages_total = K / BK;
@@ -83,7 +260,25 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   const int s_count = q + (split < rem ? 1 : 0);
   const int nb0 = ntile * (BN / 16);
   const int m0 = mtile * BM;
-  if constexpr (LORA) {
+  // The in-launch shrink's buffers for this m-tile (ShrinkPlan).
+  [[maybe_unused]] float* sh_part = nullptr;
+  [[maybe_unused]] __nv_bfloat16* sh_sum = nullptr;
+  [[maybe_unused]] int* sh_counters = nullptr;
+  if constexpr (LORA == kLoraShrinkInLaunch) {
+    const int ranks = lora.n_slices * lora.rank;
+    const size_t part_floats = splits > 1 ? size_t(n_tiles) * gridDim.z * splits * (BM * BN) : 0;
+    float* base = ws + part_floats +
+                  size_t(mtile) * (ShrinkPlan::partial_floats(BM, shrink_cols, splits) + ShrinkPlan::sum_floats(BM, ranks));
+    sh_part = base;
+    sh_sum = reinterpret_cast<__nv_bfloat16*>(base + ShrinkPlan::partial_floats(BM, shrink_cols, splits));
+    sh_counters = counters + n_tiles * gridDim.z + 3 * mtile;
+    if (ntile < 0) {
+      shrink_cta<BM>(x, lora, sh_part, sh_sum, sh_counters, sh_counters + 1, M, K, splits, split, s_begin, s_count,
+                     blockIdx.x, m0, smem, s_is_last);
+      return;
+    }
+  }
+  if constexpr (LORA != kNoLora) {
     if (split == 0) lora_prefetch_b<BN, THREADS>(lora, nb0 * 16, N, tid);
   }
 
@@ -99,20 +294,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // qw[(ntile * stages_total + s) * 512 ...] and 1 KB of scales at qs[(...) * 64 ...].
   const uint4* wsrc = qw + (size_t(ntile) * stages_total + s_begin) * (W_STAGE_BYTES / 16) + tid;
   const uint4* ssrc = qs + (size_t(ntile) * stages_total + s_begin) * (S_STAGE_BYTES / 16) + tid;
-  constexpr int XCHUNKS = BM * (BK / 8);
-  constexpr int XPER = (XCHUNKS + THREADS - 1) / THREADS;
-  const __nv_bfloat16* xsrc[XPER];
-  uint32_t xdst[XPER];
-  int xbytes[XPER];
-#pragma unroll
-  for (int i = 0; i < XPER; ++i) {
-    const int c = tid + i * THREADS;
-    const int row = c / (BK / 8), ch = c % (BK / 8);
-    const bool valid = (XCHUNKS % THREADS == 0 || c < XCHUNKS) && (m0 + row < M);
-    xsrc[i] = x + size_t(valid ? m0 + row : 0) * K + size_t(s_begin) * BK + ch * 8;
-    xdst[i] = W_STAGE_BYTES + S_STAGE_BYTES + row * XROW_BYTES + ch * 16;
-    xbytes[i] = valid ? 16 : 0;
-  }
+  const XStage<BM> xstage(x, M, K, m0, s_begin, tid);
   const uint32_t smem_base = smem_u32(smem);
 
   // A stage's weights and scales (read before wait_prior_grid: see launch_kernel), then its activations.
@@ -125,13 +307,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     if (tid < S_STAGE_BYTES / 16)
       cp_async16_u32(base + W_STAGE_BYTES + tid * 16, ssrc + size_t(s_rel) * (S_STAGE_BYTES / 16), 16);
   };
-  auto load_acts = [&](int buf, int s_rel) {
-    const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-#pragma unroll
-    for (int i = 0; i < XPER; ++i)
-      if (XCHUNKS % THREADS == 0 || tid + i * THREADS < XCHUNKS)
-        cp_async16_u32(base + xdst[i], xsrc[i] + size_t(s_rel) * BK, xbytes[i]);
-  };
+  auto load_acts = [&](int buf, int s_rel) { xstage.load(smem_base + buf * C::STAGE_BYTES, s_rel, tid); };
 
   auto compute_stage = [&](int buf) {
     const uint8_t* base = smem + buf * C::STAGE_BYTES;
@@ -145,17 +321,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
     for (int j = 0; j < 4; ++j) {
       const int kk = kh * 64 + j * 16;
       uint32_t b[MT][2];
-      if constexpr (MT == 1) {
-        const uint8_t* p = xs + (lane & 7) * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
-        ldmatrix_x2(b[0][0], b[0][1], p);
-      } else {
-#pragma unroll
-        for (int mp = 0; mp < MT / 2; ++mp) {
-          const int row = (2 * mp + (lane >> 4)) * 8 + (lane & 7);
-          const uint8_t* p = xs + row * XROW_BYTES + (kk + ((lane >> 3) & 1) * 8) * 2;
-          ldmatrix_x4(b[2 * mp][0], b[2 * mp][1], b[2 * mp + 1][0], b[2 * mp + 1][1], p);
-        }
-      }
+      XStage<BM>::fragments(xs, kk, lane, b);
       mma_k16_step(wv, sv, j, b, acc);
     }
   };
@@ -167,7 +333,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
 
   // ---- split-K: publish the partial, the last CTA of the tile reduces in split order
   if (splits > 1) {
-    const int tile_id = mtile * gridDim.x + ntile;
+    const int tile_id = mtile * n_tiles + ntile;
     float* tile_ws = ws + size_t(tile_id) * splits * (BM * BN);
     if (kh == 0) store_partial(acc, reinterpret_cast<float4*>(tile_ws + size_t(split) * (BM * BN)), m0, lane, rt, M);
     if (!arrive_last(counters, tile_id, splits, tid, s_is_last)) return;  // it acquired the other splits' partials
@@ -215,16 +381,40 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // The LoRA tile is built by the kh = 1 warps, idle from here on (with several splits they pass the partial sum
   // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
   // reduction buffer.
-  if constexpr (LORA) {
+  if constexpr (LORA == kLoraShrunk) {
     __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
     if (kh == 1) lora_stage_shrunk<BM, BN>(s_sm, lora, m0, M, rt);
     __syncthreads();
     if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, lora, nb0 * 16, m0, M, N, rt);
     __syncthreads();
+  } else if constexpr (LORA == kLoraShrinkInLaunch) {
+    // The shrink's bf16 sum (this m-tile's rows, row t at t * ranks) once its last CTA released it.
+    __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
+    QerlLoraEpilogue ep = lora;
+    ep.shrunk = sh_sum;
+    ep.ld_shrunk = lora.n_slices * lora.rank;
+    if (kh == 1) {
+      wait_flag_acquire(sh_counters + 1);
+      lora_stage_shrunk<BM, BN, true>(s_sm, ep, 0, min(BM, M - m0), rt);
+    }
+    __syncthreads();
+    if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, ep, nb0 * 16, m0, M, N, rt);
+    // The last tile of the m-tile to get here has every tile's reads of the sum behind it: it zeroes the counters
+    // for the next launch.
+    if (tid == 0) {
+      int prev;
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(sh_counters + 2) : "memory");
+      if (prev == n_tiles - 1) {
+        sh_counters[0] = 0;
+        sh_counters[1] = 0;
+        sh_counters[2] = 0;
+      }
+    }
+    __syncthreads();
   }
   if (kh != 0) return;
   // ---- epilogue: scale by 128 / global_scale, add bias (and the LoRA tile), store bf16
-  if constexpr (LORA) {
+  if constexpr (LORA != kNoLora) {
     store_bf16(acc, out, bias, __fdiv_rn(128.0f, __ldg(gscale)), nb0 + wn * 2, m0, lane, M, N,
                LoraTile<BN>{reinterpret_cast<const float*>(smem + C::LT_OFFSET), nb0 * 16});
   } else {
@@ -232,7 +422,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   }
 }
 
-template <int BM, bool LORA = false>
+template <int BM, int LORA = kNoLora>
 cudaError_t prepare() {
   static bool done[64] = {};  // per device and kernel; benign race: the attribute call is idempotent
   int dev = 0;
@@ -247,7 +437,7 @@ cudaError_t prepare() {
   return cudaSuccess;
 }
 
-template <int BM, bool LORA>
+template <int BM, int LORA>
 cudaError_t launch_as(const void* x, const void* qweight, const void* qscale, const float* gscale,
                       const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
                       const QerlLoraEpilogue& lora, bool pdl, cudaStream_t stream) {
@@ -255,7 +445,8 @@ cudaError_t launch_as(const void* x, const void* qweight, const void* qscale, co
   if (e != cudaSuccess) return e;
   const int n_tiles = (N + BN - 1) / BN;
   const int m_tiles = (M + BM - 1) / BM;
-  e = launch_kernel(nvfp4_gemm_splitk_kernel<BM, LORA>, dim3(n_tiles, splits, m_tiles), dim3(THREADS),
+  const int shrink_cols = LORA == kLoraShrinkInLaunch ? ShrinkPlan::cols_for(lora) : 0;
+  e = launch_kernel(nvfp4_gemm_splitk_kernel<BM, LORA>, dim3(shrink_cols + n_tiles, splits, m_tiles), dim3(THREADS),
                     Cfg<BM>::SMEM_BYTES, stream, pdl, static_cast<const __nv_bfloat16*>(x),
                     static_cast<const uint4*>(qweight), static_cast<const uint4*>(qscale), gscale,
                     static_cast<const __nv_bfloat16*>(bias), static_cast<__nv_bfloat16*>(out), ws, counters, M, N, K,
@@ -268,14 +459,18 @@ cudaError_t launch(const void* x, const void* qweight, const void* qscale, const
                    const void* bias, void* out, float* ws, int* counters, int M, int N, int K, int splits,
                    const QerlLoraEpilogue* lora, bool pdl, cudaStream_t stream) {
   if (lora == nullptr)
-    return launch_as<BM, false>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
-                                QerlLoraEpilogue{}, pdl, stream);
+    return launch_as<BM, kNoLora>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
+                                  QerlLoraEpilogue{}, pdl, stream);
   // LoRA kernels exist only up to QERL_LORA_EPILOGUE_MAX_BLOCK_M tokens per tile (qerl_nvfp4_gemm_lora_supported)
-  if constexpr (BM <= QERL_LORA_EPILOGUE_MAX_BLOCK_M)
-    return launch_as<BM, true>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora, pdl,
-                               stream);
-  else
+  if constexpr (BM <= QERL_LORA_EPILOGUE_MAX_BLOCK_M) {
+    if (lora->lora_a != nullptr)
+      return launch_as<BM, kLoraShrinkInLaunch>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits,
+                                                *lora, pdl, stream);
+    return launch_as<BM, kLoraShrunk>(x, qweight, qscale, gscale, bias, out, ws, counters, M, N, K, splits, *lora,
+                                      pdl, stream);
+  } else {
     return cudaErrorInvalidValue;
+  }
 }
 
 // Most shrunk columns (n_slices x rank) the LoRA epilogue of the BM kernel stages in its drained ring (0: no kernel).
@@ -298,7 +493,7 @@ template <int BM>
 int ctas_per_sm() {
   if (prepare<BM>() != cudaSuccess) return 0;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_splitk_kernel<BM, false>, THREADS,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, nvfp4_gemm_splitk_kernel<BM, kNoLora>, THREADS,
                                                     Cfg<BM>::SMEM_BYTES) !=
       cudaSuccess)
     return 0;
@@ -311,9 +506,26 @@ int ctas_per_sm() {
 extern "C" int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora) {
   QerlLoraEpilogue norm{};
   return lora != nullptr && N > 0 && block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M &&
-                 qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)
+                 qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm, true)
              ? 1
              : 0;
+}
+
+extern "C" size_t qerl_nvfp4_gemm_lora_workspace_floats(int M, int N, int splits, int block_m,
+                                                       const QerlLoraEpilogue* lora) {
+  size_t f = qerl_nvfp4_gemm_workspace_floats(M, N, splits, block_m);
+  if (lora != nullptr && lora->lora_a != nullptr && M > 0 && block_m > 0 && splits > 0) {
+    const int cols = qerl::ShrinkPlan::cols_for(*lora);
+    f += qerl::ShrinkPlan::floats(block_m, cols, lora->n_slices * lora->rank, splits, (M + block_m - 1) / block_m);
+  }
+  return f;
+}
+
+extern "C" int qerl_nvfp4_gemm_lora_counters(int M, int N, int block_m, const QerlLoraEpilogue* lora) {
+  if (M <= 0 || N <= 0 || block_m <= 0) return 0;
+  const int n_tiles = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;
+  const int m_tiles = (M + block_m - 1) / block_m;
+  return n_tiles * m_tiles + (lora != nullptr && lora->lora_a != nullptr ? 3 * m_tiles : 0);
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
@@ -324,11 +536,14 @@ extern "C" cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qw
   if (M <= 0 || N <= 0 || K <= 0 || K % QERL_GEMM_BK != 0 || N % 16 != 0 || splits < 1 ||
       splits > K / QERL_GEMM_BK)
     return cudaErrorInvalidValue;
-  if (splits > 1 && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
+  const bool in_launch_shrink = lora != nullptr && lora->lora_a != nullptr;
+  if ((splits > 1 || in_launch_shrink) && (workspace == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
   QerlLoraEpilogue norm{};
   if (lora != nullptr && (block_m > QERL_LORA_EPILOGUE_MAX_BLOCK_M ||
-                          !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm)))
+                          !qerl::lora_valid(*lora, N, qerl::lora_max_ranks(block_m), &norm, true)))
     return cudaErrorInvalidValue;
+  // The shrink CTAs read K columns of each A row: its rows must be at least that long.
+  if (in_launch_shrink && lora->ld_a < K) return cudaErrorInvalidValue;
   const QerlLoraEpilogue* ep = lora != nullptr ? &norm : nullptr;
   switch (block_m) {
     case 8:

@@ -40,6 +40,11 @@ size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m);
 // in FP32 before the one rounding, s(n) the slice of column n (at most 3 slices: a fused qkv layer). lora_b is the
 // slices' B on a block diagonal (row n holds its slice's rank values at columns s(n) * rank ..); only those blocks
 // are read. All bf16, rows 16-byte aligned (rank and the leading dimensions multiples of 8).
+//
+// With lora_a set (split-K kernel only, qerl_nvfp4_gemm_lora_launch), the launch computes the shrink itself and
+// `shrunk` is not read: extra CTAs ahead of the GEMM's (the lowest block indices of each split, one per 32 ranks of
+// A_cat) write FP32 partial shrinks of their K range to the workspace; each tile's last CTA waits for them, sums them
+// in split order and rounds the sum to bf16 (the value a separate shrink kernel would have stored) before the expand.
 typedef struct {
   const void* shrunk;  // bf16 [M, ld_shrunk]: x @ A_cat^T, slice s at columns s * rank .. + rank
   const void* lora_b;  // bf16 [N, ld_b]
@@ -50,6 +55,8 @@ typedef struct {
   int rank;            // per slice, a multiple of 8
   int n_slices;        // 1..3
   int slice_end[3];    // exclusive end column of each slice, increasing; slice_end[n_slices - 1] == N
+  const void* lora_a;  // bf16 [n_slices * rank, ld_a] (A_cat, K columns read), or NULL: `shrunk` holds the shrink
+  int ld_a;
 } QerlLoraEpilogue;
 
 // 1 when qerl_nvfp4_gemm_lora_launch accepts `lora` for an output of N columns with this block_m: operands present
@@ -70,11 +77,23 @@ int qerl_nvfp4_gemm_lora_supported(int N, int block_m, const QerlLoraEpilogue* l
 // pdl != 0 (sm_90+ devices only): a programmatic dependent launch. The kernel may start while the previous kernel on
 // the stream finishes and streams its first stage of qweight / qscale (and prefetches lora_b) before waiting for it;
 // everything else (x, shrunk, mask, bias, workspace, counters, out) is touched after the wait. The caller promises
-// that the previous kernel does not write qweight, qscale or lora_b.
+// that the previous kernel does not write qweight, qscale, lora_b or lora_a (the in-launch shrink streams its first
+// stage of lora_a before the wait too).
+// With lora->lora_a set: `workspace` holds qerl_nvfp4_gemm_lora_workspace_floats(...) floats (also with one split)
+// and `counters` qerl_nvfp4_gemm_lora_counters(...) ints, zero on entry, left zero.
 cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, const void* qscale,
                                         const float* global_scale, const void* bias, void* out, float* workspace,
                                         int* counters, int M, int N, int K, int splits, int block_m,
                                         const QerlLoraEpilogue* lora, int pdl, cudaStream_t stream);
+
+// Workspace floats / counters of a qerl_nvfp4_gemm_lora_launch: the split-K partials, plus with lora->lora_a set the
+// in-launch shrink's FP32 partials (m-tiles x splits x block_m x 32 per shrink CTA column) and two counters per m-tile
+// after the tiles' own.
+size_t qerl_nvfp4_gemm_lora_workspace_floats(int M, int N, int splits, int block_m, const QerlLoraEpilogue* lora);
+int qerl_nvfp4_gemm_lora_counters(int M, int N, int block_m, const QerlLoraEpilogue* lora);
+
+// CTA columns of the in-launch shrink for a LoRA of n_slices x rank shrunk columns (32 ranks per CTA).
+#define QERL_LORA_SHRINK_RANKS_PER_CTA 32
 
 // Resident CTAs per SM of the GEMM for this block_m (0 on error).
 int qerl_nvfp4_gemm_ctas_per_sm(int block_m);

@@ -431,22 +431,32 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
   const int64_t m_tiles = (m + block_m - 1) / block_m;
   const int64_t stages = k / QERL_GEMM_BK;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_lora_supported(int(n), block_m, lora) != 0;
+  const bool in_launch_shrink = with_lora && lora->lora_a != nullptr;
+  QCHECK(!in_launch_shrink || qerl_nvfp4_gemm_lora_counters(int(m), int(n), block_m, lora) <= kCounterCap,
+         "qerl::nvfp4_lora_linear: the in-launch shrink needs more split-K counters than the ", kCounterCap, " held");
+  // The in-launch shrink's CTA columns (one per 32 ranks; a CTA streams about one GEMM CTA's bytes: 32 bf16 A rows vs
+  // 128 FP4 rows and their scales) count in the balance as tiles.
+  const int64_t shrink_cols =
+      in_launch_shrink
+          ? (lora->n_slices * lora->rank + QERL_LORA_SHRINK_RANKS_PER_CTA - 1) / QERL_LORA_SHRINK_RANKS_PER_CTA
+          : 0;
   int splits = splits_override > 0 ? int(std::min<int64_t>(splits_override, stages))
-                                   : pick_splits(n_tiles * m_tiles, stages, block_m, sms);
+                                   : pick_splits((n_tiles + shrink_cols) * m_tiles, stages, block_m, sms);
   if (n_tiles * m_tiles > kCounterCap) splits = 1;
   at::Tensor ws;
   int* counters = nullptr;
-  if (splits > 1) {
-    ws = at::empty({int64_t(qerl_nvfp4_gemm_workspace_floats(int(m), int(n), splits, block_m))},
+  if (splits > 1 || in_launch_shrink) {
+    ws = at::empty({int64_t(qerl_nvfp4_gemm_lora_workspace_floats(int(m), int(n), splits, block_m,
+                                                                  with_lora ? lora : nullptr))},
                    x.options().dtype(at::kFloat));
     counters = counters_for(x.device());
   }
-  const bool with_lora = lora != nullptr && qerl_nvfp4_gemm_lora_supported(int(n), block_m, lora) != 0;
   check_cuda(qerl_nvfp4_gemm_lora_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr,
-                                         out.data_ptr(), splits > 1 ? ws.data_ptr<float>() : nullptr, counters, int(m),
-                                         int(n), int(k), splits, block_m, with_lora ? lora : nullptr, pdl_launch,
-                                         at::cuda::getCurrentCUDAStream()),
-             with_lora ? "nvfp4_gemm_lora launch" : "nvfp4_gemm launch");
+                                         out.data_ptr(), ws.defined() ? ws.data_ptr<float>() : nullptr, counters,
+                                         int(m), int(n), int(k), splits, block_m, with_lora ? lora : nullptr,
+                                         pdl_launch, at::cuda::getCurrentCUDAStream()),
+             in_launch_shrink ? "nvfp4_lora_linear launch" : (with_lora ? "nvfp4_gemm_lora launch" : "nvfp4_gemm launch"));
   if (lora_done != nullptr) *lora_done = with_lora;
   return out;
 }
@@ -653,10 +663,18 @@ at::Tensor lora_expand_op(const at::Tensor& out, const at::Tensor& shrunk, const
   return op.call(out, shrunk, b_t, mask);
 }
 
-// Shapes and devices of the LoRA operands (errors name the tensor); returns the rank per slice.
+at::Tensor lora_shrink_op(const at::Tensor& x, const at::Tensor& a) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("qerl::lora_shrink", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, a);
+}
+
+// Shapes and devices of the LoRA operands (errors name the tensor); returns the rank per slice. `shrunk` [M, S r]
+// (qerl::nvfp4_gemm_lora) or, with `shrink_a`, A_cat [S r, K] (qerl::nvfp4_lora_linear).
 int64_t check_lora_args(const at::Tensor& x, int64_t n, const at::Tensor& shrunk, const at::Tensor& lora_b,
-                        const at::Tensor& mask, at::IntArrayRef bounds) {
-  const char* who = "qerl::nvfp4_gemm_lora";
+                        const at::Tensor& mask, at::IntArrayRef bounds, bool shrink_a = false) {
+  const char* who = shrink_a ? "qerl::nvfp4_lora_linear" : "qerl::nvfp4_gemm_lora";
   const int64_t slices = int64_t(bounds.size()) - 1;
   QCHECK(slices >= 1 && slices <= 3, who, ": slice_bounds must be [0, end of slice 0, ..., n] for 1 to 3 slices, got ",
          bounds);
@@ -666,12 +684,16 @@ int64_t check_lora_args(const at::Tensor& x, int64_t n, const at::Tensor& shrunk
   QCHECK(lora_b.dim() == 2 && lora_b.size(0) == n && lora_b.size(1) > 0 && lora_b.size(1) % slices == 0, who,
          ": lora_b must be [n, slices * rank] = [", n, ", ", slices, " * rank], got ", lora_b.sizes());
   const int64_t rank = lora_b.size(1) / slices;
-  QCHECK(shrunk.dim() == 2 && shrunk.size(0) == x.size(0) && shrunk.size(1) == lora_b.size(1), who,
-         ": shrunk must be [M, slices * rank] = [", x.size(0), ", ", lora_b.size(1), "], got ", shrunk.sizes());
+  if (shrink_a)
+    QCHECK(shrunk.dim() == 2 && shrunk.size(0) == lora_b.size(1) && shrunk.size(1) == x.size(1), who,
+           ": lora_a must be [slices * rank, K] = [", lora_b.size(1), ", ", x.size(1), "], got ", shrunk.sizes());
+  else
+    QCHECK(shrunk.dim() == 2 && shrunk.size(0) == x.size(0) && shrunk.size(1) == lora_b.size(1), who,
+           ": shrunk must be [M, slices * rank] = [", x.size(0), ", ", lora_b.size(1), "], got ", shrunk.sizes());
   QCHECK(mask.numel() == x.size(0) && mask.dim() <= 2 && (mask.dim() < 2 || mask.size(1) == 1), who,
          ": mask must be [M] or [M, 1] with M=", x.size(0), ", got ", mask.sizes());
   for (const auto* t : {&shrunk, &lora_b, &mask}) {
-    const char* name = t == &shrunk ? "shrunk" : (t == &lora_b ? "lora_b" : "mask");
+    const char* name = t == &shrunk ? (shrink_a ? "lora_a" : "shrunk") : (t == &lora_b ? "lora_b" : "mask");
     QCHECK(t->device() == x.device(), who, ": ", name, " is on ", t->device(), ", x on ", x.device());
     QCHECK(at::isFloatingType(t->scalar_type()), who, ": ", name, " must be floating point, got ", t->scalar_type());
   }
@@ -679,8 +701,9 @@ int64_t check_lora_args(const at::Tensor& x, int64_t n, const at::Tensor& shrunk
 }
 
 // The epilogue description when the operands fit the kernel (bf16, unit column stride, 16-byte aligned rows).
+// `shrunk`: the shrink's output, or with `shrink_a` A_cat for the in-launch shrink (ep->lora_a).
 bool lora_epilogue_for(const at::Tensor& shrunk, const at::Tensor& lora_b, const at::Tensor& mask, int64_t rank,
-                       at::IntArrayRef bounds, QerlLoraEpilogue* ep) {
+                       at::IntArrayRef bounds, QerlLoraEpilogue* ep, bool shrink_a = false) {
   auto rows_ok = [](const at::Tensor& t) {
     return t.scalar_type() == at::kBFloat16 && t.stride(1) == 1 && t.stride(0) % 8 == 0 &&
            reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
@@ -690,10 +713,10 @@ bool lora_epilogue_for(const at::Tensor& shrunk, const at::Tensor& lora_b, const
       lora_b.stride(0) > std::numeric_limits<int>::max())
     return false;
   *ep = QerlLoraEpilogue{};
-  ep->shrunk = shrunk.data_ptr();
+  (shrink_a ? ep->lora_a : ep->shrunk) = shrunk.data_ptr();
+  (shrink_a ? ep->ld_a : ep->ld_shrunk) = int(shrunk.stride(0));
   ep->lora_b = lora_b.data_ptr();
   ep->mask = mask.data_ptr();
-  ep->ld_shrunk = int(shrunk.stride(0));
   ep->ld_b = int(lora_b.stride(0));
   ep->mask_stride = int(mask.dim() == 0 ? 0 : mask.stride(0));
   ep->rank = int(rank);
@@ -723,14 +746,61 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
   return done ? out : lora_expand_op(out, shrunk, lora_b.t(), mask);
 }
 
+// Whether the route runs the split-K kernel with a LoRA epilogue for these sizes (what the in-launch shrink needs).
+bool splitk_lora_runs(int64_t m, int64_t n, int64_t k, const Route& r) {
+  return r.kernel && !(r.decode_tma && decode_tma_grid(m, n) > 0) && wgmma_grid(m, n, r.wgmma) == 0 &&
+         streamk_launch_grid(m, n, k, r.policy) == 0 && pick_block_m(m) <= QERL_LORA_EPILOGUE_MAX_BLOCK_M;
+}
+
+// ---- qerl::nvfp4_lora_linear: a whole LoRA linear layer, x @ W^T + bias + mask * expand(x @ lora_a^T, lora_b)
+//
+// Where the split-K kernel runs (decode M), one launch: the shrink's CTAs ride in the GEMM's grid and the expand is in
+// its epilogue (cuda/nvfp4_gemm.cu); the shrink's FP32 sum is rounded to bf16 before the expand, as the separate
+// shrink kernel stores it. Elsewhere (other kernels, larger M, operands the kernel does not take): qerl::lora_shrink
+// (registered from Python, verl_qerl/kernels/lora_shrink.py), then qerl::nvfp4_gemm_lora's path.
+bool in_launch_shrink_runs(const at::Tensor& x, int64_t n, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                           const at::Tensor& mask, int64_t rank, at::IntArrayRef slice_bounds, const Route& r,
+                           QerlLoraEpilogue* ep) {
+  if (!splitk_lora_runs(x.size(0), n, x.size(1), r)) return false;
+  if (!lora_epilogue_for(lora_a, lora_b, mask, rank, slice_bounds, ep, true)) return false;
+  const int block_m = pick_block_m(x.size(0));
+  return qerl_nvfp4_gemm_lora_supported(int(n), block_m, ep) != 0 &&
+         qerl_nvfp4_gemm_lora_counters(int(x.size(0)), int(n), block_m, ep) <= kCounterCap;
+}
+
+at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
+                            const c10::optional<at::Tensor>& bias, int64_t n, const at::Tensor& lora_a,
+                            const at::Tensor& lora_b, const at::Tensor& mask, at::IntArrayRef slice_bounds,
+                            int64_t mode_value, int64_t splits, bool pdl) {
+  const GemmMode mode = check_gemm_args(x, qw, qs, gs, n, mode_value, splits, "qerl::nvfp4_lora_linear");
+  const int64_t rank = check_lora_args(x, n, lora_a, lora_b, mask, slice_bounds, true);
+  c10::cuda::CUDAGuard g(x.device());
+  const Route r = route(x.size(0), n, x.size(1), x.scalar_type(), mode);
+  QerlLoraEpilogue ep;
+  if (x.size(0) > 0 && in_launch_shrink_runs(x, n, lora_a, lora_b, mask, rank, slice_bounds, r, &ep)) {
+    bool done = false;
+    at::Tensor out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, &ep, &done, false, pdl);
+    QCHECK(done, "qerl::nvfp4_lora_linear: the split-K kernel did not take the in-launch shrink it was routed to");
+    return out;
+  }
+  return gemm_lora_cuda(x, qw, qs, gs, bias, n, lora_shrink_op(x, lora_a), lora_b, mask, slice_bounds, mode_value,
+                        splits, pdl);
+}
+
+// Whether qerl::nvfp4_lora_linear runs the shrink inside the GEMM's launch for these sizes (with operands that fit
+// it); tests and benchmarks ask (no launch).
+bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
+  const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_shrink_in_launch_runs"));
+  return splitk_lora_runs(m, n, k, r);
+}
+
 // Whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue (the split-K kernel's, or the decode
 // kernel's where mode / table run it) for these sizes (with operands that fit it) rather than running
 // qerl::lora_expand after the GEMM (tests and benchmarks ask; no launch).
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
-  return r.kernel && r.wgmma == Wgmma::kNone && streamk_launch_grid(m, n, k, r.policy) == 0 &&
-         pick_block_m(m) <= QERL_LORA_EPILOGUE_MAX_BLOCK_M;
+  return splitk_lora_runs(m, n, k, r);
 }
 
 // What gemm_cuda runs for a [m, k] bf16 input, an [n, k] weight and `mode` on the current device: one of
@@ -765,6 +835,7 @@ int64_t splits_for(int64_t m, int64_t n, int64_t k) {
 TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
   m.impl("nvfp4_gemm", &gemm_cuda);
   m.impl("nvfp4_gemm_lora", &gemm_lora_cuda);
+  m.impl("nvfp4_lora_linear", &lora_linear_cuda);
   m.impl("nvfp4_dequant", &dequant_cuda);
   m.impl("nvfp4_dequant_repacked", &dequant_repacked_cuda);
 }
@@ -781,6 +852,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");
   m.def("lora_epilogue_runs", &lora_epilogue_runs,
         "whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue for (M, N, K, mode)");
+  m.def("lora_shrink_in_launch_runs", &lora_shrink_in_launch_runs,
+        "whether qerl::nvfp4_lora_linear runs the LoRA shrink inside the split-K GEMM's launch for (M, N, K, mode)");
   m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");

@@ -16,6 +16,7 @@ import torch
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
+from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,13 +34,7 @@ def _ext() -> None:
 
 
 def rand_nvfp4(n: int, k: int, seed: int, big: bool = False):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
-    lo, hi = (0x30, 0x7E) if big else (1, 0x58)  # e4m3 bytes: subnormals .. ~448 (no NaN)
-    sb = torch.randint(lo, hi + 1, (n, k // 16), dtype=torch.uint8, device=DEV, generator=g)
-    amax = 0.05 + torch.rand(1, device=DEV, generator=g) * (50.0 if big else 1.0)
-    gs = (2688.0 / amax).to(torch.float32)
-    return packed, sb.view(torch.float8_e4m3fn), gs
+    return random_nvfp4(n, k, seed, DEV, big)
 
 
 def poison(shape: tuple[int, ...], dtype: torch.dtype) -> None:

@@ -102,6 +102,55 @@ def test_linear_lora_is_the_op() -> None:
                             slice_bounds=bounds)
 
 
+def run_linear(x, rw, gs, bias, n, lora_a, lora_b, mask, bounds) -> torch.Tensor:  # noqa: ANN001
+    return torch.ops.qerl.nvfp4_lora_linear(x, rw.qweight, rw.qscale, gs, bias, n, lora_a, lora_b, mask, bounds)
+
+
+@pytest.mark.parametrize("n,bounds", SHAPES)
+def test_cpu_lora_linear_is_the_shrink_then_the_lora_gemm(n: int, bounds: list[int]) -> None:
+    """``nvfp4_lora_linear`` = ``nvfp4_gemm_lora`` on ``x @ lora_a^T`` rounded to x's dtype: bit for bit in bf16,
+    and the float64 value in float32."""
+    k, t, rank = 256, 5, 8
+    packed, scale, gs = random_nvfp4(n, k, seed=n)
+    rw = kernels.repack(packed, scale)
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(t, k, generator=gen)
+    lora_a = torch.randn((len(bounds) - 1) * rank, k, generator=gen) / 16
+    _, lora_b, mask = lora_operands(t, n, bounds, rank, torch.float32, seed=n + 1)
+    want = oracle(x, packed, scale, gs, None, x.double() @ lora_a.double().T, lora_b, mask, bounds)
+    got = run_linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    xb, ab, bb, mb = x.bfloat16(), lora_a.bfloat16(), lora_b.bfloat16(), mask.bfloat16()
+    shrunk = kernels.ops.lora_shrink_reference(xb, ab)
+    assert shrunk.dtype == torch.bfloat16
+    assert torch.equal(run_linear(xb, rw, gs, None, n, ab, bb, mb, bounds),
+                       run_op(xb, rw, gs, None, n, shrunk, bb, mb, bounds))
+    assert torch.equal(kernels.linear_lora(xb, gs, None, kernel_weight=rw, n=n, lora_a=ab, lora_b=bb, mask=mb,
+                                           slice_bounds=bounds),
+                       run_linear(xb, rw, gs, None, n, ab, bb, mb, bounds))
+    with pytest.raises(ValueError, match="exactly one of shrunk"):
+        kernels.linear_lora(xb, gs, None, kernel_weight=rw, n=n, lora_b=bb, mask=mb, slice_bounds=bounds)
+    with pytest.raises(ValueError, match="exactly one of shrunk"):
+        kernels.linear_lora(xb, gs, None, kernel_weight=rw, n=n, shrunk=shrunk, lora_a=ab, lora_b=bb, mask=mb,
+                            slice_bounds=bounds)
+
+
+@pytest.mark.parametrize("lora_a,match", [
+    (torch.zeros(16, 64), "lora_a must be \\[slices \\* rank, K\\] = \\[16, 128\\]"),
+    (torch.zeros(8, 128), "lora_a must be"),
+    (torch.zeros(16, 128, dtype=torch.int32), "lora_a must be floating point"),
+])
+def test_cpu_lora_linear_refuses_lora_a_naming_it(lora_a: torch.Tensor, match: str) -> None:
+    n, k, t = 144, 128, 4
+    packed, scale, gs = random_nvfp4(n, k, seed=7)
+    rw = kernels.repack(packed, scale)
+    _, lora_b, mask = lora_operands(t, n, [0, 40, 144], 8, torch.float32, seed=8)
+    with pytest.raises(LoRAOperandError, match=match):
+        run_linear(torch.randn(t, k), rw, gs, None, n, lora_a, lora_b, mask, [0, 40, 144])
+    with pytest.raises(LoRAOperandError, match="slice_bounds"):
+        run_linear(torch.randn(t, k), rw, gs, None, n, torch.zeros(16, 128), lora_b, mask, [0, 40, 100])
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(bounds=[0, 40, 100]), "slice_bounds .* n=144"),
     (dict(bounds=[0, 40, 40, 144]), "slice_bounds .*increasing"),
@@ -130,6 +179,8 @@ def test_operand_check_names_the_device() -> None:
     shrunk, lora_b, mask = torch.zeros(2, 8), torch.zeros(16, 8), torch.ones(2, device="meta")
     with pytest.raises(LoRAOperandError, match="mask is on meta, x on cpu"):
         kernels.ops.check_lora_operands(x, 16, shrunk, lora_b, mask, [0, 16])
+    with pytest.raises(LoRAOperandError, match="lora_a is on meta, x on cpu"):
+        kernels.ops.check_lora_a(x, torch.zeros(8, 128, device="meta"), lora_b)
 
 
 def test_fake_impl_traces_under_torch_compile() -> None:

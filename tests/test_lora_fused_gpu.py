@@ -18,6 +18,7 @@ from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_expand import lora_expand
+from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,11 +45,7 @@ def _ext() -> None:
 
 
 def rand_nvfp4(n: int, k: int, seed: int):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
-    sb = torch.randint(1, 0x58 + 1, (n, k // 16), dtype=torch.uint8, device=DEV, generator=g)
-    gs = (2688.0 / (0.05 + torch.rand(1, device=DEV, generator=g))).to(torch.float32)
-    return packed, sb.view(torch.float8_e4m3fn), gs
+    return random_nvfp4(n, k, seed, DEV)
 
 
 def lora_operands(m: int, n: int, bounds: list[int], rank: int, seed: int):

@@ -18,6 +18,7 @@ import torch
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels.lora_shrink import can_signal_next, launch_lora_shrink
+from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,11 +43,8 @@ def _ext() -> None:
 
 
 def rand_weight(n: int, k: int, seed: int) -> tuple[kernels.RepackedWeight, torch.Tensor]:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV, generator=g)
-    sb = torch.randint(1, 0x58 + 1, (n, k // 16), dtype=torch.uint8, device=DEV, generator=g)
-    gs = (2688.0 / (0.05 + torch.rand(1, device=DEV, generator=g))).to(torch.float32)
-    return kernels.repack(packed, sb.view(torch.float8_e4m3fn)), gs
+    packed, scale, gs = random_nvfp4(n, k, seed, DEV)
+    return kernels.repack(packed, scale), gs
 
 
 def slow_product(rows: int, cols: int, depth: int, seed: int) -> torch.Tensor:

@@ -662,18 +662,19 @@ def test_lora_fast_path_hooks_route_flagged_layers_to_two_gemms():
     assert ops == ["qerl::lora_shrink", "qerl::lora_expand"], ops
 
 
-# the top-level ops (= CUDA kernel launches at decode token counts) of a fast-path qerl_nvfp4 layer's whole forward,
-# base GEMM included (the shrink, the GEMM with the expand in its epilogue), sorted as lora_layer_ops lists them
-FAST_PATH_LAYER_OPS = ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"]
+# the top-level ops of a fast-path qerl_nvfp4 layer's whole forward, base GEMM included: one, the LoRA linear layer
+# (on CUDA at decode token counts one kernel launch: the shrink's CTAs in the GEMM's grid, the expand in its epilogue)
+FAST_PATH_LAYER_OPS = ["qerl::nvfp4_lora_linear"]
 # what the LoRA term adds to a fast-path layer whose GEMM has no epilogue for it (unquantized under "all")
 FAST_PATH_SEPARATE_LORA_OPS = ["qerl::lora_expand", "qerl::lora_shrink"]
 
 
 def test_lora_fast_path_fuses_the_expand_into_the_nvfp4_gemm(monkeypatch):
-    """A flagged ``qerl_nvfp4`` layer in the kernel layout runs as two ops through both places vLLM runs a layer's
-    base GEMM and LoRA term (``_apply_sync``, what ``apply`` calls; 0.24's ``_mcp_apply``): ``qerl::lora_shrink`` and
-    ``qerl::nvfp4_gemm_lora``, with the numbers of the GEMM followed by the separate expand. Per-part global scales
-    (the GEMM's columns rescaled after it) and a layer not flagged for the fusion keep the separate expand."""
+    """A flagged ``qerl_nvfp4`` layer in the kernel layout runs as one op through both places vLLM runs a layer's
+    base GEMM and LoRA term (``_apply_sync``, what ``apply`` calls; 0.24's ``_mcp_apply``): ``qerl::nvfp4_lora_linear``
+    (``QERL_LORA_FUSED_EXPAND=expand``: ``qerl::lora_shrink`` and ``qerl::nvfp4_gemm_lora``), with the numbers of the
+    GEMM followed by the separate shrink and expand. Per-part global scales (the GEMM's columns rescaled after it) and
+    a layer not flagged for the fusion keep the separate expand."""
     import types
 
     from vllm.lora.layers import column_parallel_linear
@@ -702,15 +703,18 @@ def test_lora_fast_path_fuses_the_expand_into_the_nvfp4_gemm(monkeypatch):
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         b[lo:hi, i * rank:(i + 1) * rank] = torch.randn(hi - lo, rank, generator=gen)
     mask = torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0], [1.0]])  # a static buffer longer than the batch
-    layer = types.SimpleNamespace(qerl_lora_fast_path=True, qerl_lora_fused=True, qerl_lora_a=a, qerl_lora_b=b,
-                                  qerl_lora_b_t=b.t(), qerl_token_mask=mask, qerl_slice_bounds=bounds,
-                                  base_layer=base, _get_quant_method=lambda: method)
+    layer = types.SimpleNamespace(qerl_lora_fast_path=True, qerl_lora_fused=True, qerl_lora_shrink_in_op=True,
+                                  qerl_lora_a=a, qerl_lora_b=b, qerl_lora_b_t=b.t(), qerl_token_mask=mask,
+                                  qerl_slice_bounds=bounds, base_layer=base, _get_quant_method=lambda: method)
     want = method.apply(base, x, bias) + mask[:5] * (x @ a.T) @ b.T
-    for run in (lambda: BaseLinearLayerWithLoRA._apply_sync(layer, x, bias),
-                lambda: column_parallel_linear._mcp_apply(x, bias, layer)):
-        torch.testing.assert_close(run(), want)
-        ops, _ = lora_fast_path._top_level_ops(run)
-        assert ops == ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"], ops
+    for in_op, expected in ((True, FAST_PATH_LAYER_OPS), (False, ["qerl::lora_shrink", "qerl::nvfp4_gemm_lora"])):
+        layer.qerl_lora_shrink_in_op = in_op
+        for run in (lambda: BaseLinearLayerWithLoRA._apply_sync(layer, x, bias),
+                    lambda: column_parallel_linear._mcp_apply(x, bias, layer)):
+            torch.testing.assert_close(run(), want)
+            ops, _ = lora_fast_path._top_level_ops(run)
+            assert ops == expected, ops
+    layer.qerl_lora_shrink_in_op = True
     # no fusion: the layer not flagged for it, or per-part global scales; same numbers, the separate expand
     for change in (lambda: setattr(layer, "qerl_lora_fused", False),
                    lambda: setattr(base.qerl_state, "col_scale", torch.ones(n))):
@@ -740,9 +744,10 @@ def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
     for mode in ("off", "on", "all", "auto"):
         monkeypatch.setenv(FAST_PATH_ENV, mode)
         keys[mode] = config.compute_hash()
-    # the expand fused into the GEMM or not is another graph too
-    monkeypatch.setenv(lora_fast_path.FUSED_EXPAND_ENV, "off")
-    keys["auto, separate expand"] = config.compute_hash()
+    # the shrink and expand inside the GEMM's op or not is another graph too
+    for fused in ("off", "expand"):
+        monkeypatch.setenv(lora_fast_path.FUSED_EXPAND_ENV, fused)
+        keys[f"auto, {fused}"] = config.compute_hash()
     monkeypatch.delenv(lora_fast_path.FUSED_EXPAND_ENV)
     assert len(set(keys.values())) == len(keys), keys
     assert config.lora_config.compute_hash.__wrapped__(config.lora_config) == \
@@ -762,11 +767,11 @@ def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_p
         assert not layers["lm_head"].get("lora_fast_path", False)
 
 
-def test_lora_fast_path_adds_two_ops_per_layer(engines_fast_path):
-    """Per qerl_nvfp4 LoRA layer and forward, the fast path runs two top-level ops in all, base GEMM included: the
-    shrink and the FP4 GEMM with the expand in its epilogue (``FAST_PATH_LAYER_OPS``); vLLM's path runs more than
-    two for the LoRA term alone. Unquantized layers on the fast path (``all``) add the shrink and the separate
-    expand to their GEMM. A list that grows or changes fails."""
+def test_lora_fast_path_is_one_op_per_layer(engines_fast_path):
+    """Per qerl_nvfp4 LoRA layer and forward, the fast path runs one top-level op in all, base GEMM included: the
+    LoRA linear layer (``FAST_PATH_LAYER_OPS``); vLLM's path runs more than that for the LoRA term alone. Unquantized
+    layers on the fast path (``all``) add the shrink and the separate expand to their GEMM. A list that grows or
+    changes fails."""
     fast, ref = engines_fast_path["fast"]["lora_ops"][0], engines_fast_path["vllm"]["lora_ops"][0]
     qerl = {n: v for n, v in fast.items() if v["method"] == "QeRLNvFp4LinearMethod"}
     assert len(qerl) == 8 and all(v["fast_path"] and v["fused_expand"] for v in qerl.values())

@@ -348,28 +348,38 @@ def linear_lora(
     *,
     kernel_weight: RepackedWeight,
     n: int,
-    shrunk: torch.Tensor,
     lora_b: torch.Tensor,
     mask: torch.Tensor,
     slice_bounds: list[int] | tuple[int, ...],
+    shrunk: torch.Tensor | None = None,
+    lora_a: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """``x @ W.T + bias + mask * expand(shrunk, lora_b)`` for an NVFP4 weight in the kernel layout: one
-    ``qerl::nvfp4_gemm_lora`` op (see :mod:`verl_qerl.kernels.ops` for the operands). x is [M, K]. ``pdl``: as
-    :func:`linear`'s (the kernel before must not write the weight or ``lora_b``).
+    """``x @ W.T + bias + mask * expand(shrunk, lora_b)`` for an NVFP4 weight in the kernel layout, given either the
+    shrink's output ``shrunk`` (one ``qerl::nvfp4_gemm_lora`` op) or the concatenated A ``lora_a`` (one
+    ``qerl::nvfp4_lora_linear`` op: ``shrunk = x @ lora_a^T`` computed by the op); see :mod:`verl_qerl.kernels.ops`
+    for the operands. x is [M, K]. ``pdl``: as :func:`linear`'s (the kernel before must not write the weight,
+    ``lora_b`` or ``lora_a``).
 
-    Why one op: at decode token counts the LoRA expand as its own kernel costs about as much as the GEMM's tail; on
-    CUDA the op adds it in the split-K kernel's epilogue wherever that kernel runs (the same ``$QERL_GEMM_KERNEL``
-    dispatch as :func:`linear`), and runs the GEMM then ``qerl::lora_expand`` elsewhere. On the CPU (or without the
-    extension) the op is the float32 reference.
+    Why one op: at decode token counts the LoRA shrink and expand as kernels of their own cost about as much as the
+    GEMM's tail; on CUDA the op adds the expand in the split-K kernel's epilogue wherever that kernel runs (the same
+    ``$QERL_GEMM_KERNEL`` dispatch as :func:`linear`) and, given ``lora_a``, runs the shrink in that kernel's launch
+    too; elsewhere the shrink, the GEMM and ``qerl::lora_expand`` run apart. On the CPU (or without the extension)
+    the ops are the float32 reference.
     """
     if x.dim() != 2:
         raise ValueError(f"linear_lora: x must be 2-D [M, K], got {tuple(x.shape)}")
+    if (shrunk is None) == (lora_a is None):
+        raise ValueError("linear_lora: pass exactly one of shrunk (the shrink's output) and lora_a (the A matrices)")
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     mode = 0
     if _ext_ready(x.device):
         mode = int(GEMM_KERNEL_MODES[gemm_kernel_variant()])
         check_tuning_env()
+    bounds = [int(b) for b in slice_bounds]
+    if lora_a is not None:
+        return torch.ops.qerl.nvfp4_lora_linear(x, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n,
+                                                lora_a, lora_b, mask, bounds, mode, 0, pdl)
     return torch.ops.qerl.nvfp4_gemm_lora(x, kernel_weight.qweight, kernel_weight.qscale, global_scale, bias, n,
-                                          shrunk, lora_b, mask, [int(b) for b in slice_bounds], mode, 0, pdl)
+                                          shrunk, lora_b, mask, bounds, mode, 0, pdl)

@@ -30,6 +30,14 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
   (other kernels, larger M, operands the epilogue does not take) the op runs the GEMM and then ``qerl::lora_expand``.
   The CPU implementation is the reference (float32, the diagonal blocks of ``lora_b`` only). Inference only (no
   autograd).
+* ``nvfp4_lora_linear(x, qweight, qscale, global_scale, bias, n, lora_a, lora_b, mask, slice_bounds, mode=0,
+  splits=0, pdl=False) -> [M, n]``: a whole single-adapter LoRA linear layer, ``nvfp4_gemm_lora`` with ``shrunk =
+  bf16(x @ lora_a^T)`` (``lora_a`` [S r, K], the slices' A concatenated). On CUDA, wherever the split-K kernel runs
+  with its LoRA epilogue (decode M), it is one kernel launch: the shrink's CTAs ride in the GEMM's grid ahead of the
+  GEMM's and the tiles' epilogues wait for their sum (cuda/nvfp4_gemm.cu), where the fast path used to run a separate
+  ``qerl::lora_shrink`` launch (2.5-5 us per decode GEMM in a CUDA graph for < 1 us of work). Elsewhere it runs
+  ``qerl::lora_shrink`` and then ``nvfp4_gemm_lora``. The shrink's FP32 sum is rounded to bf16 before the expand in
+  both, as the separate shrink stores it. ``pdl``: the promise also covers ``lora_a``. Inference only.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
@@ -42,6 +50,7 @@ import torch.nn.functional as F
 
 from . import layout, reference
 from . import lora_expand as _lora_expand  # noqa: F401 - defines qerl::lora_expand, which nvfp4_gemm_lora's CUDA op calls
+from . import lora_shrink as _lora_shrink  # noqa: F401 - defines qerl::lora_shrink, which nvfp4_lora_linear's CUDA op calls
 from .op_library import LIB_NAME, library
 
 _lib = library()
@@ -52,6 +61,11 @@ _lib.define(
 _lib.define(
     "nvfp4_gemm_lora(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
     "Tensor shrunk, Tensor lora_b, Tensor mask, int[] slice_bounds, int mode=0, int splits=0, "
+    "bool pdl=False) -> Tensor"
+)
+_lib.define(
+    "nvfp4_lora_linear(Tensor x, Tensor qweight, Tensor qscale, Tensor global_scale, Tensor? bias, int n, "
+    "Tensor lora_a, Tensor lora_b, Tensor mask, int[] slice_bounds, int mode=0, int splits=0, "
     "bool pdl=False) -> Tensor"
 )
 _lib.define("nvfp4_dequant(Tensor packed, Tensor scale, Tensor global_scale, ScalarType dtype) -> Tensor")
@@ -134,6 +148,36 @@ def _gemm_lora_cpu(
     return (out + lora_expand_reference(shrunk, lora_b, mask, slice_bounds)).to(x.dtype)
 
 
+def check_lora_a(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+    """Raise :class:`LoRAOperandError` naming ``lora_a`` when it is not ``[slices * rank, K]`` on ``x``'s device."""
+    who = "qerl::nvfp4_lora_linear"
+    want = (lora_b.shape[1], x.shape[1])
+    if lora_a.dim() != 2 or tuple(lora_a.shape) != want:
+        raise LoRAOperandError(f"{who}: lora_a must be [slices * rank, K] = [{want[0]}, {want[1]}], got "
+                               f"{tuple(lora_a.shape)}")
+    if lora_a.device != x.device:
+        raise LoRAOperandError(f"{who}: lora_a is on {lora_a.device}, x on {x.device}")
+    if not lora_a.dtype.is_floating_point:
+        raise LoRAOperandError(f"{who}: lora_a must be floating point, got {lora_a.dtype}")
+
+
+def lora_shrink_reference(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """``x @ lora_a^T`` in float32, rounded to ``x``'s dtype: the ``shrunk`` that ``nvfp4_lora_linear`` expands."""
+    return (x.to(torch.float32) @ lora_a.to(torch.float32).T).to(x.dtype)
+
+
+def _lora_linear_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
+    bias: torch.Tensor | None, n: int, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
+    slice_bounds: list[int], mode: int = 0, splits: int = 0, pdl: bool = False,
+) -> torch.Tensor:
+    shrunk = x.new_empty((x.shape[0], lora_b.shape[1] if lora_b.dim() == 2 else 0))
+    check_lora_operands(x, n, shrunk, lora_b, mask, slice_bounds)  # names lora_b, mask, slice_bounds
+    check_lora_a(x, lora_a, lora_b)
+    return _gemm_lora_cpu(x, qweight, qscale, global_scale, bias, n, lora_shrink_reference(x, lora_a), lora_b, mask,
+                          slice_bounds)
+
+
 def _dequant_cpu(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -153,6 +197,7 @@ def _repack_any(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
 
 _lib.impl("nvfp4_gemm", _gemm_cpu, "CPU")
 _lib.impl("nvfp4_gemm_lora", _gemm_lora_cpu, "CPU")
+_lib.impl("nvfp4_lora_linear", _lora_linear_cpu, "CPU")
 _lib.impl("nvfp4_dequant", _dequant_cpu, "CPU")
 _lib.impl("nvfp4_dequant_repacked", _dequant_repacked_cpu, "CPU")
 _lib.impl("nvfp4_repack", _repack_any, "CompositeExplicitAutograd")
@@ -166,6 +211,7 @@ def register_cuda_fallbacks() -> None:
     """
     _lib.impl("nvfp4_gemm", _gemm_cpu, "CUDA")
     _lib.impl("nvfp4_gemm_lora", _gemm_lora_cpu, "CUDA")
+    _lib.impl("nvfp4_lora_linear", _lora_linear_cpu, "CUDA")
     _lib.impl("nvfp4_dequant", _dequant_cpu, "CUDA")
     _lib.impl("nvfp4_dequant_repacked", _dequant_repacked_cpu, "CUDA")
 
@@ -185,6 +231,14 @@ def _gemm_lora_fake(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, m
                     splits=0, pdl=False):
     torch._check(x.dim() == 2, lambda: "nvfp4_gemm_lora: x must be 2-D [M, K]")
     torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm_lora: K mismatch")
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake(f"{LIB_NAME}::nvfp4_lora_linear")
+def _lora_linear_fake(x, qweight, qscale, global_scale, bias, n, lora_a, lora_b, mask, slice_bounds, mode=0,  # noqa: ANN001, ANN202
+                      splits=0, pdl=False):
+    torch._check(x.dim() == 2, lambda: "nvfp4_lora_linear: x must be 2-D [M, K]")
+    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_lora_linear: K mismatch")
     return x.new_empty((x.shape[0], n))
 
 

@@ -318,14 +318,17 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         return state.layout == LAYOUT_REPACKED and state.col_scale is None
 
     @staticmethod
-    def apply_with_lora(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, shrunk: torch.Tensor,
-                        lora_b: torch.Tensor, mask: torch.Tensor, slice_bounds: list[int]) -> torch.Tensor:
-        """:meth:`apply` plus ``mask * expand(shrunk, lora_b)`` as one op (:func:`verl_qerl.kernels.linear_lora`);
-        x is [T, K]. Only for layers where :meth:`lora_epilogue_supported` holds."""
+    def apply_with_lora(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                        shrunk: torch.Tensor | None, lora_b: torch.Tensor, mask: torch.Tensor, slice_bounds: list[int],
+                        lora_a: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`apply` plus ``mask * expand(shrunk, lora_b)`` as one op (:func:`verl_qerl.kernels.linear_lora`),
+        given the shrink's output ``shrunk`` or (``shrunk=None``) the concatenated A ``lora_a``, whose shrink the op
+        then runs itself (inside the GEMM's launch at decode M); x is [T, K]. Only for layers where
+        :meth:`lora_epilogue_supported` holds."""
         repacked = kernels.RepackedWeight(layer.weight_packed, layer.weight_scale)
         return kernels.linear_lora(x, layer.weight_global_scale[:1], bias, kernel_weight=repacked,
-                                   n=layer.output_size_per_partition, shrunk=shrunk, lora_b=lora_b, mask=mask,
-                                   slice_bounds=slice_bounds, pdl=kernels.pdl_enabled())
+                                   n=layer.output_size_per_partition, shrunk=shrunk, lora_a=lora_a, lora_b=lora_b,
+                                   mask=mask, slice_bounds=slice_bounds, pdl=kernels.pdl_enabled())
 
     @staticmethod
     def canonical_nvfp4(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

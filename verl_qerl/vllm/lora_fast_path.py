@@ -74,11 +74,13 @@ FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
 _MODES = ("auto", "on", "all", "off")
 _DEFAULT_MODE = "auto"
 
-#: ``auto`` (default): on the fast path, ``qerl_nvfp4`` layers in the kernel layout run the expand inside the FP4
-#: GEMM (``qerl::nvfp4_gemm_lora``); ``off``: every fast-path layer runs its GEMM and a separate
-#: ``qerl::lora_expand`` (as before the fused op; for before / after measurements).
+#: ``auto`` (default): on the fast path, ``qerl_nvfp4`` layers in the kernel layout are one op,
+#: ``qerl::nvfp4_lora_linear`` (at decode M one kernel launch: the shrink's CTAs in the FP4 GEMM's grid, the expand in
+#: its epilogue); ``expand``: the shrink as its own ``qerl::lora_shrink`` launch, the expand inside the GEMM
+#: (``qerl::nvfp4_gemm_lora``); ``off``: every fast-path layer runs its GEMM and a separate ``qerl::lora_expand``.
+#: The last two are for before / after measurements.
 FUSED_EXPAND_ENV = "QERL_LORA_FUSED_EXPAND"
-_FUSED_MODES = ("auto", "off")
+_FUSED_MODES = ("auto", "expand", "off")
 
 # vLLM configures handlers for its own logger tree only: a child of it prints the per-engine summary at INFO in
 # the engine's log, where a benchmark can read it.
@@ -331,7 +333,9 @@ def convert_layer(layer: Any) -> str | None:
     layer.qerl_lora_b_t = b_diag[0, 0].t()  # [n*r, N]: qerl::lora_expand's right operand, no copy
     layer.qerl_slice_bounds = [0, *itertools.accumulate(slices)]  # [0, end of slice 0, ..., N]
     layer.qerl_token_mask = attach_token_mask(wrapper, dtype)
-    layer.qerl_lora_fused = fused_expand_mode() == "auto" and _has_lora_epilogue(layer)
+    fused_mode = fused_expand_mode()
+    layer.qerl_lora_fused = fused_mode != "off" and _has_lora_epilogue(layer)
+    layer.qerl_lora_shrink_in_op = fused_mode == "auto"
     layer.qerl_lora_fast_path = True  # read by the patched _apply_lora_to_output
     base = getattr(layer, "base_layer", None)
     if base is not None:
@@ -347,16 +351,21 @@ def _has_lora_epilogue(layer: Any) -> bool:
 
 
 def _apply_layer(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A flagged layer's forward, base GEMM included: shrink + ``qerl::nvfp4_gemm_lora`` where the layer's GEMM takes
-    the expand in its epilogue (kernel layout, one global scale: checked per call, a weight reload may change it),
-    else the base GEMM and :func:`_apply_lora_single`."""
+    """A flagged layer's forward, base GEMM included: ``qerl::nvfp4_lora_linear`` (or shrink + ``qerl::nvfp4_gemm_lora``
+    under ``QERL_LORA_FUSED_EXPAND=expand``) where the layer's GEMM takes the expand in its epilogue (kernel layout,
+    one global scale: checked per call, a weight reload may change it), else the base GEMM and
+    :func:`_apply_lora_single`."""
     method = layer._get_quant_method()
     base = layer.base_layer
     if getattr(layer, "qerl_lora_fused", False) and method.lora_epilogue_supported(base):
         x2 = x.reshape(-1, x.shape[-1])
-        shrunk = lora_shrink(x2, layer.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
-        out = method.apply_with_lora(base, x2, bias, shrunk, layer.qerl_lora_b, layer.qerl_token_mask[: x2.shape[0]],
-                                     layer.qerl_slice_bounds)
+        mask = layer.qerl_token_mask[: x2.shape[0]]
+        if getattr(layer, "qerl_lora_shrink_in_op", False):
+            out = method.apply_with_lora(base, x2, bias, None, layer.qerl_lora_b, mask, layer.qerl_slice_bounds,
+                                         lora_a=layer.qerl_lora_a)
+        else:
+            shrunk = lora_shrink(x2, layer.qerl_lora_a)  # one GEMM for all slices: [T, n*r]
+            out = method.apply_with_lora(base, x2, bias, shrunk, layer.qerl_lora_b, mask, layer.qerl_slice_bounds)
         return out.view(*x.shape[:-1], out.shape[-1])
     return _apply_lora_single(layer, x, method.apply(base, x, bias))
 
