@@ -684,12 +684,13 @@ int64_t check_lora_args(const at::Tensor& x, int64_t n, const at::Tensor& shrunk
   QCHECK(lora_b.dim() == 2 && lora_b.size(0) == n && lora_b.size(1) > 0 && lora_b.size(1) % slices == 0, who,
          ": lora_b must be [n, slices * rank] = [", n, ", ", slices, " * rank], got ", lora_b.sizes());
   const int64_t rank = lora_b.size(1) / slices;
-  if (shrink_a)
+  if (shrink_a) {
     QCHECK(shrunk.dim() == 2 && shrunk.size(0) == lora_b.size(1) && shrunk.size(1) == x.size(1), who,
            ": lora_a must be [slices * rank, K] = [", lora_b.size(1), ", ", x.size(1), "], got ", shrunk.sizes());
-  else
+  } else {
     QCHECK(shrunk.dim() == 2 && shrunk.size(0) == x.size(0) && shrunk.size(1) == lora_b.size(1), who,
            ": shrunk must be [M, slices * rank] = [", x.size(0), ", ", lora_b.size(1), "], got ", shrunk.sizes());
+  }
   QCHECK(mask.numel() == x.size(0) && mask.dim() <= 2 && (mask.dim() < 2 || mask.size(1) == 1), who,
          ": mask must be [M] or [M, 1] with M=", x.size(0), ", got ", mask.sizes());
   for (const auto* t : {&shrunk, &lora_b, &mask}) {
