@@ -77,14 +77,32 @@ __device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const Qer
   }
 }
 
+// The first kPreChunks 16-byte chunks (rank 32) of column c's B row, loaded into registers before the tile's shrunk
+// rows are staged, so the two L2 round trips overlap instead of following each other (the split-K kernel's last CTA;
+// NOTES "Seventh round").
+struct LoraBRow {
+  static constexpr int kPreChunks = 4;
+  uint4 v[kPreChunks];
+};
+__device__ __forceinline__ void lora_load_b_row(LoraBRow& r, const QerlLoraEpilogue& p, int n0, int N, int c) {
+  const int n = n0 + c;
+  const int off = n < N ? lora_slice(p, n) * p.rank : 0;
+  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
+                                                     size_t(n < N ? n : 0) * p.ld_b + off);
+  const int chunks = p.rank / 8;
+#pragma unroll
+  for (int j = 0; j < LoraBRow::kPreChunks; ++j)
+    if (j < chunks) r.v[j] = __ldg(brow + j);
+}
+
 // lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
 // slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
 // Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA)
 // after lora_stage_shrunk and a CTA barrier; the B row of each column is read once per 8 tokens (from L1 after the
-// first).
-template <int BM, int BN>
+// first). `pre` (kPre): the row's first chunks, already loaded by lora_load_b_row.
+template <int BM, int BN, bool kPre = false>
 __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
-                                          int m0, int M, int N, int c) {
+                                          int m0, int M, int N, int c, const LoraBRow* pre = nullptr) {
   constexpr int PITCH = lora_tile_pitch<BN>();
   const int ranks = p.n_slices * p.rank;
   const int rows = min(BM, M - m0);
@@ -100,10 +118,9 @@ __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, 
     float sum[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-#pragma unroll 2
-    for (int j = 0; j < chunks; ++j) {
+    auto accumulate = [&](const uint4& bv, int j) {
       float b[8];
-      bf16x8_to_float(__ldg(brow + j), b);
+      bf16x8_to_float(bv, b);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         if (t0 + i < rows) {
@@ -111,6 +128,30 @@ __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, 
           bf16x8_to_float(reinterpret_cast<const uint4*>(s_sm + (t0 + i) * ranks + off)[j], s);
 #pragma unroll
           for (int e = 0; e < 8; ++e) sum[i] = fmaf(s[e], b[e], sum[i]);
+        }
+      }
+    };
+    // (Two spellings of one loop: the plain one is instruction for instruction what decode_tma's kernels ran before
+    // the preloaded variant existed, sass_census.py --against.)
+    if constexpr (kPre) {
+#pragma unroll
+      for (int j = 0; j < LoraBRow::kPreChunks; ++j)
+        if (j < chunks) accumulate(pre->v[j], j);
+#pragma unroll 2
+      for (int j = LoraBRow::kPreChunks; j < chunks; ++j) accumulate(__ldg(brow + j), j);
+    } else {
+#pragma unroll 2
+      for (int j = 0; j < chunks; ++j) {
+        float b[8];
+        bf16x8_to_float(__ldg(brow + j), b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (t0 + i < rows) {
+            float s[8];
+            bf16x8_to_float(reinterpret_cast<const uint4*>(s_sm + (t0 + i) * ranks + off)[j], s);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum[i] = fmaf(s[e], b[e], sum[i]);
+          }
         }
       }
     }

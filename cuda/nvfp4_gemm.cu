@@ -381,11 +381,18 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // The LoRA tile is built by the kh = 1 warps, idle from here on (with several splits they pass the partial sum
   // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
   // reduction buffer.
+  // The B rows' first chunks go into registers before the shrunk rows are staged (two L2 round trips in parallel).
+  [[maybe_unused]] LoraBRow b_pre;
+  if constexpr (LORA != kNoLora) {
+    if (kh == 1) lora_load_b_row(b_pre, lora, nb0 * 16, N, rt);
+  }
   if constexpr (LORA == kLoraShrunk) {
     __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
     if (kh == 1) lora_stage_shrunk<BM, BN>(s_sm, lora, m0, M, rt);
     __syncthreads();
-    if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, lora, nb0 * 16, m0, M, N, rt);
+    if (kh == 1)
+      lora_tile<BM, BN, true>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, lora, nb0 * 16, m0, M, N, rt,
+                              &b_pre);
     __syncthreads();
   } else if constexpr (LORA == kLoraShrinkInLaunch) {
     // The shrink's bf16 sum (this m-tile's rows, row t at t * ranks) once its last CTA released it.
@@ -398,7 +405,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
       lora_stage_shrunk<BM, BN, true>(s_sm, ep, 0, min(BM, M - m0), rt);
     }
     __syncthreads();
-    if (kh == 1) lora_tile<BM, BN>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, ep, nb0 * 16, m0, M, N, rt);
+    if (kh == 1)
+      lora_tile<BM, BN, true>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, ep, nb0 * 16, m0, M, N, rt, &b_pre);
     // The last tile of the m-tile to get here has every tile's reads of the sum behind it: it zeroes the counters
     // for the next launch.
     if (tid == 0) {
