@@ -16,7 +16,9 @@ Variants: ``none`` (``enable_lora`` off), ``vllm`` (adapter on, ``QERL_LORA_FAST
 on, ``QERL_LORA_FAST_PATH=auto``, the shrink as ``qerl::lora_shrink`` decides: Triton up to its token threshold),
 ``fast_cublas`` (the fast path with the shrink forced to cuBLAS, ``QERL_LORA_SHRINK=cublas``: the fast path as it
 was before the Triton shrink), ``fast_separate`` (the fast path with the expand as its own kernel after the GEMM,
-``QERL_LORA_FUSED_EXPAND=off``: the fast path as it was before ``qerl::nvfp4_gemm_lora``); the adapter is rank 32
+``QERL_LORA_FUSED_EXPAND=off``: the fast path as it was before ``qerl::nvfp4_gemm_lora``), ``fast_shrink_apart``
+(the shrink as its own launch before ``qerl::nvfp4_gemm_lora``, ``QERL_LORA_FUSED_EXPAND=expand``: the fast path as
+it was before ``qerl::nvfp4_lora_linear``); the adapter is rank 32
 on q/k/v/o/gate/up/down, as in rollout.py. Every row
 records ``lora_fast_path_layers`` (0 on vLLM's path; 112 at 7B on the fast path) and, on the fast path,
 ``lora_shrink``: the ``QERL_LORA_SHRINK`` mode, the implementation the op picks at the row's decode token count
@@ -46,7 +48,8 @@ from results_format import target_status  # noqa: E402
 # variant -> (QERL_LORA_FAST_PATH, QERL_LORA_SHRINK, QERL_LORA_FUSED_EXPAND); None: the variable unset
 VARIANT_ENV = ("QERL_LORA_FAST_PATH", "QERL_LORA_SHRINK", "QERL_LORA_FUSED_EXPAND")
 VARIANTS = {"none": (None, None, None), "vllm": ("off", None, None), "fast": ("auto", "auto", "auto"),
-            "fast_cublas": ("auto", "cublas", "auto"), "fast_separate": ("auto", "auto", "off")}
+            "fast_cublas": ("auto", "cublas", "auto"), "fast_separate": ("auto", "auto", "off"),
+            "fast_shrink_apart": ("auto", "auto", "expand")}
 KEEP_TARGET = 0.90
 
 

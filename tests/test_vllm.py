@@ -758,6 +758,40 @@ def test_lora_fast_path_mode_keys_vllm_compile_cache(monkeypatch):
     assert config.lora_config.compute_hash() == config.lora_config.compute_hash.__wrapped__(config.lora_config)
 
 
+def test_qerl_settings_key_vllm_compile_cache(monkeypatch, tiny_bf16):
+    """A ``qerl_nvfp4`` engine's compile-cache key (``ModelConfig.compute_hash``, which vLLM folds into the config hash
+    its compiled graphs are stored under) covers the ``QERL_*`` settings baked into the graph: engines with
+    ``QERL_PDL=0`` and ``1`` get different keys (an A/B once replayed one setting's graphs for both), equal settings
+    the same key; an engine of another quantization keeps vLLM's key. Installed once by the plugin."""
+    import types
+
+    from vllm.config.model import ModelConfig
+
+    from verl_qerl.vllm import compile_cache, plugin
+
+    plugin.register()
+    assert getattr(ModelConfig.compute_hash, "qerl_keyed", False)
+    assert compile_cache.install() and not getattr(ModelConfig.compute_hash.__wrapped__, "qerl_keyed", False)
+    for name in [k for k in os.environ if k.startswith("QERL_")]:
+        monkeypatch.delenv(name)
+    wrapped = compile_cache.keyed(lambda self: "vllm-key")
+    ours, other = types.SimpleNamespace(quantization="qerl_nvfp4"), types.SimpleNamespace(quantization="fp8")
+    keys = [wrapped(ours)]
+    for value in ("0", "1"):
+        monkeypatch.setenv("QERL_PDL", value)
+        keys.append(wrapped(ours))
+        assert wrapped(other) == "vllm-key"
+    assert len(set(keys)) == 3 and wrapped(ours) == keys[-1]
+    # the real config: the same model, two settings, two keys
+    config = ModelConfig(model=str(tiny_bf16), quantization="qerl_nvfp4")
+    monkeypatch.setenv("QERL_PDL", "0")
+    k0 = config.compute_hash()
+    monkeypatch.setenv("QERL_PDL", "1")
+    assert config.compute_hash() != k0
+    monkeypatch.setenv("QERL_PDL", "0")
+    assert config.compute_hash() == k0
+
+
 def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):
     for name, expected in (("fast", True), ("vllm", False)):
         layers = engines_fast_path[name]["summary"][0]["layers"]
