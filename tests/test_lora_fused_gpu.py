@@ -18,6 +18,7 @@ from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_expand import lora_expand
+from verl_qerl.testing.gpu import capture, kernels_launched
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -140,21 +141,13 @@ def test_fused_op_matches_float64(m: int, n: int, k: int, bounds: list[int], ran
 def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
     """At decode M the op launches the split-K kernel only (no expand kernel); where auto picks another GEMM it is
     that GEMM's kernels plus ``_lora_expand_kernel``."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
     packed, scale, gs = rand_nvfp4(n, k, seed=1)
     rw = kernels.repack(packed, scale)
     for m in (1, 8, 300):
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         shrunk, lora_b, mask = lora_operands(m, n, bounds, rank, seed=m)
-        fused(x, rw, gs, None, n, shrunk, lora_b, mask, bounds)  # warm-up (Triton compile)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fused(x, rw, gs, None, n, shrunk, lora_b, mask, bounds)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        names = kernels_launched(lambda: fused(x, rw, gs, None, n, shrunk, lora_b, mask, bounds))  # noqa: B023
         print(f"\nM={m} ({kernels.extension().gemm_choice(m, n, k, 0)}): {names}")
         expand = sum("_lora_expand_kernel" in nm for nm in names)
         if epilogue_runs(m, n, k, 0):
@@ -180,14 +173,7 @@ def test_graph_capture_and_bit_identical_repeats(m: int) -> None:
         return fused(x_static, rw, gs, None, n, s_static, lora_b, mask, bounds)
 
     f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = f()
+    graph, y_static = capture(f)
     for i in range(3):
         x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         s_new = (torch.randn(m, shrunk.shape[1], device=DEV) * 2).to(torch.bfloat16)

@@ -22,6 +22,7 @@ from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_shrink import lora_shrink
+from verl_qerl.testing.gpu import capture, kernels_launched
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -127,20 +128,12 @@ def test_lora_linear_matches_float64(m: int, n: int, k: int, bounds: list[int], 
 def test_decode_runs_one_kernel_and_the_fallback_more() -> None:
     """At decode M the op launches the split-K kernel only (no shrink, no expand kernel); where auto picks another
     GEMM it runs the Triton shrink too."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
     packed, scale, gs = random_nvfp4(n, k, seed=1, device=DEV)
     rw = kernels.repack(packed, scale)
     for m in (1, 8, 300):
         x, lora_a, lora_b, mask = operands(m, n, k, bounds, rank, seed=m)
-        linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds)  # warm-up (Triton compile)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        names = kernels_launched(lambda: linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))  # noqa: B023
         print(f"\nM={m} ({kernels.extension().gemm_choice(m, n, k, 0)}): {names}")
         if in_launch(m, n, k, 0):
             assert len(names) == 1 and "nvfp4_gemm_splitk_kernel" in names[0], names
@@ -168,14 +161,7 @@ def test_graph_replays_and_repeats_are_bit_identical(m: int, pdl: bool) -> None:
     def f() -> torch.Tensor:
         return linear(xs, rw, gs, None, n, As, Bs, mask, bounds, sk, pdl=pdl)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = f()
+    graph, y = capture(f)
     for i in range(6):
         x2, a2, b2, _ = operands(m, n, k, bounds, rank, seed=100 + i)
         xs.copy_(x2)

@@ -18,6 +18,7 @@ import torch
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels.lora_shrink import can_signal_next, launch_lora_shrink
+from verl_qerl.testing.gpu import capture
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -123,14 +124,7 @@ def test_pdl_in_a_cuda_graph(m: int) -> None:
         return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
                                               0, 0, pdl)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f(x_static, True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = f(x_static, True)
+    graph, y_static = capture(lambda: f(x_static, True))
     for i in range(3):
         x_new = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         x_static.copy_(x_new)

@@ -219,27 +219,28 @@ def register_cuda_fallbacks() -> None:
 # ------------------------------------------------------------------------------------- fake impls
 
 
+def _gemm_out_fake(op: str, x: torch.Tensor, qweight: torch.Tensor, n: int) -> torch.Tensor:
+    """The [M, n] output of a GEMM op on x [M, K] and a repacked weight, shapes checked (the ops' fake impls)."""
+    torch._check(x.dim() == 2, lambda: f"{op}: x must be 2-D [M, K]")
+    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: f"{op}: K mismatch")
+    return x.new_empty((x.shape[0], n))
+
+
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm")
 def _gemm_fake(x, qweight, qscale, global_scale, bias, n, mode=0, splits=0, pdl=False):  # noqa: ANN001, ANN202
-    torch._check(x.dim() == 2, lambda: "nvfp4_gemm: x must be 2-D [M, K]")
-    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm: K mismatch")
-    return x.new_empty((x.shape[0], n))
+    return _gemm_out_fake("nvfp4_gemm", x, qweight, n)
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_gemm_lora")
 def _gemm_lora_fake(x, qweight, qscale, global_scale, bias, n, shrunk, lora_b, mask, slice_bounds, mode=0,  # noqa: ANN001, ANN202
                     splits=0, pdl=False):
-    torch._check(x.dim() == 2, lambda: "nvfp4_gemm_lora: x must be 2-D [M, K]")
-    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_gemm_lora: K mismatch")
-    return x.new_empty((x.shape[0], n))
+    return _gemm_out_fake("nvfp4_gemm_lora", x, qweight, n)
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_lora_linear")
 def _lora_linear_fake(x, qweight, qscale, global_scale, bias, n, lora_a, lora_b, mask, slice_bounds, mode=0,  # noqa: ANN001, ANN202
                       splits=0, pdl=False):
-    torch._check(x.dim() == 2, lambda: "nvfp4_lora_linear: x must be 2-D [M, K]")
-    torch._check(x.shape[1] == qweight.shape[1] * layout.K_STAGE, lambda: "nvfp4_lora_linear: K mismatch")
-    return x.new_empty((x.shape[0], n))
+    return _gemm_out_fake("nvfp4_lora_linear", x, qweight, n)
 
 
 @torch.library.register_fake(f"{LIB_NAME}::nvfp4_dequant")
