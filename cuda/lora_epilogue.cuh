@@ -77,17 +77,14 @@ __device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const Qer
   }
 }
 
-// What lora_tile reads from global memory besides the staged shrunk rows, loaded into registers before those rows
-// are staged, so the round trips overlap instead of following each other (the split-K kernel's last CTA; NOTES
-// "Seventh round"): the first kPreChunks 16-byte chunks (rank 32) of column c's B row and the token mask of the
-// tile's first 8 rows.
+// The first kPreChunks 16-byte chunks (rank 32) of column c's B row, loaded into registers before the tile's shrunk
+// rows are staged, so the two L2 round trips overlap instead of following each other (the split-K kernel's last CTA;
+// NOTES "Seventh round").
 struct LoraBRow {
   static constexpr int kPreChunks = 4;
   uint4 v[kPreChunks];
-  float mask[8];
 };
-__device__ __forceinline__ void lora_load_b_row(LoraBRow& r, const QerlLoraEpilogue& p, int n0, int N, int c, int m0,
-                                                int M) {
+__device__ __forceinline__ void lora_load_b_row(LoraBRow& r, const QerlLoraEpilogue& p, int n0, int N, int c) {
   const int n = n0 + c;
   const int off = n < N ? lora_slice(p, n) * p.rank : 0;
   const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
@@ -96,17 +93,13 @@ __device__ __forceinline__ void lora_load_b_row(LoraBRow& r, const QerlLoraEpilo
 #pragma unroll
   for (int j = 0; j < LoraBRow::kPreChunks; ++j)
     if (j < chunks) r.v[j] = __ldg(brow + j);
-  const __nv_bfloat16* mask = static_cast<const __nv_bfloat16*>(p.mask);
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    r.mask[i] = m0 + i < M ? __bfloat162float(mask[size_t(m0 + i) * p.mask_stride]) : 0.0f;
 }
 
 // lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
 // slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
 // Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA)
 // after lora_stage_shrunk and a CTA barrier; the B row of each column is read once per 8 tokens (from L1 after the
-// first). `pre` (kPre): the row's first chunks and the first 8 rows' mask, already loaded by lora_load_b_row.
+// first). `pre` (kPre): the row's first chunks, already loaded by lora_load_b_row.
 template <int BM, int BN, bool kPre = false>
 __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
                                           int m0, int M, int N, int c, const LoraBRow* pre = nullptr) {
@@ -165,11 +158,7 @@ __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if (t0 + i < rows) {
-        float mk;
-        if constexpr (kPre)
-          mk = t0 == 0 ? pre->mask[i] : __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
-        else
-          mk = __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
+        const float mk = __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
         lt[(t0 + i) * PITCH + c] = col_ok ? sum[i] * mk : 0.0f;
       }
     }
