@@ -66,11 +66,9 @@ enum LoraMode { kNoLora = 0, kLoraShrunk = 1, kLoraShrinkInLaunch = 2 };
 
 // The in-launch shrink's workspace and counters (kLoraShrinkInLaunch), after the split-K partials and the tiles'
 // counters: per m-tile, `splits x cols` FP32 partials of BM x 32 (row t at t * 32), the bf16 sum [BM, ranks], and
-// three counters (shrink CTAs arrived, sum ready, tiles done with it).
+// three counters (shrink CTAs arrived, sum ready, tiles done with it). cols: CTA columns, ceil(ranks / 32); ranks:
+// n_slices * rank.
 struct ShrinkPlan {
-  int cols;            // CTA columns: ceil(ranks / 32)
-  int ranks;           // n_slices * rank
-  size_t part_floats;  // split-K partials before it
   __host__ __device__ static int cols_for(const QerlLoraEpilogue& p) {
     return (p.n_slices * p.rank + QERL_LORA_SHRINK_RANKS_PER_CTA - 1) / QERL_LORA_SHRINK_RANKS_PER_CTA;
   }
