@@ -10,7 +10,10 @@ token counts, each method is captured ``ROT`` times into one CUDA graph (weights
 * ``pair``: shrink, then ``nvfp4_gemm_lora`` (the fast path's two ops), as launched without PDL;
 * ``pair_pdl``: the same with ``pdl=True`` (the GEMM may launch as the shrink's programs exit);
 * ``linear`` / ``linear_pdl``: ``qerl::nvfp4_lora_linear``, the whole LoRA layer as one op (where the split-K kernel
-  runs, one launch: the shrink's CTAs in the GEMM's grid), without / with PDL: what the fast path runs.
+  runs, one launch: the shrink's CTAs in the GEMM's grid), without / with PDL: what the fast path runs;
+* ``linear_splitk_pdl``: the same op forced onto the split-K kernel (mode ``splitk``), so for the GEMMs the table
+  routes to ``decode_tma`` (whose LoRA path keeps the separate shrink) the row says what the in-launch shrink there
+  would give: the data a LoRA-aware route would be calibrated from.
 
 Per layer (sum of the four GEMMs) it prints the epilogue's cost (gemm_lora - gemm), the pair's and the one op's cost
 over the base with and without PDL (the shrink does not signal: the GEMM may launch as its programs exit). Writes
@@ -46,7 +49,7 @@ DEV = "cuda"
 RANK = 32
 #: LoRA slices of each fused layer (vLLM's packed modules)
 SLICES = {"qkv": 3, "gate_up": 2, "o": 1, "down": 1}
-METHODS = ("gemm", "gemm_lora", "shrink", "pair", "pair_pdl", "linear", "linear_pdl")
+METHODS = ("gemm", "gemm_lora", "shrink", "pair", "pair_pdl", "linear", "linear_pdl", "linear_splitk_pdl")
 #: issue 19: decode throughput with LoRA / without >= 0.90
 KEEP_TARGET = 0.90
 
@@ -104,10 +107,10 @@ def measure(name: str, n: int, k: int, m: int, cfg: dict, iters: int) -> dict:
         return torch.ops.qerl.nvfp4_gemm_lora(x, w.qweight, w.qscale, gs, None, n, sh, lora_b, mask, bounds, 0, 0,
                                               pdl)
 
-    def linear(r: int, pdl: bool) -> torch.Tensor:
+    def linear(r: int, pdl: bool, mode: int = 0) -> torch.Tensor:
         w = ws[r % ROT]
         return torch.ops.qerl.nvfp4_lora_linear(x, w.qweight, w.qscale, gs, None, n, a_cat[r % ROT], lora_b, mask,
-                                                bounds, 0, 0, pdl)
+                                                bounds, mode, 0, pdl)
 
     fns = {
         "gemm": lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, 0),
@@ -117,6 +120,7 @@ def measure(name: str, n: int, k: int, m: int, cfg: dict, iters: int) -> dict:
         "pair_pdl": lambda r: gemm_lora(r, torch.ops.qerl.lora_shrink(x, a_cat[r % ROT]), True),
         "linear": lambda r: linear(r, False),
         "linear_pdl": lambda r: linear(r, True),
+        "linear_splitk_pdl": lambda r: linear(r, True, int(kernels.GemmMode.SPLITK)),
     }
     graphs = {key: capture_graph(fn) for key, fn in fns.items()}
     ext = kernels.extension()

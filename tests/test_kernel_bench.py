@@ -522,7 +522,7 @@ def test_lora_gemm_bench_slices_sums_and_targets():
     assert lg.slice_bounds("down", shapes["down"], cfg) == [0, 3584]
     assert set(lg.SLICES) == set(shapes)
     recs = [{"model": "m", "M": 1, **{f"{k}_us": v for k, v in zip(lg.METHODS, vals)}}
-            for vals in ((10, 11, 3, 14, 13, 12, 11.5), (20, 21.5, 4, 26, 25, 23, 22.5))]
+            for vals in ((10, 11, 3, 14, 13, 12, 11.5, 11.5), (20, 21.5, 4, 26, 25, 23, 22.5, 22))]
     lay = lg.layer_sum(recs)
     assert lay["gemm_us"] == 30 and lay["epilogue_cost_us"] == 2.5 and lay["pair_cost_us"] == 10
     assert lay["pair_pdl_cost_us"] == 8 and lay["linear_cost_us"] == 5 and lay["linear_pdl_cost_us"] == 4
