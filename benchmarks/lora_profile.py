@@ -6,7 +6,11 @@ LoRA variant are both present the issue-19 targets (decode-step ratio without / 
 
 * ``graphs``: a CUDA-graph engine (``enforce_eager=False``, what verl runs); at each batch size B,
   ``--repeats`` times: generate 1 token and ``--steps + 1`` tokens from B short random prompts; decode step
-  time = (the difference) / steps; the row keeps the median and all repeats.
+  time = (the difference) / steps; the row keeps the median and all repeats, and the median 1-token generate
+  as ``prefill_ms`` (the prefill of B prompts plus one sampling step, what rollout.py times once); with
+  ``--prefill-profile B`` one more 1-token generate at that B runs under torch.profiler (host and device): its wall
+  time against its summed kernel time says whether the prefill is device-bound or host-bound, and the top kernels
+  and CPU ops say where it goes.
 * ``eager``: an eager engine, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so torch.profiler sees
   the GPU work: the GPU kernels of ``--steps`` decode steps (the profile of a 1-token generate subtracted: the
   prefill), grouped by kernel name (time and launches per decode step); and, per linear LoRA layer, the ops and
@@ -51,6 +55,7 @@ VARIANTS = {"none": (None, None, None), "vllm": ("off", None, None), "fast": ("a
             "fast_cublas": ("auto", "cublas", "auto"), "fast_separate": ("auto", "auto", "off"),
             "fast_shrink_apart": ("auto", "auto", "expand")}
 KEEP_TARGET = 0.90
+PREFILL_TARGET = 1.3  # prefill time with LoRA / without (issue 19), the median of --repeats 1-token generates
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-batches", default="1,8", help="batch sizes of the eager kernel profile")
     p.add_argument("--steps", type=int, default=128, help="decode steps per timed generate (graphs)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps under the profiler (eager)")
+    p.add_argument("--prefill-profile", default="", help="batch sizes whose 1-token generate (the prefill) the "
+                   "graphs part profiles once, host and device: wall time, kernel time, top kernels and CPU ops")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -71,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
+    args.prefill_profile = [int(b) for b in args.prefill_profile.split(",") if b]
     args.parts = [x for x in args.parts.split(",") if x]
     bad = set(args.parts) - {"graphs", "eager"}
     if bad:
@@ -137,6 +145,35 @@ def _kernel_table(llm, lora, prompts, steps: int, on_gpu: bool) -> dict[str, dic
     return dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_step"]))
 
 
+def _prefill_profile(llm, lora, prompts, on_gpu: bool, top: int = 20) -> dict:
+    """One profiled 1-token generate (the prefill): is it device-bound or host-bound, and where does it go?
+
+    Returns the wall time, the summed kernel time (one stream, so ~ the device's busy time), the top kernels
+    and the top CPU ops by self time (what the host spends the wall on when the kernels do not fill it).
+    """
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts) as prof:
+        wall = _generate(llm, lora, prompts, 1)
+        if on_gpu:
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            kernels[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            kernels[e.name][1] += 1
+    cpu = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()),
+                 key=lambda t: -t[1])[:top]
+    return {"wall_ms": 1e3 * wall, "kernel_ms": sum(v[0] for v in kernels.values()) / 1e3,
+            "launches": sum(v[1] for v in kernels.values()),
+            "top_kernels": [{"name": k[:160], "us": round(v[0], 1), "launches": v[1]}
+                            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+            "top_cpu_self": [{"name": k[:160], "self_us": round(us, 1), "count": n} for k, us, n in cpu]}
+
+
 def run(args) -> dict:
     import random
 
@@ -180,20 +217,32 @@ def run(args) -> dict:
             if part == "graphs":
                 for b in args.batches:
                     _generate(llm, lora, prompts[:b], 8)  # warm-up
-                    steps_ms = []
+                    steps_ms, prefill_ms = [], []
                     for _ in range(args.repeats):
                         t1 = _generate(llm, lora, prompts[:b], 1)
                         tn = _generate(llm, lora, prompts[:b], args.steps + 1)
                         steps_ms.append(1e3 * (tn - t1) / args.steps)
+                        prefill_ms.append(1e3 * t1)
                     row = {"model": args.model, "variant": args.variant, "batch": b, "part": "graphs",
                            "decode_ms_per_step": statistics.median(steps_ms), "repeats_ms": steps_ms,
+                           "prefill_ms": statistics.median(prefill_ms), "prefill_repeats_ms": prefill_ms,
                            "steps": args.steps, "lora_fast_path_layers": fast_layers, "startup_s": startup,
                            "lora_shrink": shrink_record(b, fast_layers)}
+                    if b in args.prefill_profile:
+                        row["prefill_profile"] = prof = _prefill_profile(llm, lora, prompts[:b], args.on_gpu)
+                        print(f"[lora_profile] {args.variant} B={b:3d} prefill profiled: wall {prof['wall_ms']:.2f}"
+                              f" ms, kernels {prof['kernel_ms']:.2f} ms in {prof['launches']} launches", flush=True)
+                        for k in prof["top_kernels"][:12]:
+                            print(f"    {k['us']:10.1f} us {k['launches']:6d} x  {k['name'][:110]}")
+                        print("    CPU self time:")
+                        for k in prof["top_cpu_self"][:15]:
+                            print(f"    {k['self_us']:10.1f} us {k['count']:6d} x  {k['name'][:110]}")
                     rows.append(row)
                     shrink = row["lora_shrink"]["impl"] if row["lora_shrink"] else "-"
                     print(f"[lora_profile] {args.variant} B={b:3d} decode {row['decode_ms_per_step']:.3f} ms/step "
-                          f"(shrink: {shrink}) "
-                          f"(repeats {', '.join(f'{x:.3f}' for x in steps_ms)})", flush=True)
+                          f"prefill {row['prefill_ms']:.2f} ms (shrink: {shrink}) "
+                          f"(repeats {', '.join(f'{x:.3f}' for x in steps_ms)}; prefill "
+                          f"{', '.join(f'{x:.1f}' for x in prefill_ms)})", flush=True)
             else:
                 for b in args.profile_batches:
                     _generate(llm, lora, prompts[:b], 4)  # warm-up
@@ -224,6 +273,8 @@ def run(args) -> dict:
 def targets(rows: list[dict]) -> list[dict]:
     """Decode-step ratio without / with LoRA (= tok/s with / without) per batch, for each LoRA variant."""
     graph = {(r["variant"], r["batch"]): r["decode_ms_per_step"] for r in rows if r["part"] == "graphs"}
+    prefill = {(r["variant"], r["batch"]): r["prefill_ms"] for r in rows
+               if r["part"] == "graphs" and "prefill_ms" in r}
     out = []
     for variant in ("fast", "fast_separate", "fast_cublas", "vllm"):
         for (v, b), ms in sorted(graph.items()):
@@ -232,6 +283,11 @@ def targets(rows: list[dict]) -> list[dict]:
             base = graph.get(("none", b))
             out.append({"name": f"decode tok/s, {variant} LoRA / no LoRA, B={b}",
                         "measured": None if base is None else base / ms, "op": ">=", "target": KEEP_TARGET})
+            pre, pre_base = prefill.get((v, b)), prefill.get(("none", b))
+            if pre is not None:
+                out.append({"name": f"prefill time, {variant} LoRA / no LoRA, B={b}",
+                            "measured": None if pre_base is None else pre / pre_base, "op": "<=",
+                            "target": PREFILL_TARGET})
     return out
 
 
