@@ -168,8 +168,8 @@ def _prefill_profile(llm, lora, prompts, on_gpu: bool, top: int = 20) -> dict:
     cpu = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()),
                  key=lambda t: -t[1])[:top]
     return {"wall_ms": 1e3 * wall, "kernel_ms": sum(v[0] for v in kernels.values()) / 1e3,
-            "launches": sum(v[1] for v in kernels.values()),
-            "top_kernels": [{"name": k[:160], "us": round(v[0], 1), "launches": v[1]}
+            "launches": int(sum(v[1] for v in kernels.values())),
+            "top_kernels": [{"name": k[:160], "us": round(v[0], 1), "launches": int(v[1])}
                             for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
             "top_cpu_self": [{"name": k[:160], "self_us": round(us, 1), "count": n} for k, us, n in cpu]}
 

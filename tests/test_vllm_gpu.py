@@ -174,10 +174,10 @@ LORA_EPILOGUE_MAX_TOKENS = 8
 def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
     """On CUDA a fast-path qerl layer is one op, ``qerl::nvfp4_lora_linear``, and where the split-K kernel runs (decode
     token counts) one kernel in all, base GEMM included: the split-K GEMM with the shrink's CTAs in its grid and the
-    expand in its epilogue (no ``_lora_shrink_kernel``, no ``_lora_expand_kernel``). Where the dispatch runs another
+    expand in its epilogue (no ``_lora_shrink_kernel``, no expand kernel). Where the dispatch runs another
     GEMM the op runs the shrink (Triton up to ``TRITON_MAX_TOKENS``, cuBLAS above) and, for GEMMs without a LoRA
-    epilogue, ``_lora_expand_kernel`` after it. Printed: the kernels, and what vLLM's path launches for the LoRA
-    term."""
+    epilogue, the expand kernel after it (``qerl::lora_expand_kernel``, cuda/lora_expand.cu, launched from C++).
+    Printed: the kernels, and what vLLM's path launches for the LoRA term."""
     from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
 
     fast = gpu_fast_path_engines["fast"]["lora_ops"][0]
@@ -191,7 +191,7 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
         assert v["fused_expand"] and v["ops"] == ["qerl::nvfp4_lora_linear"], (name, v)
         splitk = sum("nvfp4_gemm_splitk_kernel" in k for k in v["kernels"])
         shrink = sum("_lora_shrink_kernel" in k for k in v["kernels"])
-        expand = sum("_lora_expand_kernel" in k for k in v["kernels"])
+        expand = sum("lora_expand_kernel" in k for k in v["kernels"])
         if splitk and v["tokens"] <= LORA_EPILOGUE_MAX_TOKENS:
             in_launch += 1
             assert v["kernels"] == [k for k in v["kernels"] if "nvfp4_gemm_splitk_kernel" in k] and splitk == 1, v
