@@ -59,30 +59,6 @@ typedef struct {
   int ld_a;
 } QerlLoraEpilogue;
 
-// A LoRA expand on its own (cuda/lora_expand.cu), for the GEMMs without a LoRA epilogue:
-//   y[t, n] = out[t, n] + mask[t] * sum_j shrunk[t, s(n) * rank + j] * lora_b[n, s(n) * rank + j]
-// in FP32, one rounding to the dtype (bf16 or fp16, all five tensors alike); s(n) the slice of column n as in
-// QerlLoraEpilogue (only the slice's block of B is read). y may be out (in place: rows whose mask is 0 are not
-// written). Rows of every tensor have unit column stride; any row strides (elements), no alignment needed.
-enum { QERL_LORA_EXPAND_MAX_SLICES = 8, QERL_LORA_EXPAND_MAX_RANKS = 256 };
-typedef struct {
-  const void* out;
-  void* y;
-  const void* shrunk;  // [T, n_slices * rank] at ld_shrunk
-  const void* lora_b;  // [N, >= n_slices * rank] at ld_b
-  const void* mask;    // element t at mask[t * mask_stride]
-  int T, N;
-  int ld_out, ld_y, ld_shrunk, ld_b, mask_stride;
-  int rank;            // per slice
-  int n_slices;        // 1..QERL_LORA_EXPAND_MAX_SLICES; n_slices * rank <= QERL_LORA_EXPAND_MAX_RANKS
-  int slice_end[QERL_LORA_EXPAND_MAX_SLICES];  // exclusive end column of each slice, increasing
-  int dtype;           // QERL_BF16 or QERL_F16
-} QerlLoraExpand;
-
-// 1 when qerl_lora_expand_launch takes these operands (the launch returns cudaErrorInvalidValue otherwise).
-int qerl_lora_expand_supported(const QerlLoraExpand* p);
-cudaError_t qerl_lora_expand_launch(const QerlLoraExpand* p, cudaStream_t stream);
-
 // 1 when qerl_nvfp4_gemm_lora_launch accepts `lora` for an output of N columns with this block_m: operands present
 // and 16-byte aligned, rank a positive multiple of 8, 1..3 increasing slices ending at N, and n_slices x rank within
 // what the kernel stages in shared memory (>= 96), block_m <= QERL_LORA_EPILOGUE_MAX_BLOCK_M; else 0 (then run the

@@ -651,62 +651,25 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
 // out = x @ W^T + bias + mask * expand(shrunk, lora_b) with expand[:, n] = shrunk[:, s(n) r : s(n) r + r] @
 // lora_b[n, s(n) r : s(n) r + r] (s(n): the slice holding column n; slice_bounds = [0, end_0, .., n]). Wherever the
 // route runs another GEMM, or the LoRA operands do not fit the epilogue (dtype, alignment, rank), the op runs that GEMM
-// and then the expand: cuda/lora_expand.cu launched from here (lora_expand_native) where the operands fit it, else
-// qerl::lora_expand (verl_qerl/kernels/lora_expand.py, registered from Python) with the block-diagonal lora_b: the
-// same numbers up to the one extra bf16 rounding of the base output.
+// and then the expand: from kExpandCublasMinTokens tokens on cuBLAS called from here (lora_expand_native), below
+// that qerl::lora_expand (verl_qerl/kernels/lora_expand.py, registered from Python: a Triton kernel) with the
+// block-diagonal lora_b: the same numbers up to the one extra bf16 rounding of the base output.
 
-// cuda/lora_expand.cu's kernel where the operands fit it (bf16 or fp16 throughout, unit column strides, at most
-// QERL_LORA_EXPAND_MAX_RANKS ranks), else nullopt (the caller runs qerl::lora_expand). `bounds`: the slices' column
-// bounds [0, end_0, .., N] (empty: one slice of all ranks; then b_t's rows past a column's slice must be zero for
-// the two to agree, which the block-diagonal B is). `in_place`: add into `out`, a tensor the caller owns.
-c10::optional<at::Tensor> lora_expand_native(const at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
-                                             const at::Tensor& mask, at::IntArrayRef bounds, bool in_place) {
+// From this many tokens on the expand is `out.addmm_(shrunk * mask, lora_b^T)` (cuBLAS, launched from C++), what
+// qerl::lora_expand's CUDA side runs from the same count (CUBLAS_MIN_TOKENS in verl_qerl/kernels/lora_expand.py;
+// tests/test_lora_expand_gpu.py checks the two agree bit for bit). Why: the Python op costs ~96 us of host time per
+// call (a 256-token 7B prefill is host-bound: 10.8 ms of ~57, benchmarks/NOTES.md "Eighth round"), and at prefill
+// sizes cuBLAS's tensor-core GEMM is as fast as the Triton kernel on the device. Below it (decode, CUDA graphs: no
+// host time) the Triton kernel is one launch where this is two.
+constexpr int64_t kExpandCublasMinTokens = 128;
+
+c10::optional<at::Tensor> lora_expand_native(at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
+                                             const at::Tensor& mask) {
   const auto dt = out.scalar_type();
-  if (dt != at::kBFloat16 && dt != at::kHalf) return c10::nullopt;
-  if (out.dim() != 2 || shrunk.dim() != 2 || b_t.dim() != 2 || !out.is_cuda()) return c10::nullopt;
-  for (const auto* t : {&shrunk, &b_t, &mask})
-    if (t->scalar_type() != dt || t->device() != out.device()) return c10::nullopt;
-  const int64_t tokens = out.size(0), n = out.size(1), ranks = shrunk.size(1);
-  if (shrunk.size(0) != tokens || b_t.size(0) != ranks || b_t.size(1) != n || mask.numel() != tokens ||
-      mask.dim() > 2 || (mask.dim() == 2 && mask.size(1) != 1))
+  if (out.dim() != 2 || out.size(0) < kExpandCublasMinTokens || (dt != at::kBFloat16 && dt != at::kHalf) ||
+      shrunk.scalar_type() != dt || b_t.scalar_type() != dt || mask.numel() != out.size(0))
     return c10::nullopt;
-  const int64_t slices = bounds.empty() ? 1 : int64_t(bounds.size()) - 1;
-  if (slices < 1 || slices > QERL_LORA_EXPAND_MAX_SLICES || ranks < 1 || ranks % slices != 0) return c10::nullopt;
-  if ((n > 1 && out.stride(1) != 1) || (ranks > 1 && (shrunk.stride(1) != 1 || b_t.stride(0) != 1)))
-    return c10::nullopt;
-  const int64_t int_max = std::numeric_limits<int>::max();
-  if (tokens > int_max || n > int_max || out.stride(0) > int_max || shrunk.stride(0) > int_max ||
-      b_t.stride(1) > int_max || (mask.dim() > 0 && mask.stride(0) > int_max))
-    return c10::nullopt;
-  QerlLoraExpand p{};
-  at::Tensor y = in_place ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-  p.out = out.data_ptr();
-  p.y = y.data_ptr();
-  p.shrunk = shrunk.data_ptr();
-  p.lora_b = b_t.data_ptr();
-  p.mask = mask.data_ptr();
-  p.T = int(tokens);
-  p.N = int(n);
-  p.ld_out = int(out.stride(0));
-  p.ld_y = int(y.stride(0));
-  p.ld_shrunk = int(shrunk.stride(0));
-  p.ld_b = int(b_t.stride(1));
-  p.mask_stride = int(mask.dim() == 0 ? 0 : mask.stride(0));
-  p.rank = int(ranks / slices);
-  p.n_slices = int(slices);
-  for (int i = 0; i < p.n_slices; ++i) p.slice_end[i] = bounds.empty() ? int(n) : int(bounds[i + 1]);
-  p.dtype = dt == at::kBFloat16 ? QERL_BF16 : QERL_F16;
-  if (!qerl_lora_expand_supported(&p)) return c10::nullopt;
-  c10::cuda::CUDAGuard g(out.device());
-  const cudaError_t e = qerl_lora_expand_launch(&p, at::cuda::getCurrentCUDAStream());
-  QCHECK(e == cudaSuccess, "qerl lora expand kernel failed: ", cudaGetErrorString(e));
-  return y;
-}
-
-// The Python op's CUDA side (verl_qerl/kernels/lora_expand.py): the kernel where it takes the operands, None else.
-c10::optional<at::Tensor> lora_expand_py(const at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
-                                         const at::Tensor& mask) {
-  return lora_expand_native(out, shrunk, b_t, mask, {}, false);
+  return out.addmm_(shrunk * mask.reshape({-1, 1}).to(dt), b_t);
 }
 
 at::Tensor lora_expand_op(const at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
@@ -800,7 +763,7 @@ at::Tensor gemm_lora_cuda(const at::Tensor& x, const at::Tensor& qw, const at::T
     out = dequant_cublas_cuda(x, qw, qs, gs, bias, n);
   }
   if (done) return out;
-  if (auto y = lora_expand_native(out, shrunk, lora_b.t(), mask, slice_bounds, /*in_place=*/true)) return *y;
+  if (auto y = lora_expand_native(out, shrunk, lora_b.t(), mask)) return *y;
   return lora_expand_op(out, shrunk, lora_b.t(), mask);
 }
 
@@ -912,8 +875,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue for (M, N, K, mode)");
   m.def("lora_shrink_in_launch_runs", &lora_shrink_in_launch_runs,
         "whether qerl::nvfp4_lora_linear runs the LoRA shrink inside the split-K GEMM's launch for (M, N, K, mode)");
-  m.def("lora_expand", &lora_expand_py,
-        "out + mask * (shrunk @ b_t) by cuda/lora_expand.cu (a new tensor), or None where it does not take the operands");
   m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");

@@ -176,8 +176,9 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
     token counts) one kernel in all, base GEMM included: the split-K GEMM with the shrink's CTAs in its grid and the
     expand in its epilogue (no ``_lora_shrink_kernel``, no expand kernel). Where the dispatch runs another
     GEMM the op runs the shrink (Triton up to ``TRITON_MAX_TOKENS``, cuBLAS above) and, for GEMMs without a LoRA
-    epilogue, the expand kernel after it (``qerl::lora_expand_kernel``, cuda/lora_expand.cu, launched from C++).
+    epilogue, ``_lora_expand_kernel`` after it (below ``CUBLAS_MIN_TOKENS``; from there on cuBLAS called from C++).
     Printed: the kernels, and what vLLM's path launches for the LoRA term."""
+    from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS
     from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
 
     fast = gpu_fast_path_engines["fast"]["lora_ops"][0]
@@ -191,12 +192,13 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
         assert v["fused_expand"] and v["ops"] == ["qerl::nvfp4_lora_linear"], (name, v)
         splitk = sum("nvfp4_gemm_splitk_kernel" in k for k in v["kernels"])
         shrink = sum("_lora_shrink_kernel" in k for k in v["kernels"])
-        expand = sum("lora_expand_kernel" in k for k in v["kernels"])
+        expand = sum("_lora_expand_kernel" in k for k in v["kernels"])
         if splitk and v["tokens"] <= LORA_EPILOGUE_MAX_TOKENS:
             in_launch += 1
             assert v["kernels"] == [k for k in v["kernels"] if "nvfp4_gemm_splitk_kernel" in k] and splitk == 1, v
             continue
-        assert expand == (0 if splitk or any("decode_tma" in k for k in v["kernels"]) else 1), (name, v)
+        no_triton = splitk or any("decode_tma" in k for k in v["kernels"]) or v["tokens"] >= CUBLAS_MIN_TOKENS
+        assert expand == (0 if no_triton else 1), (name, v)
         if v["tokens"] <= TRITON_MAX_TOKENS:
             assert shrink == 1, (name, v)
     print(f"\nlayers with the shrink in the GEMM's launch: {in_launch} of {len(qerl)}")

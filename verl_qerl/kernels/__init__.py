@@ -197,12 +197,6 @@ def extension():  # noqa: ANN201 - the compiled module, or None
     return _State.ext if load_extension() else None
 
 
-def loaded_extension():  # noqa: ANN201 - the compiled module, or None
-    """The extension if an earlier call already loaded it, else None; never builds or loads it (for ops that only
-    prefer its kernels, e.g. ``qerl::lora_expand`` on a BF16 engine, which must not start a JIT build)."""
-    return _State.ext
-
-
 def cuda_available() -> bool:
     """True when the CUDA kernels can run here (builds/loads the extension on first call)."""
     return load_extension()

@@ -29,7 +29,6 @@ CU_SOURCES = (
     "nvfp4_gemm_wgmma_wide.cu",
     "nvfp4_gemm_decode_tma.cu",
     "nvfp4_dequant.cu",
-    "lora_expand.cu",
 )
 #: The thin torch binding.
 CPP_SOURCES = ("qerl_torch.cpp",)

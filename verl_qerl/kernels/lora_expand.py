@@ -6,8 +6,8 @@ The single-adapter LoRA path (``verl_qerl.vllm.lora_fast_path``) computes, per l
 (block-diagonal) B, the per-token adapter mask (1: the token's request has the adapter, 0: it has none)
 and the residual add of the base layer's output. In torch ops that is a multiply and
 an ``addmm``, two kernel launches; at decode batch sizes every launch costs about as much as the work, and a
-7B model has 112 such layers per step, so on CUDA it is one kernel: the extension's (``cuda/lora_expand.cu``,
-bf16 / fp16 operands with unit column strides, up to 256 ranks), else a Triton kernel. It returns a new tensor (no
+7B model has 112 such layers per step, so on CUDA it is one Triton kernel (from :data:`CUBLAS_MIN_TOKENS` tokens
+on, with bf16 / fp16 operands, the torch ops: cuBLAS). It returns a new tensor (no
 in-place mutation for torch.compile to functionalize) and allocates only a shape-determined output, so it
 captures into CUDA graphs. For ``qerl_nvfp4`` layers the expand usually runs inside the FP4 GEMM instead
 (``qerl::nvfp4_gemm_lora``, :mod:`verl_qerl.kernels.ops`); that op calls this one wherever its GEMM has no LoRA
@@ -107,19 +107,17 @@ def _expand_cpu(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask
     return lora_expand_torch(out, shrunk, b_t, mask)
 
 
-def _expand_cuda(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The extension's kernel (cuda/lora_expand.cu: what ``qerl::nvfp4_lora_linear`` runs from C++ where its GEMM has
-    no LoRA epilogue, so the two give the same numbers) where it is loaded and takes the operands, else Triton, else
-    torch."""
-    from . import loaded_extension  # the package imports this module: look the extension up at call time
+#: From this many tokens on the CUDA side is ``torch.addmm(out, shrunk * mask, b_t)`` (cuBLAS), as
+#: ``qerl::nvfp4_lora_linear`` runs it from C++ (``kExpandCublasMinTokens`` in cuda/qerl_torch.cpp, the same count:
+#: the two agree bit for bit, tests/test_lora_expand_gpu.py): at prefill sizes cuBLAS's tensor-core GEMM is as fast
+#: as the Triton kernel and the prefill is host-bound, where this Python op costs ~96 us per call (NOTES "Eighth
+#: round"). Below it the Triton kernel (one launch; decode runs in CUDA graphs, where host time does not count).
+CUBLAS_MIN_TOKENS = 128
 
-    ext = loaded_extension()
-    if ext is not None:
-        _check(out, shrunk, b_t, mask)
-        y = ext.lora_expand(out, shrunk, b_t, mask)
-        if y is not None:
-            return y
-    if triton is None:
+
+def _expand_cuda(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if triton is None or (out.shape[0] >= CUBLAS_MIN_TOKENS and out.dtype in (torch.bfloat16, torch.float16)
+                           and shrunk.dtype == out.dtype and b_t.dtype == out.dtype):
         return _expand_cpu(out, shrunk, b_t, mask)
     return lora_expand_triton(out, shrunk, b_t, mask)
 
@@ -134,5 +132,5 @@ def _expand_fake(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mas
 
 
 def lora_expand(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``out + mask * (shrunk @ b_t)``, one ``qerl::lora_expand`` op (one kernel on CUDA)."""
+    """``out + mask * (shrunk @ b_t)``, one ``qerl::lora_expand`` op (one Triton kernel on CUDA at decode sizes)."""
     return torch.ops.qerl.lora_expand(out, shrunk, b_t, mask)
