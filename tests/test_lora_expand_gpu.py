@@ -30,8 +30,9 @@ pytestmark = [
 
 DEV = "cuda"
 TRITON = "_lora_expand_kernel"
-#: (N, slice bounds, rank per slice): one slice, qkv-like three uneven slices, N odd with uneven slices
-SHAPES = [(512, [0, 512], 32), (768, [0, 512, 640, 768], 32), (301, [0, 17, 24, 301], 8)]
+#: (N, slice bounds, rank per slice): one slice, qkv-like three uneven slices, N not a multiple of the 128-row tile
+#: with odd slice bounds (the kernel layout needs N % 16 == 0)
+SHAPES = [(512, [0, 512], 32), (768, [0, 512, 640, 768], 32), (304, [0, 17, 24, 304], 8)]
 TOKENS = [CUBLAS_MIN_TOKENS - 1, CUBLAS_MIN_TOKENS, 300]
 
 
@@ -105,7 +106,9 @@ def test_op_from_the_threshold_matches_float64(dtype: torch.dtype) -> None:
     assert not torch.isnan(got).any() and torch.equal(got[3::4], out[3::4])
     mant = 7 if dtype == torch.bfloat16 else 10
     half_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - mant - 1)
-    assert bool(((got.double() - ref).abs() <= half_ulp + 1e-5 * mag).all())
+    # one rounding of the result, and cuBLAS's reduced-precision split-K sums (a few roundings of the products' sum)
+    bound = half_ulp + 4 * 2.0 ** -(mant + 1) * mag
+    assert bool(((got.double() - ref).abs() <= bound).all()), float(((got.double() - ref).abs() / bound).max())
     assert torch.equal(got, lora_expand(out, shrunk, lora_b.t(), mask))  # deterministic
 
 
