@@ -93,7 +93,7 @@ def test_lora_linear_matches_float64(m: int, n: int, k: int, bounds: list[int], 
     packed, scale, gs = random_nvfp4(n, k, seed=n + k + m, device=DEV)
     rw = kernels.repack(packed, scale)
     x, lora_a, lora_b, mask = operands(m, n, k, bounds, rank, seed=m * n + rank)
-    bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    bias = torch.randn(n, device=DEV, generator=torch.Generator(device=DEV).manual_seed(m + n)).to(torch.bfloat16)
     # float64 oracle: the exact shrink (the kernel rounds its FP32 sum to bf16: up to half an ulp of each shrunk
     # value, bounded below through |shrunk| @ |B|)
     w = reference.dequantize_f64(packed, scale, gs)
@@ -116,8 +116,15 @@ def test_lora_linear_matches_float64(m: int, n: int, k: int, bounds: list[int], 
     bound = half_ulp + 1e-5 * mag_gemm + 2.0**-8 * mag_lora
     assert bool((err <= bound).all()), float((err / bound).max())
     base = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, int(mode), splits)
-    assert torch.equal(got[3::4], base[3::4])  # tokens without the adapter: the GEMM's output, bit for bit
     before = pair(x, rw, gs, bias, n, lora_a, lora_b, mask, bounds, mode, splits)
+    if splits or not in_launch(m, n, k, mode):
+        assert torch.equal(got[3::4], base[3::4])  # tokens without the adapter: the GEMM's output, bit for bit
+    else:
+        # with the in-launch shrink the op may split K differently from the GEMM alone (its shrink CTAs count as
+        # tiles: 768 x 2048 at M <= 8 runs 8 splits against the GEMM's 1), so those rows are the GEMM's value summed
+        # in another order: at most one bf16 rounding apart (an unseeded bias once made this fail 1 run in 2)
+        apart = (got[3::4].double() - base[3::4].double()).abs()
+        assert bool((apart <= 2 * half_ulp[3::4] + 1e-5 * mag_gemm[3::4]).all())
     if not in_launch(m, n, k, mode):
         assert torch.equal(got, before)  # the fallback is that pair, bit for bit
     else:
