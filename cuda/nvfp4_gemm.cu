@@ -527,6 +527,10 @@ extern "C" size_t qerl_nvfp4_gemm_lora_workspace_floats(int M, int N, int splits
   return f;
 }
 
+extern "C" int qerl_nvfp4_gemm_lora_shrink_cols(const QerlLoraEpilogue* lora) {
+  return lora != nullptr && lora->lora_a != nullptr ? qerl::ShrinkPlan::cols_for(*lora) : 0;
+}
+
 extern "C" int qerl_nvfp4_gemm_lora_counters(int M, int N, int block_m, const QerlLoraEpilogue* lora) {
   if (M <= 0 || N <= 0 || block_m <= 0) return 0;
   const int n_tiles = (N + QERL_GEMM_BN - 1) / QERL_GEMM_BN;

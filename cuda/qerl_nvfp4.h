@@ -87,13 +87,15 @@ cudaError_t qerl_nvfp4_gemm_lora_launch(const void* x, const void* qweight, cons
                                         const QerlLoraEpilogue* lora, int pdl, cudaStream_t stream);
 
 // Workspace floats / counters of a qerl_nvfp4_gemm_lora_launch: the split-K partials, plus with lora->lora_a set the
-// in-launch shrink's FP32 partials (m-tiles x splits x block_m x 32 per shrink CTA column) and two counters per m-tile
-// after the tiles' own.
+// in-launch shrink's FP32 partials (m-tiles x splits x block_m x 32 per shrink CTA column) and three counters per
+// m-tile after the tiles' own.
 size_t qerl_nvfp4_gemm_lora_workspace_floats(int M, int N, int splits, int block_m, const QerlLoraEpilogue* lora);
 int qerl_nvfp4_gemm_lora_counters(int M, int N, int block_m, const QerlLoraEpilogue* lora);
 
 // CTA columns of the in-launch shrink for a LoRA of n_slices x rank shrunk columns (32 ranks per CTA).
 #define QERL_LORA_SHRINK_RANKS_PER_CTA 32
+// Those columns for `lora` (0 without lora_a): per split, the launch's grid has this many CTAs more than tiles.
+int qerl_nvfp4_gemm_lora_shrink_cols(const QerlLoraEpilogue* lora);
 
 // Resident CTAs per SM of the GEMM for this block_m (0 on error).
 int qerl_nvfp4_gemm_ctas_per_sm(int block_m);

@@ -437,10 +437,7 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
          "qerl::nvfp4_lora_linear: the in-launch shrink needs more split-K counters than the ", kCounterCap, " held");
   // The in-launch shrink's CTA columns (one per 32 ranks; a CTA streams about one GEMM CTA's bytes: 32 bf16 A rows vs
   // 128 FP4 rows and their scales) count in the balance as tiles.
-  const int64_t shrink_cols =
-      in_launch_shrink
-          ? (lora->n_slices * lora->rank + QERL_LORA_SHRINK_RANKS_PER_CTA - 1) / QERL_LORA_SHRINK_RANKS_PER_CTA
-          : 0;
+  const int64_t shrink_cols = in_launch_shrink ? qerl_nvfp4_gemm_lora_shrink_cols(lora) : 0;
   int splits = splits_override > 0 ? int(std::min<int64_t>(splits_override, stages))
                                    : pick_splits((n_tiles + shrink_cols) * m_tiles, stages, block_m, sms);
   if (n_tiles * m_tiles > kCounterCap) splits = 1;
