@@ -112,30 +112,38 @@ def _generate(llm, lora, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def _kernel_table(llm, lora, prompts, steps: int, on_gpu: bool) -> dict[str, dict[str, float]]:
-    """Per decode step: device time (us) and launches per kernel name (CPU ops on a CPU engine)."""
+def _profiled_generate(llm, lora, prompts, max_tokens: int, on_gpu: bool):  # noqa: ANN202 - (profile, wall s)
+    """One ``max_tokens`` generate under torch.profiler (CPU, and CUDA on a GPU engine): (the profile, its wall s)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=acts) as prof:
+        wall = _generate(llm, lora, prompts, max_tokens)
+        if on_gpu:
+            torch.cuda.synchronize()
+    return prof, wall
 
-    def totals(max_tokens: int) -> dict[str, list[float]]:
-        with profile(activities=acts) as prof:
-            _generate(llm, lora, prompts, max_tokens)
-            if on_gpu:
-                torch.cuda.synchronize()
-        agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        for e in prof.events():
-            if on_gpu and e.device_type == DeviceType.CUDA:
-                agg[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                agg[e.name][1] += 1
-            elif not on_gpu and e.cpu_parent is None and e.name.startswith(("aten::", "qerl::", "_C::")):
-                agg[e.name][0] += e.cpu_time_total
-                agg[e.name][1] += 1
-        return agg
 
-    prefill, full = totals(1), totals(steps + 1)
+def _by_name(prof, on_gpu: bool) -> dict[str, list[float]]:
+    """Per kernel name: [device us, launches] (on a CPU engine: top-level aten / qerl / _C ops, [CPU us, calls])."""
+    from torch.autograd import DeviceType
+
+    agg: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            agg[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            agg[e.name][1] += 1
+        elif not on_gpu and e.cpu_parent is None and e.name.startswith(("aten::", "qerl::", "_C::")):
+            agg[e.name][0] += e.cpu_time_total
+            agg[e.name][1] += 1
+    return agg
+
+
+def _kernel_table(llm, lora, prompts, steps: int, on_gpu: bool) -> dict[str, dict[str, float]]:
+    """Per decode step: device time (us) and launches per kernel name (CPU ops on a CPU engine)."""
+    prefill = _by_name(_profiled_generate(llm, lora, prompts, 1, on_gpu)[0], on_gpu)
+    full = _by_name(_profiled_generate(llm, lora, prompts, steps + 1, on_gpu)[0], on_gpu)
     table = {}
     for name in full:
         us = (full[name][0] - prefill.get(name, [0.0, 0.0])[0]) / steps
@@ -151,20 +159,8 @@ def _prefill_profile(llm, lora, prompts, on_gpu: bool, top: int = 20) -> dict:
     Returns the wall time, the summed kernel time (one stream, so ~ the device's busy time), the top kernels
     and the top CPU ops by self time (what the host spends the wall on when the kernels do not fill it).
     """
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=acts) as prof:
-        wall = _generate(llm, lora, prompts, 1)
-        if on_gpu:
-            torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for e in prof.events():
-        if on_gpu and e.device_type == DeviceType.CUDA:
-            kernels[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            kernels[e.name][1] += 1
+    prof, wall = _profiled_generate(llm, lora, prompts, 1, on_gpu)
+    kernels = _by_name(prof, on_gpu) if on_gpu else {}
     cpu = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()),
                  key=lambda t: -t[1])[:top]
     return {"wall_ms": 1e3 * wall, "kernel_ms": sum(v[0] for v in kernels.values()) / 1e3,
