@@ -774,6 +774,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-lora", action="store_true", help="run without the rank-32 adapter (enable_lora off)")
     p.add_argument("--lora-split", action="store_true",
                    help="run every backend twice, with the adapter and without it (enable_lora off), in this run")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM max_num_seqs (default max(largest batch, 8)); vLLM captures CUDA graphs up to 2x it "
+                        "tokens, so a verl-like value (hundreds) also graphs the B = 1 prefill")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (on by default on GPU)")
     p.add_argument("--bf16-checkpoint", choices=("auto", "always", "never"), default="auto",
@@ -805,6 +808,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown model(s) {bad}; choose from {list(allowed)}")
     if any(b < 1 for b in args.batches) or args.new_tokens < 2 or args.prompt_tokens < 1:
         p.error("batches >= 1, --new-tokens >= 2 and --prompt-tokens >= 1 required")
+    if args.max_num_seqs is not None and args.max_num_seqs < max(args.batches):
+        p.error(f"--max-num-seqs {args.max_num_seqs} is below the largest batch {max(args.batches)}")
     return args
 
 
@@ -837,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
                      "temperature": 1.0, "ignore_eos": True, "lora_rank": None if args.no_lora else LORA_RANK,
                      "lora_targets": None if args.no_lora else list(LORA_TARGETS), "seed": args.seed,
                      "lora_split": args.lora_split,
+                     # only when set: files of the default (max(largest batch, 8)) still merge with older ones
+                     **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
                      "timing": "wall time of llm.generate; prefill = a max_tokens=1 generate of the same prompts; "
                                "decode = total - prefill (vLLM per-request metrics not used)"},
         "env": {**{k: os.environ.get(k) for k in ("QERL_NVFP4_BACKEND", "QERL_LORA_FAST_PATH",
@@ -861,7 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     def bench_one(model: str, backend: str, build: dict, with_lora: bool) -> None:
         ckpt = build["bf16"] if backend in ("bf16", "nf4") else build["nvfp4"]
         llm = dict(model=ckpt, dtype="bfloat16", seed=args.seed, skip_tokenizer_init=True,
-                   max_model_len=args.prompt_tokens + args.new_tokens + 16, max_num_seqs=max(max_b, 8),
+                   max_model_len=args.prompt_tokens + args.new_tokens + 16,
+                   max_num_seqs=args.max_num_seqs or max(max_b, 8),
                    enable_prefix_caching=False, enforce_eager=args.enforce_eager or not on_gpu,
                    worker_extension_cls="verl_qerl.vllm.worker_extension.QeRLWorkerExtension")
         if on_gpu:

@@ -347,3 +347,12 @@ def test_compile_cache_is_isolated_per_qerl_setting(monkeypatch):
     assert on != off and on.startswith("/base/qerl-")
     monkeypatch.setenv("QERL_PDL", "0")
     assert rb.isolate_compile_cache() == off  # same settings, same graphs
+
+
+def test_max_num_seqs_switch_is_checked_against_the_batches():
+    rollout = _load_script()
+    args = rollout.parse_args(["--batches", "1,8", "--max-num-seqs", "512"])
+    assert args.max_num_seqs == 512
+    assert rollout.parse_args(["--batches", "1,8"]).max_num_seqs is None
+    with pytest.raises(SystemExit):
+        rollout.parse_args(["--batches", "1,64", "--max-num-seqs", "32"])
