@@ -18,7 +18,6 @@ import torch
 
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
-from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS, lora_expand
 from verl_qerl.testing.gpu import capture, kernels_launched
 from verl_qerl.testing.nvfp4_random import random_nvfp4
@@ -82,13 +81,14 @@ def test_fused_op_equals_gemm_then_expand_around_the_threshold(m: int, n: int, b
     assert not torch.isnan(got).any()
     assert torch.equal(got[3::4], base[3::4])  # tokens without the adapter: the GEMM's output, bit for bit
     assert torch.equal(got, lora_expand(base, shrunk, lora_b.t(), mask))  # the Python op's route, bit for bit
-    w = reference.dequantize_f64(packed, scale, gs)
-    base_ref = reference.linear_f64(x, packed, scale, gs, None)
+    # the expand against float64 on the GEMM's own output (the GEMM's accuracy per route, dequantize + cuBLAS
+    # included, is tests/test_kernels_gpu.py's): one rounding of the result, plus cuBLAS's reduced-precision split-K
+    # sums (a few bf16 roundings of at most 2^-8 of the LoRA term's magnitude each)
     s = shrunk.double() * mask.double()
-    ref = base_ref + s @ lora_b.double().T
-    mag = x.double().abs() @ w.abs().T + s.abs() @ lora_b.double().abs().T
-    # the GEMM's bf16 rounding (at most 2^-8 of the base value), then the expand's (2^-8 of the result)
-    assert bool(((got.double() - ref).abs() <= 2.0**-8 * (ref.abs() + base_ref.abs()) + 1e-5 * mag).all())
+    ref = base.double() + s @ lora_b.double().T
+    mag_lora = s.abs() @ lora_b.double().abs().T
+    bound = 2.0**-8 * ref.abs() + 2.0**-6 * mag_lora + 1e-30
+    assert bool(((got.double() - ref).abs() <= bound).all()), float(((got.double() - ref).abs() / bound).max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
