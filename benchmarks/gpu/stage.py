@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--bundle", action="append", default=[], choices=sorted(set(BUNDLES) - {"vllm"}),
                    help="extra bundles on top of vllm (repeatable): verl, qwen05b")
     b.add_argument("--out", default=str(REPO / ".stage"), help="git-ignored folder inside the repository")
-    b.add_argument("--part-mib", type=float, default=56.0, help="part size; part + repository must stay < 64 MiB")
+    b.add_argument("--part-mib", type=float, default=48.0,
+                   help="part size; part + repository (8.3 MB tracked, 2026-11-25) must stay < 64 MiB")
     args = ap.parse_args(argv)
     build(args.bundle, Path(args.out), args.part_mib)
     return 0
