@@ -9,12 +9,8 @@
 set -uo pipefail
 OUT=${1:?usage: $0 OUT_DIR}
 cd "$(dirname "$0")/../.."
-mkdir -p "$OUT"
-export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-LOG="$OUT/lora_expand_check.log"; : > "$LOG"
-fail=0
-STEP_TAG=lora_expand_check
 source benchmarks/gpu/steps.sh
+check_start lora_expand_check
 build_step 240
 step gpu_tests 400 bash -c "python3 -m pytest -q -p no:cacheprovider tests/test_lora_expand_gpu.py \
   tests/test_lora_fused_gpu.py tests/test_lora_linear_gpu.py tests/test_lora_expand.py > '$OUT/gpu_tests.log' 2>&1"

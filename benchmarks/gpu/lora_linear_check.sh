@@ -10,12 +10,8 @@
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 cd "$(dirname "$0")/../.."
-mkdir -p "$OUT"
-export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-LOG="$OUT/lora_linear_check.log"; : > "$LOG"
-fail=0
-STEP_TAG=lora_linear_check
 source benchmarks/gpu/steps.sh
+check_start lora_linear_check
 echo "[lora_linear_check] $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee -a "$LOG"
 build_step 240
 step gpu_tests 300 bash -c "python3 -m pytest -q -p no:cacheprovider ${QERL_CHECK_TESTS:-tests/test_lora_linear_gpu.py \

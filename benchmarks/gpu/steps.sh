@@ -17,3 +17,13 @@ export QERL_BUILD_CHECK_PY
 build_step() {
   step build "$1" python3 -c "$QERL_BUILD_CHECK_PY"
 }
+
+#   check_start TAG             in a check script (after cd-ing to the repository root, with OUT set): make OUT,
+#                               put the repository on PYTHONPATH, start $OUT/TAG.log as LOG, fail=0, STEP_TAG=TAG
+check_start() {
+  mkdir -p "${OUT:?set OUT}"
+  export PYTHONPATH=".:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+  LOG="$OUT/$1.log"; : > "$LOG"
+  fail=0
+  STEP_TAG=$1
+}
