@@ -16,6 +16,7 @@ import torch
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
+from verl_qerl.testing.gpu import poison
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -36,12 +37,6 @@ def _ext() -> None:
 def rand_nvfp4(n: int, k: int, seed: int, big: bool = False):
     return random_nvfp4(n, k, seed, DEV, big)
 
-
-def poison(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Leave a NaN-filled block in the caching allocator for the next allocation of this size."""
-    t = torch.empty(shape, dtype=dtype, device=DEV)
-    t.fill_(float("nan"))
-    del t
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:

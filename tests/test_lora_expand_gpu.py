@@ -19,7 +19,7 @@ import torch
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS, lora_expand
-from verl_qerl.testing.gpu import capture, kernels_launched
+from verl_qerl.testing.gpu import capture, kernels_launched, poison
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -40,11 +40,6 @@ def _ext() -> None:
     if not kernels.load_extension(verbose=False):
         pytest.fail(f"CUDA extension did not load: {kernels.cuda_unavailable_reason()}")
 
-
-def poison(shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    t = torch.empty(shape, dtype=dtype, device=DEV)
-    t.fill_(float("nan"))
-    del t
 
 
 def operands(t: int, n: int, bounds: list[int], rank: int, dtype: torch.dtype, seed: int):

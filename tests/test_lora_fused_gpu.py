@@ -18,7 +18,7 @@ from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_expand import lora_expand
-from verl_qerl.testing.gpu import capture, kernels_launched
+from verl_qerl.testing.gpu import capture, kernels_launched, poison
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -81,11 +81,6 @@ def half_ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     exp = torch.floor(torch.log2(ref.abs().clamp_min(1e-30)))
     return (out.double() - ref).abs() / torch.exp2(exp - 8)
 
-
-def poison(shape: tuple[int, ...]) -> None:
-    t = torch.empty(shape, dtype=torch.bfloat16, device=DEV)
-    t.fill_(float("nan"))
-    del t
 
 
 def fused(x, rw, gs, bias, n, shrunk, lora_b, mask, bounds, mode=0, splits=0) -> torch.Tensor:  # noqa: ANN001

@@ -22,7 +22,7 @@ from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
 from verl_qerl.kernels import reference
 from verl_qerl.kernels.lora_shrink import lora_shrink
-from verl_qerl.testing.gpu import capture, kernels_launched
+from verl_qerl.testing.gpu import capture, kernels_launched, poison
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
 pytestmark = [
@@ -79,11 +79,6 @@ def in_launch(m: int, n: int, k: int, mode: int) -> bool:
     assert runs == bool(ext.lora_epilogue_runs(m, n, k, int(mode)) and ext.gemm_choice(m, n, k, int(mode)) == "splitk")
     return runs
 
-
-def poison(shape: tuple[int, ...]) -> None:
-    t = torch.empty(shape, dtype=torch.bfloat16, device=DEV)
-    t.fill_(float("nan"))
-    del t
 
 
 @pytest.mark.parametrize("mode,splits", MODES)

@@ -3,9 +3,8 @@
 # machine, one detached job:
 #   bash benchmarks/gpu/detached.sh start le bash benchmarks/gpu/lora_expand_check.sh /tmp/detached/le/out
 # In order: build + the expand / LoRA GPU tests; lora_profile_pair.sh (prefill medians and profile, decode at
-# B = 1 / 8 / 64); rollout.py 7B with / without LoRA at
-# B = 1, 8 (ours only); tests/test_vllm_gpu.py. Steps after a failed one still run; the exit status says whether any
-# failed. Needs the vLLM stage (benchmarks/GPU.md).
+# B = 1 / 8 / 64); rollout.py 7B with / without LoRA at B = 1, 8 (ours only); tests/test_vllm_gpu.py. Steps after a
+# failed one still run; the exit status says whether any failed. Needs the vLLM stage (benchmarks/GPU.md).
 set -uo pipefail
 OUT=${1:?usage: $0 OUT_DIR}
 cd "$(dirname "$0")/../.."

@@ -1,10 +1,19 @@
-"""What the GPU tests do alike: capture a call into a CUDA graph, list the kernels a call launches."""
+"""What the GPU tests do alike: poison the next output allocation, capture a call into a CUDA graph, list the
+kernels a call launches."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def poison(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> None:
+    """Leave a NaN-filled block in the caching allocator for the next allocation of this size (an op that leaves
+    part of its output unwritten then shows NaN)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.fill_(float("nan"))
+    del t
 
 
 def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
