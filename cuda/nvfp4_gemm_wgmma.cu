@@ -36,6 +36,7 @@
 #include "tma_sm90.cuh"
 #include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
+#include "lora_epilogue.cuh"
 
 namespace qerl {
 namespace {
@@ -113,16 +114,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[
   else
     wgmma_m64n128k16_rs(d, a, desc);
 }
-#endif  // QERL_WGMMA_DEVICE
 
-template <int T>
-__global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
-    nvfp4_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
-                            const uint4* __restrict__ qs, const float* __restrict__ gscale,
-                            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
-                            float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                            int units_per_cta) {
-#ifdef QERL_WGMMA_DEVICE
+// The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA-epilogue kernel.
+template <int T, bool LORA>
+__device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4* __restrict__ qw,
+                                           const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                           const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                           float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                           int units_per_cta, const QerlLoraEpilogue* lora) {
   using C = WgCfg<T>;
   constexpr int STAGES = C::STAGES;
   constexpr int PF = STAGES - 2;  // prefetch distance
@@ -249,20 +248,132 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-    wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias,
-                                                         out);
+    if constexpr (!LORA) {
+      wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                        ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias,
+                                                           out);
+    } else {
+      // The LoRA term mask * (shrunk @ B^T) as one more K range of wgmmas on the summed tile, by the CTA that stores
+      // it: every thread stages the tile's tokens' shrink rows times their mask (bf16; 0 / 1 masks are exact) in
+      // ring slot 0 in the activations' swizzled layout (the ring is idle between segments), R = slices x rank
+      // padded to 64 / 128 with zeros; each warpgroup scales its accumulators by 128 / global_scale and runs
+      // R / 16 wgmma k-steps per m64 block with lora_b's rows as the register A operand (the k16 fragment of rows
+      // g, g + 8 and ranks 2t, 2t + 1, + 8, read from global memory; ranks outside the row's slice are zero).
+      auto lora_term = [&](float (&a)[2][ACC], bool act) -> bool {
+        const QerlLoraEpilogue& L = *lora;
+        const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
+        const int halves = (R + 63) >> 6;
+        const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
+        const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
+        for (int i = tid; i < halves * T * 8; i += THREADS) {
+          const int q = i & 7;
+          const int r = (i >> 3) % T;
+          const int hh = i / (8 * T);
+          const int k0 = hh * 64 + q * 8;
+          const int m = m0 + r;
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (m < M && k0 < R) {
+            const float mv = __bfloat162float(mk[size_t(m) * L.mask_stride]);
+            if (mv != 0.0f) {
+              v = *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0);
+              if (mv != 1.0f) {
+                __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) e[j] = __float22bfloat162_rn(make_float2(
+                                              __low2float(e[j]) * mv, __high2float(e[j]) * mv));
+              }
+            }
+          }
+          *reinterpret_cast<uint4*>(smem + hh * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v;
+        }
+        fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
+        __syncthreads();
+        if (act) {
+          const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) a[h][i] *= alpha;
+          const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
+          const int g = lane >> 2;
+          const int t2 = 2 * (lane & 3);
+          const uint64_t d0 = desc_hi | uint64_t((smem_base >> 4) & 0x3FFF);
+          wgmma_fence();
+          for (int j = 0; j < halves * 4; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              uint32_t fa[4];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int n = ntile * C::TILE_ROWS + wg * 128 + h * 64 + wl * 16 + g + 8 * (e & 1);
+                const int k = 16 * j + t2 + 8 * (e >> 1);
+                uint32_t w = 0u;
+                if (n < N && k < R) {
+                  const int sl = (n >= L.slice_end[0]) + (n >= L.slice_end[1]);
+                  if (k >= sl * L.rank && k < (sl + 1) * L.rank)
+                    w = *reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k);
+                }
+                fa[e] = w;
+              }
+              wgmma_rs<T>(a[h], fa, d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4));
+            }
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) reg_fence(a[h][i]);
+        }
+        __syncthreads();  // slot 0 is refilled by the next segment's copies
+        return true;
+      };
+      wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                        ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
+                                                        lora_term);
+    }
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
   }
+}
+#endif  // QERL_WGMMA_DEVICE
+
+template <int T>
+__global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
+    nvfp4_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
+                            const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                            float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                            int units_per_cta) {
+#ifdef QERL_WGMMA_DEVICE
+  wgmma_body<T, false>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (qerl_nvfp4_gemm_wgmma_ctas_per_sm = 0)
+#endif
+}
+
+// The same kernel with the LoRA expand in its epilogue (T = 64 only: qerl_nvfp4_gemm_wgmma_lora_supported).
+template <int T>
+__global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
+    nvfp4_gemm_wgmma_lora_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
+                                 const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                 int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora) {
+#ifdef QERL_WGMMA_DEVICE
+  wgmma_body<T, true>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, &lora);
+#else
+  __trap();
 #endif
 }
 
 template <int T>
 using WgLauncher =
     tma::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WgCfg<T>::THREADS, WgCfg<T>::SMEM_BYTES, WgCfg<T>::TILE_ROWS>;
+using WgLoraLauncher = tma::Launcher<nvfp4_gemm_wgmma_lora_kernel<64>, 64, WgCfg<64>::THREADS, WgCfg<64>::SMEM_BYTES,
+                                     WgCfg<64>::TILE_ROWS>;
+// Ranks (slices x rank) the LoRA epilogue stages: two k64 halves of the ring slot.
+constexpr int kWgLoraMaxRanks = 128;
 using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
 
 }  // namespace
@@ -291,4 +402,26 @@ extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
 
 extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
   return block_t == 256 ? qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() : qerl::WgEntry::ctas_per_sm(block_t);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora) {
+  QerlLoraEpilogue norm;
+  return block_t == 64 && lora != nullptr && lora->lora_a == nullptr &&
+                 qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm) &&
+                 qerl::WgLoraLauncher::prepare() == cudaSuccess
+             ? 1
+             : 0;
+}
+
+extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                                         const float* global_scale, const void* bias, void* out,
+                                                         float* workspace, int* counters, int M, int N, int K,
+                                                         int grid, int block_t, const QerlLoraEpilogue* lora,
+                                                         cudaStream_t stream) {
+  QerlLoraEpilogue norm;
+  if (block_t != 64 || lora == nullptr || lora->lora_a != nullptr ||
+      !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
+    return cudaErrorInvalidValue;
+  return qerl::WgLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                      stream, false, norm);
 }

@@ -141,6 +141,16 @@ size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid
 int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N);
 int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm();
 
+// The register-A wgmma kernel at 64-token tiles with the LoRA expand of QerlLoraEpilogue (shrunk given, lora_a NULL;
+// at most 128 slices x rank) in its epilogue, as one more K range of wgmmas on the summed tile: the same output as
+// the plain launch plus mask * expand, with the shrink's rows multiplied by their mask in bf16 first (exact for 0 / 1
+// masks). Workspace and counters as qerl_nvfp4_gemm_wgmma_launch's at block_t 64.
+int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora);
+cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                              const float* global_scale, const void* bias, void* out,
+                                              float* workspace, int* counters, int M, int N, int K, int grid,
+                                              int block_t, const QerlLoraEpilogue* lora, cudaStream_t stream);
+
 // Hopper wgmma kernel with both operands in shared memory (cuda/nvfp4_gemm_wgmma_ss.cu, sm_90a builds only):
 // warp-specialized (producer, dequant and MMA warpgroups), persistent stream-K over 256-row x block_t token tiles,
 // block_t in {64, 128}. Same workspace / counter contract and availability rule as the wgmma launch above.

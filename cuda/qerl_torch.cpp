@@ -409,6 +409,16 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                           : qerl_nvfp4_gemm_wgmma_workspace_floats(int(m), int(n), int(k), int(grid), block_t);
     at::Tensor wws;
     if (wsf > 0) wws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
+    const bool wgmma_lora = !ss && lora != nullptr && qerl_nvfp4_gemm_wgmma_lora_supported(int(n), block_t, lora);
+    if (wgmma_lora) {
+      check_cuda(qerl_nvfp4_gemm_wgmma_lora_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
+                                                   bptr, out.data_ptr(), wsf > 0 ? wws.data_ptr<float>() : nullptr,
+                                                   counters_for(x.device()), int(m), int(n), int(k), int(grid),
+                                                   block_t, lora, at::cuda::getCurrentCUDAStream()),
+                 "nvfp4_gemm_lora (wgmma) launch");
+      if (lora_done != nullptr) *lora_done = true;
+      return out;
+    }
     auto* launch = ss ? qerl_nvfp4_gemm_wgmma_ss_launch : qerl_nvfp4_gemm_wgmma_launch;
     check_cuda(launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(), bptr, out.data_ptr(),
                       wsf > 0 ? wws.data_ptr<float>() : nullptr, counters_for(x.device()), int(m), int(n), int(k),
@@ -840,6 +850,8 @@ bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
+  if (r.kernel && r.wgmma == Wgmma::kRegA && wgmma_grid(m, n, r.wgmma) > 0 && wgmma_block_t(m, r.wgmma) == 64)
+    return true;  // 17-64 tokens on the register-A wgmma kernel (ranks <= 128)
   return splitk_lora_runs(m, n, k, r);
 }
 

@@ -33,7 +33,7 @@ SHAPES = [(512, 1024, [0, 512], 32), (1024, 1024, [0, 512, 1024], 32), (768, 204
           (208, 512, [0, 40, 80, 208], 8)]
 #: (mode, splits): auto dispatch; the split-K kernel with one split (every CTA runs the epilogue) and with 4 (the
 #: last CTA of each tile runs it, after the deterministic partial sum)
-MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4)]
+MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0)]
 #: decode token counts (block_m 8 and 16), then 17, 64, 300: other block sizes, and the fallback where auto picks
 #: another kernel
 TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 300]
@@ -97,8 +97,11 @@ def separate(x, rw, gs, bias, n, shrunk, lora_b, mask, bounds, mode=0, splits=0)
 def epilogue_runs(m: int, n: int, k: int, mode: int) -> bool:
     ext = kernels.extension()
     runs = bool(ext.lora_epilogue_runs(m, n, k, int(mode)))
-    # the epilogue only where the split-K kernel runs, and only for tiles of at most 8 tokens
-    assert runs == (ext.gemm_choice(m, n, k, int(mode)) == "splitk" and m <= 8), (m, n, k, mode)
+    # the epilogue where the split-K kernel runs tiles of at most 8 tokens, the decode kernel, or the register-A wgmma
+    # kernel its 64-token tiles (17-64 tokens)
+    choice = ext.gemm_choice(m, n, k, int(mode))
+    assert runs == ((choice == "splitk" and m <= 8) or choice == "decode_tma" or (choice == "wgmma_rs" and m <= 64)), (
+        m, n, k, mode, choice)
     return runs
 
 
@@ -147,7 +150,8 @@ def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
         print(f"\nM={m} ({kernels.extension().gemm_choice(m, n, k, 0)}): {names}")
         expand = sum("_lora_expand_kernel" in nm for nm in names)
         if epilogue_runs(m, n, k, 0):
-            assert len(names) == 1 and "nvfp4_gemm_splitk_kernel" in names[0] and expand == 0, names
+            assert len(names) == 1 and expand == 0, names
+            assert any(kn in names[0] for kn in ("nvfp4_gemm_splitk_kernel", "nvfp4_gemm_wgmma_lora_kernel")), names
         else:
             assert expand == 1, names
 
