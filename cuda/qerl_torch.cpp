@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -678,7 +679,28 @@ at::Tensor lora_expand_op(const at::Tensor& out, const at::Tensor& shrunk, const
   return op.call(out, shrunk, b_t, mask);
 }
 
+// Above this many tokens qerl::lora_shrink runs cuBLAS (`F.linear`, i.e. at::mm(x, a^T)) unless QERL_LORA_SHRINK is
+// `triton` (TRITON_MAX_TOKENS and shrink_impl in verl_qerl/kernels/lora_shrink.py: the same rule), so from C++ the
+// shrink calls at::mm itself there: the same kernel and numbers, without the Python op's ~23 us of host time per
+// layer at a host-bound prefill (benchmarks/NOTES.md, "Eighth round").
+constexpr int64_t kShrinkTritonMaxTokens = 16;
+
+// QERL_LORA_SHRINK unset, empty, `auto` or `cublas`: cuBLAS above the threshold. Any other value (`triton`, or one
+// the Python op rejects with an error naming the variable) goes to the Python op.
+bool shrink_env_allows_cublas() {
+  const char* e = std::getenv("QERL_LORA_SHRINK");
+  if (e == nullptr) return true;
+  std::string v(e);
+  v.erase(0, v.find_first_not_of(" \t"));
+  v.erase(v.find_last_not_of(" \t") + 1);
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  return v.empty() || v == "auto" || v == "cublas";
+}
+
 at::Tensor lora_shrink_op(const at::Tensor& x, const at::Tensor& a) {
+  if (x.dim() == 2 && a.dim() == 2 && x.size(0) > kShrinkTritonMaxTokens && x.size(1) == a.size(1) &&
+      x.scalar_type() == a.scalar_type() && x.device() == a.device() && shrink_env_allows_cublas())
+    return at::mm(x, a.t());
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("qerl::lora_shrink", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();

@@ -193,3 +193,27 @@ def test_bad_operands_name_the_tensor() -> None:
     got = linear(x, rw, gs, None, n, odd, lora_b, mask, bounds, Mode.SPLITK)
     assert torch.equal(got, pair(x, rw, gs, None, n, odd, lora_b, mask, bounds, Mode.SPLITK))
     assert not torch.equal(got, pair(x, rw, gs, None, n, odd * 2, lora_b, mask, bounds, Mode.SPLITK))
+
+
+def test_shrink_above_the_triton_threshold_is_cublas_from_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``TRITON_MAX_TOKENS`` the op calls cuBLAS for the shrink itself (no Triton shrink kernel), bit-identical
+    to the pair whose Python shrink runs ``F.linear``; ``QERL_LORA_SHRINK=triton`` still reaches the Triton kernel,
+    and a bad value still raises the Python op's error naming the variable."""
+    from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
+
+    n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
+    m = TRITON_MAX_TOKENS + 1
+    packed, scale, gs = random_nvfp4(n, k, seed=5, device=DEV)
+    rw = kernels.repack(packed, scale)
+    x, lora_a, lora_b, mask = operands(m, n, k, bounds, rank, seed=6)
+    assert not in_launch(m, n, k, Mode.AUTO)
+    names = kernels_launched(lambda: linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    assert not any("_lora_shrink_kernel" in nm for nm in names), names
+    assert torch.equal(linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds),
+                       pair(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    monkeypatch.setenv("QERL_LORA_SHRINK", "triton")
+    names = kernels_launched(lambda: linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    assert sum("_lora_shrink_kernel" in nm for nm in names) == 1, names
+    monkeypatch.setenv("QERL_LORA_SHRINK", "fastest")
+    with pytest.raises(Exception, match="QERL_LORA_SHRINK"):
+        linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds)
