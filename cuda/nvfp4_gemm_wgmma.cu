@@ -254,37 +254,77 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
                                                            out);
     } else {
       // The LoRA term mask * (shrunk @ B^T) as one more K range of wgmmas on the summed tile, by the CTA that stores
-      // it: every thread stages the tile's tokens' shrink rows times their mask (bf16; 0 / 1 masks are exact) in
-      // ring slot 0 in the activations' swizzled layout (the ring is idle between segments), R = slices x rank
-      // padded to 64 / 128 with zeros; each warpgroup scales its accumulators by 128 / global_scale and runs
-      // R / 16 wgmma k-steps per m64 block with lora_b's rows as the register A operand (the k16 fragment of rows
-      // g, g + 8 and ranks 2t, 2t + 1, + 8, read from global memory; ranks outside the row's slice are zero).
+      // it, with lora_b's rows as the register A operand (the k16 fragment of rows g, g + 8 and ranks 2t, 2t + 1,
+      // + 8) and the tile's tokens' shrink rows times their mask (bf16; 0 / 1 masks are exact) staged in ring slot 0
+      // in the activations' swizzled layout (the ring is idle between segments), R = slices x rank zero-padded to
+      // 64 / 128. Only the k16 steps of the slices an m64 block's rows belong to run (ranks outside a row's slice
+      // are zero). Every global load is issued before the first use (one DRAM latency, not one per k-step: the
+      // first version loaded per k-step after the fix-up and cost more than the expand kernel it replaced,
+      // benchmarks/NOTES.md "Ninth round"): the first kLoraKPrefetch fragments per block before the fix-up, the
+      // shrink rows and masks all at once after it.
+      static_assert(T == 64, "the LoRA epilogue is built for 64-token tiles (one warpgroup, 8 uint4 per thread)");
+      constexpr int kLoraKPrefetch = 2;                  // k16 steps per m64 block held in registers: rank 32
+      constexpr int kStageItems = 2 * T * 8 / THREADS;   // uint4 of slot 0's two k64 halves per thread
+      const QerlLoraEpilogue& L = *lora;
+      const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
+      const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
+      const int g = lane >> 2;
+      const int t2 = 2 * (lane & 3);
+      const int row_blk0 = ntile * C::TILE_ROWS + wg * 128;
+      auto slice_of = [&](int n) { return (n >= L.slice_end[0]) + (n >= L.slice_end[1]); };
+      // lora_b's A fragment register e of k16 step j of block h (zero outside the row's slice or past N)
+      auto b_frag = [&](int h, int j, int e) -> uint32_t {
+        const int n = row_blk0 + h * 64 + wl * 16 + g + 8 * (e & 1);
+        const int k = 16 * j + t2 + 8 * (e >> 1);
+        if (n >= N) return 0u;
+        const int sl = slice_of(n);
+        if (k < sl * L.rank || k >= (sl + 1) * L.rank) return 0u;
+        return __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k));
+      };
+      int ks_lo[2], ks_hi[2];  // block h runs k16 steps [ks_lo, ks_hi): warpgroup-uniform
+      uint32_t fb[2][kLoraKPrefetch][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int n_first = row_blk0 + h * 64;
+        const int n_last = min(n_first + 63, N - 1);
+        ks_lo[h] = n_first < N ? slice_of(n_first) * L.rank / 16 : 0;
+        ks_hi[h] = n_first < N ? ((slice_of(n_last) + 1) * L.rank + 15) / 16 : 0;
+#pragma unroll
+        for (int jj = 0; jj < kLoraKPrefetch; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) fb[h][jj][e] = ks_lo[h] + jj < ks_hi[h] ? b_frag(h, ks_lo[h] + jj, e) : 0u;
+      }
       auto lora_term = [&](float (&a)[2][ACC], bool act) -> bool {
-        const QerlLoraEpilogue& L = *lora;
-        const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
         const int halves = (R + 63) >> 6;
         const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
         const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
-        for (int i = tid; i < halves * T * 8; i += THREADS) {
+        uint4 v[kStageItems];
+        float mv[kStageItems];
+#pragma unroll
+        for (int c = 0; c < kStageItems; ++c) {  // all loads first
+          const int i = tid + c * THREADS;
+          const int r = (i >> 3) % T;
+          const int k0 = (i / (8 * T)) * 64 + (i & 7) * 8;
+          const int m = m0 + r;
+          const bool ok = i < halves * T * 8 && m < M && k0 < R;
+          mv[c] = ok ? __bfloat162float(mk[size_t(m) * L.mask_stride]) : 0.0f;
+          v[c] = ok ? *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int c = 0; c < kStageItems; ++c) {
+          const int i = tid + c * THREADS;
+          if (i >= halves * T * 8) continue;
           const int q = i & 7;
           const int r = (i >> 3) % T;
-          const int hh = i / (8 * T);
-          const int k0 = hh * 64 + q * 8;
-          const int m = m0 + r;
-          uint4 v = make_uint4(0u, 0u, 0u, 0u);
-          if (m < M && k0 < R) {
-            const float mv = __bfloat162float(mk[size_t(m) * L.mask_stride]);
-            if (mv != 0.0f) {
-              v = *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0);
-              if (mv != 1.0f) {
-                __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v);
+          if (mv[c] == 0.0f) {
+            v[c] = make_uint4(0u, 0u, 0u, 0u);
+          } else if (mv[c] != 1.0f) {
+            __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v[c]);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) e[j] = __float22bfloat162_rn(make_float2(
-                                              __low2float(e[j]) * mv, __high2float(e[j]) * mv));
-              }
-            }
+            for (int j = 0; j < 4; ++j)
+              e[j] = __float22bfloat162_rn(make_float2(__low2float(e[j]) * mv[c], __high2float(e[j]) * mv[c]));
           }
-          *reinterpret_cast<uint4*>(smem + hh * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v;
+          *reinterpret_cast<uint4*>(smem + (i / (8 * T)) * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v[c];
         }
         fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
         __syncthreads();
@@ -294,28 +334,19 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
           for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int i = 0; i < ACC; ++i) a[h][i] *= alpha;
-          const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
-          const int g = lane >> 2;
-          const int t2 = 2 * (lane & 3);
           const uint64_t d0 = desc_hi | uint64_t((smem_base >> 4) & 0x3FFF);
+          auto k_desc = [&](int j) { return d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4); };
           wgmma_fence();
-          for (int j = 0; j < halves * 4; ++j) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              uint32_t fa[4];
+          for (int h = 0; h < 2; ++h) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int n = ntile * C::TILE_ROWS + wg * 128 + h * 64 + wl * 16 + g + 8 * (e & 1);
-                const int k = 16 * j + t2 + 8 * (e >> 1);
-                uint32_t w = 0u;
-                if (n < N && k < R) {
-                  const int sl = (n >= L.slice_end[0]) + (n >= L.slice_end[1]);
-                  if (k >= sl * L.rank && k < (sl + 1) * L.rank)
-                    w = *reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k);
-                }
-                fa[e] = w;
-              }
-              wgmma_rs<T>(a[h], fa, d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4));
+            for (int jj = 0; jj < kLoraKPrefetch; ++jj)
+              if (ks_lo[h] + jj < ks_hi[h]) wgmma_rs<T>(a[h], fb[h][jj], k_desc(ks_lo[h] + jj));
+            for (int j = ks_lo[h] + kLoraKPrefetch; j < ks_hi[h]; ++j) {  // ranks past the prefetch (rank > 32)
+              uint32_t f[4];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
+              wgmma_rs<T>(a[h], f, k_desc(j));
             }
           }
           wgmma_commit();

@@ -136,6 +136,14 @@ def test_fused_op_matches_float64(m: int, n: int, k: int, bounds: list[int], ran
         assert torch.equal(got, before)  # the fallback is that pair, bit for bit
 
 
+@pytest.mark.parametrize("m", [5, 17, 64])
+def test_wgmma_epilogue_past_its_register_fragments(m: int) -> None:
+    """Rank 64 with a slice boundary inside an m64 block: the register-A wgmma kernel's LoRA epilogue holds the first
+    two k16 steps of each block's lora_b fragments in registers and loads the rest in its loop (ranks 0-127 here),
+    so both paths run against float64."""
+    test_fused_op_matches_float64(m, 384, 1024, [0, 96, 384], 64, Mode.WGMMA_RS, 0)
+
+
 def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
     """At decode M the op launches the split-K kernel only (no expand kernel); where auto picks another GEMM it is
     that GEMM's kernels plus ``_lora_expand_kernel`` (below ``CUBLAS_MIN_TOKENS``: tests/test_lora_expand_gpu.py
