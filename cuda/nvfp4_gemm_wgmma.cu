@@ -231,6 +231,101 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 #pragma unroll
     for (int s = 0; s < PF; ++s)
       if (s < count) load_stage((g0 + s) % STAGES, s);
+    if constexpr (LORA) {
+      // The LoRA term mask * (shrunk @ B^T) as the tile's starting accumulator, by the CTA whose segment starts the
+      // tile (kb == 0; its partial reaches the store through the fix-up like any other), while the copies of its
+      // first stages are in flight: the term is computed with lora_b's rows as the register A operand (the k16
+      // fragment of rows g, g + 8 and ranks 2t, 2t + 1, + 8) and the tile's tokens' shrink rows times their mask
+      // (bf16; 0 / 1 masks are exact) staged as the B operand in the ring slot the prologue leaves free, in the
+      // activations' swizzled layout (R = slices x rank zero-padded to 64 / 128), then scaled by global_scale / 128
+      // so that the store's 128 / global_scale gives it back. Only the k16 steps of the slices a block's rows belong
+      // to run (ranks outside a row's slice are zero). Masked tokens start from an exact 0, as without LoRA. (Two
+      // earlier versions ran this after the fix-up, before the store, and cost more than the expand kernel they
+      // replaced: benchmarks/NOTES.md, "Ninth round".)
+      static_assert(T == 64, "the LoRA term is built for 64-token tiles (one warpgroup, 8 uint4 per thread)");
+      constexpr int kStageItems = 2 * T * 8 / THREADS;  // uint4 of the two k64 halves per thread
+      // Every segment runs this code (kb != 0: no loads, zeros staged, so acc stays 0): branching around the wgmmas
+      // makes ptxas serialize every wgmma of the kernel (C7515: the accumulators defined on two paths).
+      const bool lora_here = kb == 0;
+      {
+        const QerlLoraEpilogue& L = *lora;
+        const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
+        const int halves = (R + 63) >> 6;
+        const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
+        const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
+        const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
+        const int g = lane >> 2;
+        const int t2 = 2 * (lane & 3);
+        const int row_blk0 = ntile * C::TILE_ROWS + wg * 128;
+        auto slice_of = [&](int n) { return (n >= L.slice_end[0]) + (n >= L.slice_end[1]); };
+        uint4 v[kStageItems];
+        float mv[kStageItems];
+#pragma unroll
+        for (int c = 0; c < kStageItems; ++c) {  // every load first: one DRAM latency, under the stages' copies
+          const int i = tid + c * THREADS;
+          const int m = m0 + ((i >> 3) % T);
+          const int k0 = (i / (8 * T)) * 64 + (i & 7) * 8;
+          const bool ok = lora_here && i < halves * T * 8 && m < M && k0 < R;
+          mv[c] = ok ? __bfloat162float(mk[size_t(m) * L.mask_stride]) : 0.0f;
+          v[c] = ok ? *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        const int slot = (g0 + PF) % STAGES;  // not among the prologue's copies; refilled after the loop's first barrier
+        uint8_t* stage = smem + slot * C::STAGE_BYTES;
+#pragma unroll
+        for (int c = 0; c < kStageItems; ++c) {
+          const int i = tid + c * THREADS;
+          if (i >= halves * T * 8) continue;  // zeros where !lora_here
+          const int q = i & 7;
+          const int r = (i >> 3) % T;
+          if (mv[c] == 0.0f) {
+            v[c] = make_uint4(0u, 0u, 0u, 0u);
+          } else if (mv[c] != 1.0f) {
+            __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v[c]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              e[j] = __float22bfloat162_rn(make_float2(__low2float(e[j]) * mv[c], __high2float(e[j]) * mv[c]));
+          }
+          *reinterpret_cast<uint4*>(stage + (i / (8 * T)) * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v[c];
+        }
+        fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
+        __syncthreads();
+        if (active) {
+          const uint64_t d0 = desc_hi | uint64_t(((smem_base + slot * C::STAGE_BYTES) >> 4) & 0x3FFF);
+          wgmma_fence();
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int n_first = row_blk0 + h * 64;
+            // (past N: the last slice's steps, with zero fragments; no branch, for the reason above)
+            const int lo = slice_of(n_first) * L.rank / 16;
+            const int hi = ((slice_of(min(n_first + 63, N - 1)) + 1) * L.rank + 15) / 16;
+            for (int j = lo; j < hi; ++j) {
+              uint32_t f[4];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int n = n_first + wl * 16 + g + 8 * (e & 1);
+                const int k = 16 * j + t2 + 8 * (e >> 1);
+                const int sl = n < N ? slice_of(n) : 0;
+                f[e] = n < N && k >= sl * L.rank && k < (sl + 1) * L.rank
+                           ? __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k))
+                           : 0u;
+              }
+              wgmma_rs<T>(acc[h], f, d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4));
+            }
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
+          const float inv_alpha = __ldg(gscale) * (1.0f / 128.0f);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < ACC; ++i) acc[h][i] *= inv_alpha;
+        }
+      }
+    }
     for (int it = 0; it < count; ++it) {
       const int slot = (g0 + it) % STAGES;
       __syncthreads();  // every warp has retired stage it - 2, whose slot is refilled next
@@ -248,121 +343,8 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-    if constexpr (!LORA) {
-      wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                        ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias,
-                                                           out);
-    } else {
-      // The LoRA term mask * (shrunk @ B^T) as one more K range of wgmmas on the summed tile, by the CTA that stores
-      // it, with lora_b's rows as the register A operand (the k16 fragment of rows g, g + 8 and ranks 2t, 2t + 1,
-      // + 8) and the tile's tokens' shrink rows times their mask (bf16; 0 / 1 masks are exact) staged in ring slot 0
-      // in the activations' swizzled layout (the ring is idle between segments), R = slices x rank zero-padded to
-      // 64 / 128. Only the k16 steps of the slices an m64 block's rows belong to run (ranks outside a row's slice
-      // are zero). Every global load is issued before the first use (one DRAM latency, not one per k-step: the
-      // first version loaded per k-step after the fix-up and cost more than the expand kernel it replaced,
-      // benchmarks/NOTES.md "Ninth round"): the first kLoraKPrefetch fragments per block before the fix-up, the
-      // shrink rows and masks all at once after it.
-      static_assert(T == 64, "the LoRA epilogue is built for 64-token tiles (one warpgroup, 8 uint4 per thread)");
-      constexpr int kLoraKPrefetch = 2;                  // k16 steps per m64 block held in registers: rank 32
-      constexpr int kStageItems = 2 * T * 8 / THREADS;   // uint4 of slot 0's two k64 halves per thread
-      const QerlLoraEpilogue& L = *lora;
-      const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
-      const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
-      const int g = lane >> 2;
-      const int t2 = 2 * (lane & 3);
-      const int row_blk0 = ntile * C::TILE_ROWS + wg * 128;
-      auto slice_of = [&](int n) { return (n >= L.slice_end[0]) + (n >= L.slice_end[1]); };
-      // lora_b's A fragment register e of k16 step j of block h (zero outside the row's slice or past N)
-      auto b_frag = [&](int h, int j, int e) -> uint32_t {
-        const int n = row_blk0 + h * 64 + wl * 16 + g + 8 * (e & 1);
-        const int k = 16 * j + t2 + 8 * (e >> 1);
-        if (n >= N) return 0u;
-        const int sl = slice_of(n);
-        if (k < sl * L.rank || k >= (sl + 1) * L.rank) return 0u;
-        return __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k));
-      };
-      int ks_lo[2], ks_hi[2];  // block h runs k16 steps [ks_lo, ks_hi): warpgroup-uniform
-      uint32_t fb[2][kLoraKPrefetch][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int n_first = row_blk0 + h * 64;
-        const int n_last = min(n_first + 63, N - 1);
-        ks_lo[h] = n_first < N ? slice_of(n_first) * L.rank / 16 : 0;
-        ks_hi[h] = n_first < N ? ((slice_of(n_last) + 1) * L.rank + 15) / 16 : 0;
-#pragma unroll
-        for (int jj = 0; jj < kLoraKPrefetch; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) fb[h][jj][e] = ks_lo[h] + jj < ks_hi[h] ? b_frag(h, ks_lo[h] + jj, e) : 0u;
-      }
-      auto lora_term = [&](float (&a)[2][ACC], bool act) -> bool {
-        const int halves = (R + 63) >> 6;
-        const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
-        const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
-        uint4 v[kStageItems];
-        float mv[kStageItems];
-#pragma unroll
-        for (int c = 0; c < kStageItems; ++c) {  // all loads first
-          const int i = tid + c * THREADS;
-          const int r = (i >> 3) % T;
-          const int k0 = (i / (8 * T)) * 64 + (i & 7) * 8;
-          const int m = m0 + r;
-          const bool ok = i < halves * T * 8 && m < M && k0 < R;
-          mv[c] = ok ? __bfloat162float(mk[size_t(m) * L.mask_stride]) : 0.0f;
-          v[c] = ok ? *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int c = 0; c < kStageItems; ++c) {
-          const int i = tid + c * THREADS;
-          if (i >= halves * T * 8) continue;
-          const int q = i & 7;
-          const int r = (i >> 3) % T;
-          if (mv[c] == 0.0f) {
-            v[c] = make_uint4(0u, 0u, 0u, 0u);
-          } else if (mv[c] != 1.0f) {
-            __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v[c]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              e[j] = __float22bfloat162_rn(make_float2(__low2float(e[j]) * mv[c], __high2float(e[j]) * mv[c]));
-          }
-          *reinterpret_cast<uint4*>(smem + (i / (8 * T)) * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v[c];
-        }
-        fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
-        __syncthreads();
-        if (act) {
-          const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < ACC; ++i) a[h][i] *= alpha;
-          const uint64_t d0 = desc_hi | uint64_t((smem_base >> 4) & 0x3FFF);
-          auto k_desc = [&](int j) { return d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4); };
-          wgmma_fence();
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int jj = 0; jj < kLoraKPrefetch; ++jj)
-              if (ks_lo[h] + jj < ks_hi[h]) wgmma_rs<T>(a[h], fb[h][jj], k_desc(ks_lo[h] + jj));
-            for (int j = ks_lo[h] + kLoraKPrefetch; j < ks_hi[h]; ++j) {  // ranks past the prefetch (rank > 32)
-              uint32_t f[4];
-#pragma unroll
-              for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
-              wgmma_rs<T>(a[h], f, k_desc(j));
-            }
-          }
-          wgmma_commit();
-          wgmma_wait<0>();
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int i = 0; i < ACC; ++i) reg_fence(a[h][i]);
-        }
-        __syncthreads();  // slot 0 is refilled by the next segment's copies
-        return true;
-      };
-      wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                        ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
-                                                        lora_term);
-    }
+    wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out);
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
   }

@@ -18,25 +18,12 @@ namespace wgmma_rs {
 // CTA's, barrier __syncthreads). `active`: whether this warpgroup holds rows of the tile (the 64 / 128-token kernel's
 // second 128-row half may not exist). Returns after the store (or after publishing a partial when another CTA of the
 // tile stores it).
-// No work between the fix-up and the store (the plain kernels).
-struct NoPreStore {
-  template <class Acc>
-  __device__ __forceinline__ constexpr bool operator()(Acc&, bool) const {
-    return false;
-  }
-};
-
-// `pre_store(acc, active)`: called by every thread of the CTA that stores the tile, after the fix-up and before the
-// store (a LoRA term added to the summed accumulators, cuda/nvfp4_gemm_wgmma.cu); it returns true when it has already
-// scaled acc by 128 / global_scale, so the store does not.
-template <int kBlocks, int kAcc, int kThreads, int kSlotFloats, class PreStore = NoPreStore>
+template <int kBlocks, int kAcc, int kThreads, int kSlotFloats>
 __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const streamk::CtaRange& range, float* ws,
                                             int* counters, int& s_is_last, int tile, int my_first_tile, int row0,
                                             int m0, int M, int N, bool active, const float* gscale,
-                                            const __nv_bfloat16* bias, __nv_bfloat16* out,
-                                            PreStore pre_store = PreStore{}) {
+                                            const __nv_bfloat16* bias, __nv_bfloat16* out) {
   constexpr int NQ = kAcc / 4;  // float4 partials per m64 block per thread
-  constexpr bool kPlain = __is_same(PreStore, NoPreStore);
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int wg = tid >> 7;
@@ -85,16 +72,9 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
           }
         });
   }
-  bool scaled = false;
-  if constexpr (kPlain) {
-    if (!do_store || !active) return;
-  } else {
-    if (!do_store) return;
-    scaled = pre_store(acc, active);  // every thread of the storing CTA (do_store is CTA-uniform)
-    if (!active) return;
-  }
+  if (!do_store || !active) return;
   // acc * (128 / global_scale) + bias -> bf16, rows < M and < N only
-  const float alpha = scaled ? 1.0f : __fdiv_rn(128.0f, __ldg(gscale));
+  const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
 #pragma unroll
   for (int h = 0; h < kBlocks; ++h) {
 #pragma unroll
