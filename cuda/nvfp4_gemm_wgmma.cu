@@ -258,6 +258,31 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
         const int t2 = 2 * (lane & 3);
         const int row_blk0 = ntile * C::TILE_ROWS + wg * 128;
         auto slice_of = [&](int n) { return (n >= L.slice_end[0]) + (n >= L.slice_end[1]); };
+        // lora_b's A fragment register e of k16 step j of block h (zero outside the row's slice, past N, or where
+        // this segment does not start the tile)
+        auto b_frag = [&](int h, int j, int e) -> uint32_t {
+          const int n = row_blk0 + h * 64 + wl * 16 + g + 8 * (e & 1);
+          const int k = 16 * j + t2 + 8 * (e >> 1);
+          const int sl = n < N ? slice_of(n) : 0;
+          return lora_here && n < N && k >= sl * L.rank && k < (sl + 1) * L.rank
+                     ? __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k))
+                     : 0u;
+        };
+        // block h runs k16 steps [lo, hi) (past N: the last slice's, with zero fragments); the first kKPrefetch of
+        // them from registers loaded here, with the shrink rows: one DRAM latency, under the stages' copies
+        constexpr int kKPrefetch = 2;  // rank 32: every step
+        int lo[2], hi[2];
+        uint32_t fb[2][kKPrefetch][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n_first = row_blk0 + h * 64;
+          lo[h] = slice_of(n_first) * L.rank / 16;
+          hi[h] = ((slice_of(min(n_first + 63, N - 1)) + 1) * L.rank + 15) / 16;
+#pragma unroll
+          for (int jj = 0; jj < kKPrefetch; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fb[h][jj][e] = lo[h] + jj < hi[h] ? b_frag(h, lo[h] + jj, e) : 0u;
+        }
         uint4 v[kStageItems];
         float mv[kStageItems];
 #pragma unroll
@@ -292,24 +317,18 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
         if (active) {
           const uint64_t d0 = desc_hi | uint64_t(((smem_base + slot * C::STAGE_BYTES) >> 4) & 0x3FFF);
           wgmma_fence();
+          auto k_desc = [&](int j) { return d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4); };
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int n_first = row_blk0 + h * 64;
-            // (past N: the last slice's steps, with zero fragments; no branch, for the reason above)
-            const int lo = slice_of(n_first) * L.rank / 16;
-            const int hi = ((slice_of(min(n_first + 63, N - 1)) + 1) * L.rank + 15) / 16;
-            for (int j = lo; j < hi; ++j) {
+            // always kKPrefetch wgmmas (zero fragments past hi, on a staged k-step): a branch around them would
+            // serialize the kernel's wgmmas, as above
+#pragma unroll
+            for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_rs<T>(acc[h], fb[h][jj], k_desc(min(lo[h] + jj, hi[h] - 1)));
+            for (int j = lo[h] + kKPrefetch; j < hi[h]; ++j) {  // ranks past the registers (rank > 32)
               uint32_t f[4];
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int n = n_first + wl * 16 + g + 8 * (e & 1);
-                const int k = 16 * j + t2 + 8 * (e >> 1);
-                const int sl = n < N ? slice_of(n) : 0;
-                f[e] = n < N && k >= sl * L.rank && k < (sl + 1) * L.rank
-                           ? __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k))
-                           : 0u;
-              }
-              wgmma_rs<T>(acc[h], f, d0 + uint64_t(((j >> 2) * T * 128 + (j & 3) * 32) >> 4));
+              for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
+              wgmma_rs<T>(acc[h], f, k_desc(j));
             }
           }
           wgmma_commit();
