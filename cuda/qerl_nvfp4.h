@@ -142,8 +142,9 @@ int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N);
 int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm();
 
 // The register-A wgmma kernel at 64-token tiles with the LoRA expand of QerlLoraEpilogue (shrunk given, lora_a NULL;
-// at most 128 slices x rank) in its epilogue, as one more K range of wgmmas on the summed tile: the same output as
-// the plain launch plus mask * expand, with the shrink's rows multiplied by their mask in bf16 first (exact for 0 / 1
+// at most 128 slices x rank) in the same launch: the term is each tile's starting accumulator, a few wgmmas run by
+// the CTA whose stream-K segment starts the tile while its first stages' copies are in flight. The same output as the
+// plain launch plus mask * expand, with the shrink's rows multiplied by their mask in bf16 first (exact for 0 / 1
 // masks). Workspace and counters as qerl_nvfp4_gemm_wgmma_launch's at block_t 64.
 int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora);
 cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const void* qweight, const void* qscale,
