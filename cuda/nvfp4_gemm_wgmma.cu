@@ -115,7 +115,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[
     wgmma_m64n128k16_rs(d, a, desc);
 }
 
-// The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA-epilogue kernel.
+// The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA kernel.
 template <int T, bool LORA>
 __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4* __restrict__ qw,
                                            const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -384,7 +384,8 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
 #endif
 }
 
-// The same kernel with the LoRA expand in its epilogue (T = 64 only: qerl_nvfp4_gemm_wgmma_lora_supported).
+// The same kernel with the LoRA term as each tile's starting accumulator (T = 64 only:
+// qerl_nvfp4_gemm_wgmma_lora_supported). A separate kernel so that the plain one's code stays as measured.
 template <int T>
 __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     nvfp4_gemm_wgmma_lora_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
