@@ -29,6 +29,9 @@ records ``lora_fast_path_layers`` (0 on vLLM's path; 112 at 7B on the fast path)
 (``triton`` / ``cublas``; ``torch`` on a CPU engine), the threshold, and on eager rows the ``_lora_shrink_kernel``
 launches per decode step that the profile saw. Commands: benchmarks/NOTES.md
 ("LoRA per-step profile"); ``--model tiny`` runs the pipeline on the CPU (eager only, CPU ops instead of kernels).
+``--max-num-seqs`` (default: the largest batch) sets vLLM's ``max_num_seqs``: vLLM captures CUDA graphs up to twice it
+(at most 512 tokens), so ``--max-num-seqs 256`` profiles a 256-token B = 1 prefill inside the graphs, as verl runs the
+engine; a ``--merge`` of a file measured on another workload (prompt length, ``max_num_seqs``) is refused.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "graphs part profiles once, host and device: wall time, kernel time, top kernels and CPU ops")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM max_num_seqs (default: the largest batch); vLLM captures CUDA graphs up to 2x it tokens "
+                   "(at most 512), so e.g. 256 puts a B = 1 prefill of 256 tokens inside the graphs, as verl runs "
+                   "the engine; recorded in the workload when set")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--work-dir", default="/tmp/lora-profile")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -83,7 +90,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(args.parts) - {"graphs", "eager"}
     if bad:
         p.error(f"--parts: unknown {sorted(bad)}; use graphs and/or eager")
+    largest = max(args.batches + args.profile_batches)
+    if args.max_num_seqs is not None and args.max_num_seqs < largest:
+        p.error(f"--max-num-seqs {args.max_num_seqs} is below the largest batch {largest}")
     return args
+
+
+def workload(args: argparse.Namespace) -> dict:
+    """What the rows' numbers depend on besides the variant; ``--merge`` refuses a file whose workload differs."""
+    w = {"model": args.model, "prompt_tokens": args.prompt_tokens, "lora_rank": rollout.LORA_RANK}
+    if args.max_num_seqs is not None:
+        w["max_num_seqs"] = args.max_num_seqs  # only when set: files written before the switch still merge
+    return w
+
+
+def merge_rows(result: dict, earlier: dict, source: str) -> dict:
+    """``result`` with the rows, kernel tables and layer ops of ``earlier`` (a lora_profile JSON read from
+    ``source``) that it does not re-measure. ValueError naming ``source`` when it is not a lora_profile JSON of the same
+    device, or was measured on another workload (the ratios would compare different runs)."""
+    if earlier.get("benchmark") != "lora_profile" or earlier.get("device") != result["device"]:
+        raise ValueError(f"--merge {source}: not a lora_profile JSON of {result['device']}")
+    theirs = earlier.get("workload", {})
+    diff = sorted(k for k in set(theirs) | set(result["workload"]) if theirs.get(k) != result["workload"].get(k))
+    if diff:
+        ours = result["workload"]
+        parts = ", ".join(f"{k} {theirs.get(k)} there, {ours.get(k)} here" for k in diff)
+        raise ValueError(f"--merge {source}: another workload ({parts})")
+    rerun = {(r["variant"], r["part"], r["batch"]) for r in result["rows"]}
+    merged = dict(result)
+    merged["rows"] = [r for r in earlier["rows"] if (r["variant"], r["part"], r["batch"]) not in rerun] + result["rows"]
+    merged["kernel_tables"] = {**earlier.get("kernel_tables", {}), **result["kernel_tables"]}
+    merged["lora_layer_ops"] = {**earlier.get("lora_layer_ops", {}), **result["lora_layer_ops"]}
+    return merged
 
 
 def _engine(args, build: dict, eager: bool):
@@ -91,7 +129,7 @@ def _engine(args, build: dict, eager: bool):
 
     kw = dict(model=build["nvfp4"], quantization="qerl_nvfp4", dtype="bfloat16", seed=0, skip_tokenizer_init=True,
               max_model_len=args.prompt_tokens + max(args.steps, args.profile_steps) + 16,
-              max_num_seqs=max(args.batches + args.profile_batches), enable_prefix_caching=False,
+              max_num_seqs=args.max_num_seqs or max(args.batches + args.profile_batches), enable_prefix_caching=False,
               enforce_eager=eager, worker_extension_cls="verl_qerl.vllm.worker_extension.QeRLWorkerExtension")
     if args.on_gpu:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -300,18 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args)
     result = {"benchmark": "lora_profile", "device": device, "versions": rollout.versions(),
               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "workload": {"model": args.model, "prompt_tokens": args.prompt_tokens, "lora_rank": rollout.LORA_RANK},
+              "workload": workload(args),
               "rows": res["rows"], "kernel_tables": res["kernel_tables"], "lora_layer_ops": res["lora_layer_ops"]}
     if args.merge:
-        earlier = json.loads(Path(args.merge).read_text())
-        if earlier.get("benchmark") != "lora_profile" or earlier.get("device") != device:
-            print(f"error: --merge {args.merge}: not a lora_profile JSON of {device}", flush=True)
+        try:
+            result = merge_rows(result, json.loads(Path(args.merge).read_text()), args.merge)
+        except ValueError as e:
+            print(f"error: {e}", flush=True)
             return 2
-        rerun = {(r["variant"], r["part"], r["batch"]) for r in result["rows"]}
-        keep = [r for r in earlier["rows"] if (r["variant"], r["part"], r["batch"]) not in rerun]
-        result["rows"] = keep + result["rows"]
-        result["kernel_tables"] = {**earlier.get("kernel_tables", {}), **result["kernel_tables"]}
-        result["lora_layer_ops"] = {**earlier.get("lora_layer_ops", {}), **result["lora_layer_ops"]}
     result["targets"] = targets(result["rows"])
     for t in result["targets"]:
         m = "-" if t["measured"] is None else f"{t['measured']:.3f}"
