@@ -238,6 +238,19 @@ def test_lora_split_targets_and_table():
     assert got[("qerl_nvfp4", 8, True)] == 1600.0 and got[("qerl_nvfp4", 8, False)] == 1520.0 and len(got) == 8
 
 
+def test_large_batch_target_is_ours_over_bf16_at_b64_and_up():
+    """Issue 18's end-to-end target: at 7B from B = 64 on, ours / BF16 >= 1.2 with LoRA; none between 8 and 64."""
+    rb = _load_script()
+    rows = _lora_rows("7b", "bf16", (32, 64, 256), 8000.0, 0.5, True) + _lora_rows(
+        "7b", "qerl_nvfp4", (32, 64, 256), 9000.0, 0.5, True)
+    t = {x["name"]: x for x in rb.make_targets(rows, ["7b"], [32, 64, 256], {})}
+    for b in (64, 256):
+        x = t[f"7b B={b}: qerl_nvfp4 / bf16 output tok/s (LoRA)"]
+        assert x["measured"] == pytest.approx(1.125) and x["op"] == ">=" and x["target"] == 1.2
+        assert rb.target_status(x) == "MISSED"
+    assert "7b B=32: qerl_nvfp4 / bf16 output tok/s (LoRA)" not in t
+
+
 def test_no_lora_targets_are_labelled_no_lora():
     rb = _load_script()
     rows = _lora_rows("7b", "bf16", (1,), 100.0, 0.04, False) + _lora_rows("7b", "qerl_nvfp4", (1,), 150.0, 0.02,
