@@ -30,13 +30,13 @@
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
-#include "lora_epilogue.cuh"
 
 namespace qerl {
 namespace {

@@ -11,8 +11,8 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cctype>
 #include <atomic>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <limits>

@@ -137,10 +137,10 @@ def test_fused_op_matches_float64(m: int, n: int, k: int, bounds: list[int], ran
 
 
 @pytest.mark.parametrize("m", [5, 17, 64])
-def test_wgmma_epilogue_past_its_register_fragments(m: int) -> None:
-    """Rank 64 with a slice boundary inside an m64 block: the register-A wgmma kernel's LoRA epilogue holds the first
-    two k16 steps of each block's lora_b fragments in registers and loads the rest in its loop (ranks 0-127 here),
-    so both paths run against float64."""
+def test_wgmma_lora_term_past_its_register_fragments(m: int) -> None:
+    """Rank 64 with a slice boundary inside an m64 block: the register-A wgmma kernel's LoRA term (the tile's starting
+    accumulator) holds the first two k16 steps of each block's lora_b fragments in registers and loads the rest in
+    its loop (ranks 0-127 here), so both paths run against float64."""
     test_fused_op_matches_float64(m, 384, 1024, [0, 96, 384], 64, Mode.WGMMA_RS, 0)
 
 
