@@ -88,6 +88,8 @@ from grpo_step_results import (  # noqa: E402 - benchmarks/: the results side (r
     base_bytes_held,
     compare,
     decode_histogram,
+    fast_path_report,
+    fast_path_warnings,  # noqa: F401 - re-exported for the tests
     kv_cache_report,
     memory_targets,
     paired_z,  # noqa: F401
@@ -291,6 +293,7 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
                        max_concurrency=[round(e["max_concurrency"], 2) for e in engines],
                        max_concurrency_len=[e["max_model_len"] for e in engines],
                        kv_cache_source="stat logger: num_gpu_blocks x block_size")
+    row.update(fast_path_report(decode_stats.read_fast_path_records(stats_dir)))
     if steps:
         row.update(summarize_run(steps, gpus))
     hist = decode_histogram(stats_dir, len(steps))

@@ -69,6 +69,36 @@ def kv_cache_report(log_text: str) -> dict:
             "max_concurrency_len": [n for n, _ in conc]}
 
 
+def fast_path_report(records: list[dict]) -> dict:
+    """What the engines' LoRA managers recorded about the ``qerl_nvfp4`` single-adapter LoRA path
+    (``decode_stats.read_fast_path_records``): ``lora_fast_path_layers`` per manager built, in order, and
+    ``lora_fast_path_not_used`` (the reasons given where a manager served none), so a row says which LoRA path its
+    rollout ran."""
+    out: dict = {"lora_fast_path_layers": [r["layers"] for r in records]}
+    reasons = sorted({r["not_used"] for r in records if r.get("not_used")})
+    if reasons:
+        out["lora_fast_path_not_used"] = reasons
+    return out
+
+
+def fast_path_warnings(rows: list[dict]) -> list[str]:
+    """A line for each NVFP4 row whose rollout did not run the LoRA fast path on every engine (its gen phase then
+    measures vLLM's own LoRA path on our GEMMs, not what QeRL users run), or that has no record of it (a result
+    written before the record existed)."""
+    out = []
+    for r in rows:
+        if "error" in r or not str(r.get("qerl", "")).startswith("nvfp4"):
+            continue
+        layers = r.get("lora_fast_path_layers")
+        if layers is None:
+            out.append(f"[grpo_step] note: {r['variant']}: no record of the LoRA fast path (older result)")
+        elif not layers or min(layers) == 0:
+            why = "; ".join(r.get("lora_fast_path_not_used") or ["no LoRA manager recorded"])
+            out.append(f"[grpo_step] WARNING: {r['variant']}: the rollout did not run the qerl_nvfp4 LoRA fast path "
+                       f"on every engine (layers per manager {layers}: {why})")
+    return out
+
+
 def decode_histogram(stats_dir: Path, steps_logged: int, skip: int = 1) -> dict | None:
     """The rollouts' decode-batch histogram from the per-step records of :mod:`verl_qerl.vllm.decode_stats`: one
     rollout per GRPO step, the first ``skip`` (warm-up) left out of ``measured`` as in :func:`summarize_run`;
@@ -270,6 +300,8 @@ def report(result: dict) -> None:
     print(table(rows))
     print(kv_table(rows))
     print(histogram_table(rows))
+    for line in fast_path_warnings(rows):
+        print(line)
     for k, v in result["ratios"].items():
         print(f"[grpo_step] {k}: {v if v is None else round(v, 4)}")
     for t in result["targets"]:

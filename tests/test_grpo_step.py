@@ -457,3 +457,32 @@ def test_machine_check_flags_a_slower_machine_and_a_missing_check():
     assert "unknown" in mc.mismatches({"error": "x"}, same)[0]
     sub = mc.measure_in_subprocess(timeout=120)
     assert sub.get("cpu_ms", 0) > 0, sub
+
+
+def test_fast_path_records_reach_the_row_and_a_missed_fast_path_is_flagged(tmp_path):
+    """What the engines' LoRA managers recorded (``decode_stats.write_fast_path_record``, written under
+    ``QERL_DECODE_STATS_DIR`` as grpo_step.py sets it) becomes the row's ``lora_fast_path_layers``; an NVFP4 row
+    whose rollout ran vLLM's own LoRA path on some engine gets a WARNING naming the reason, an older row a note,
+    a BF16 row nothing."""
+    from verl_qerl.vllm import decode_stats
+
+    env = {decode_stats.ENV: str(tmp_path / "stats")}
+    assert decode_stats.write_fast_path_record(196, "auto", None, environ=env).name.endswith(".json")
+    decode_stats.write_fast_path_record(0, "auto", "the engine has 2 adapter slots (max_loras)", environ=env)
+    assert decode_stats.write_fast_path_record(1, "auto", None, environ={}) is None  # recording off
+    (tmp_path / "stats" / f"{decode_stats.FAST_PATH_PREFIX}junk.json").write_text("not json")
+    recs = decode_stats.read_fast_path_records(tmp_path / "stats")
+    assert not list((tmp_path / "stats").glob("*.tmp"))  # written whole, then renamed
+    row = gs.fast_path_report(recs)
+    assert row == {"lora_fast_path_layers": [196, 0],
+                   "lora_fast_path_not_used": ["the engine has 2 adapter slots (max_loras)"]}
+    rows = [{"variant": "qerl", "qerl": "nvfp4", **row},
+            {"variant": "nvfp4", "qerl": "nvfp4_noaqn", "lora_fast_path_layers": [196]},
+            {"variant": "old", "qerl": "nvfp4"},
+            {"variant": "lora", "qerl": "bf16", "lora_fast_path_layers": [0]}]
+    lines = gs.fast_path_warnings(rows)
+    assert len(lines) == 2
+    assert "WARNING: qerl" in lines[0] and "2 adapter slots" in lines[0] and "[196, 0]" in lines[0]
+    assert "note: old" in lines[1]
+    assert gs.fast_path_warnings([{"variant": "qerl", "qerl": "nvfp4", "lora_fast_path_layers": []}])[0].startswith(
+        "[grpo_step] WARNING: qerl")

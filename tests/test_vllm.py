@@ -566,6 +566,7 @@ def test_aqn_noise_lands_exactly_and_restores_bit_exactly(engine_a):
 # ------------------------------------------------------------------------------------------------
 
 FAST_PATH_ENV = "QERL_LORA_FAST_PATH"
+STATS_ENV = "QERL_DECODE_STATS_DIR"  # verl_qerl.vllm.decode_stats.ENV
 LORA_RUNS = ("lora_dir", "mixed", "lora_tensors", "lora_tensors_next", "lora_noisy", "lora_dir_again")
 
 
@@ -614,8 +615,12 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     # "fast" runs under the default mode (auto), with the variable removed from the driver's environment; both
     # qerl engines keep the FP4 GEMM's kernel layout (the CUDA default), so the fast one runs the fused op
     kernel_layout = {BACKEND_ENV: "kernel"}
-    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "", **kernel_layout}},
-                       {"name": "vllm", "llm": llm, "tasks": tasks, "env": {FAST_PATH_ENV: "off", **kernel_layout}},
+    # each qerl engine leaves its fast-path record (decode_stats.write_fast_path_record) in a folder of its own
+    records = {name: tempfile.mkdtemp(prefix=f"qerl-fast-path-{name}-") for name in ("fast", "vllm")}
+    job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks,
+                        "env": {FAST_PATH_ENV: "", STATS_ENV: records["fast"], **kernel_layout}},
+                       {"name": "vllm", "llm": llm, "tasks": tasks,
+                        "env": {FAST_PATH_ENV: "off", STATS_ENV: records["vllm"], **kernel_layout}},
                        {"name": "plain_all", "llm": plain, "tasks": plain_tasks, "env": {FAST_PATH_ENV: "all"}},
                        {"name": "plain_auto", "llm": plain, "tasks": plain_tasks}]}
     res = run_driver(job, multiproc=False, extra_pythonpath=extra, verl=via == "verl")
@@ -623,6 +628,7 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
         assert "error" not in res[name], (name, res[name].get("error"))
     TIMINGS["engines_fast_path_driver_s"] = res["_wall_s"]
     res["via"] = via
+    res["fast_path_records"] = records
     return res
 
 
@@ -790,6 +796,18 @@ def test_qerl_settings_key_vllm_compile_cache(monkeypatch, tiny_bf16):
     assert config.compute_hash() != k0
     monkeypatch.setenv("QERL_PDL", "0")
     assert config.compute_hash() == k0
+
+
+def test_lora_fast_path_leaves_a_record_of_what_it_served(engines_fast_path):
+    """With ``QERL_DECODE_STATS_DIR`` set (as grpo_step.py sets it), the worker's LoRA manager records how many
+    layers it put on the fast path and, where none, why: the benchmark reads it, not a log line that may not reach
+    the caller's log."""
+    from verl_qerl.vllm import decode_stats
+
+    fast = decode_stats.read_fast_path_records(Path(engines_fast_path["fast_path_records"]["fast"]))
+    off = decode_stats.read_fast_path_records(Path(engines_fast_path["fast_path_records"]["vllm"]))
+    assert fast and all(r["layers"] == 8 and r["not_used"] is None and r["mode"] == "auto" for r in fast), fast
+    assert off and all(r["layers"] == 0 and r["not_used"] == f"{FAST_PATH_ENV}=off" for r in off), off
 
 
 def test_lora_fast_path_runs_on_every_qerl_layer_and_only_when_on(engines_fast_path):

@@ -15,8 +15,12 @@ prefill finished in it), ``prompt`` = prompt tokens of the prefills that finishe
 scheduler's running / waiting queues after the step, ``pre`` = preemptions, ``kv`` = KV-cache usage (0-1).
 Sleep / wake of the engine (verl's ``free_cache_engine`` between rollouts) is recorded as ``{"t": ..., "event":
 "sleep"}`` / ``"wake"``, and the KV cache the engine got, once it is up, as ``{"event": "engine", "num_gpu_blocks",
-"block_size", "max_model_len", ...}``. Counting happens on the host, per scheduler step, so CUDA graphs (which
-pad M up to a captured size and replay without Python) do not hide it.
+"block_size", "max_model_len", ...}``. Each LoRA manager the engine's worker builds also leaves
+``<folder>/lora-fast-path-<pid>-<n>.json`` (:func:`write_fast_path_record`): how many layers run the ``qerl_nvfp4``
+single-adapter LoRA path and, where none do, why (a benchmark whose QeRL engine silently ran vLLM's own LoRA path
+would compare the wrong thing; the worker's log lines do not always reach the caller's log). Counting happens on
+the host, per scheduler step, so CUDA graphs (which pad M up to a captured size and replay without Python) do not
+hide it.
 
 This module itself imports nothing from vLLM: the benchmark's driver reads the files with it.
 """
@@ -24,6 +28,7 @@ This module itself imports nothing from vLLM: the benchmark's driver reads the f
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -35,6 +40,43 @@ ROLLOUT_GAP_S = 5.0
 #: 64, 128, 256, 1024 each fall in one bucket
 BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 8), (9, 16), (17, 32), (33, 64), (65, 128), (129, 192),
                                         (193, 255), (256, 256), (257, 1 << 30))
+
+
+#: the per-manager fast-path records' file name prefix (:func:`write_fast_path_record`)
+FAST_PATH_PREFIX = "lora-fast-path-"
+_fast_path_written = 0
+
+
+def write_fast_path_record(layers: int, mode: str, not_used: str | None, environ: dict | None = None) -> Path | None:
+    """Record, when :data:`ENV` names a folder, that a LoRA manager of this process put ``layers`` linear layers on
+    the fast path (``mode`` the ``QERL_LORA_FAST_PATH`` setting, ``not_used`` why it was not used, or None). Written
+    whole to a temporary name, then renamed: a reader never sees half a record. Returns the path, or None when
+    recording is off."""
+    global _fast_path_written
+    folder = (os.environ if environ is None else environ).get(ENV)
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    path = Path(folder) / f"{FAST_PATH_PREFIX}{os.getpid()}-{_fast_path_written}.json"
+    _fast_path_written += 1
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"layers": int(layers), "mode": mode, "not_used": not_used}))
+    tmp.replace(path)
+    return path
+
+
+def read_fast_path_records(folder: Path) -> list[dict]:
+    """The fast-path records of ``folder`` (one per LoRA manager built), in file-name order; files that are not a
+    record (a foreign file with the prefix) are skipped."""
+    out = []
+    for path in sorted(Path(folder).glob(f"{FAST_PATH_PREFIX}*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("layers"), int):
+            out.append(rec)
+    return out
 
 
 def read_records(folder: Path) -> list[dict]:

@@ -66,6 +66,7 @@ from verl_qerl.kernels.lora_expand import lora_expand
 from verl_qerl.kernels.lora_shrink import lora_shrink
 
 from .config import QeRLNvFp4Error
+from .decode_stats import write_fast_path_record
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +270,7 @@ def convert_manager(manager: Any) -> int:
     for name, why in skipped.items():
         logger.warning("qerl LoRA fast path: %s keeps vLLM's path (%s)", name, why)
     manager.qerl_lora_fast_path_layers = len(done)
+    write_fast_path_record(len(done), mode, why_not)
     summary_logger.info("qerl LoRA fast path: qerl_lora_fast_path_layers=%d (mode %s%s)", len(done), mode,
                         f"; not used: {why_not}" if why_not else "")
     return len(done)
