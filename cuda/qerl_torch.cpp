@@ -690,26 +690,36 @@ at::Tensor lora_expand_op(const at::Tensor& out, const at::Tensor& shrunk, const
 }
 
 // Above this many tokens qerl::lora_shrink runs cuBLAS (`F.linear`, i.e. at::mm(x, a^T)) unless QERL_LORA_SHRINK is
-// `triton` (TRITON_MAX_TOKENS and shrink_impl in verl_qerl/kernels/lora_shrink.py: the same rule), so from C++ the
-// shrink calls at::mm itself there: the same kernel and numbers, without the Python op's ~23 us of host time per
+// `triton` or shrink_triton_wins (TRITON_MAX_TOKENS, triton_wins and shrink_impl in verl_qerl/kernels/lora_shrink.py:
+// the same rule), so from C++ the shrink calls at::mm itself there: the same kernel and numbers, without the Python op's ~23 us of host time per
 // layer at a host-bound prefill (benchmarks/NOTES.md, "Eighth round").
 constexpr int64_t kShrinkTritonMaxTokens = 16;
 
-// QERL_LORA_SHRINK unset, empty, `auto` or `cublas`: cuBLAS above the threshold. Any other value (`triton`, or one
-// the Python op rejects with an error naming the variable) goes to the Python op.
-bool shrink_env_allows_cublas() {
+// triton_wins in verl_qerl/kernels/lora_shrink.py (the same numbers; measured there): where it holds above
+// kShrinkTritonMaxTokens, the C++ side hands the shrink to the Python op, which runs the Triton kernel, so both
+// routes keep running the same kernel.
+bool shrink_triton_wins(int64_t t, int64_t r, int64_t k) {
+  if (t <= kShrinkTritonMaxTokens) return true;
+  return t <= 64 && k <= 4096 && t * r <= 4096;
+}
+
+// QERL_LORA_SHRINK: unset, empty or `auto` -> 'a'; `cublas` -> 'c'; anything else ('o': `triton`, or a value the
+// Python op rejects with an error naming the variable) goes to the Python op.
+char shrink_env_mode() {
   const char* e = std::getenv("QERL_LORA_SHRINK");
-  if (e == nullptr) return true;
+  if (e == nullptr) return 'a';
   std::string v(e);
   v.erase(0, v.find_first_not_of(" \t"));
   v.erase(v.find_last_not_of(" \t") + 1);
   std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return char(std::tolower(c)); });
-  return v.empty() || v == "auto" || v == "cublas";
+  return v.empty() || v == "auto" ? 'a' : (v == "cublas" ? 'c' : 'o');
 }
 
 at::Tensor lora_shrink_op(const at::Tensor& x, const at::Tensor& a) {
+  const char mode = shrink_env_mode();
   if (x.dim() == 2 && a.dim() == 2 && x.size(0) > kShrinkTritonMaxTokens && x.size(1) == a.size(1) &&
-      x.scalar_type() == a.scalar_type() && x.device() == a.device() && shrink_env_allows_cublas())
+      x.scalar_type() == a.scalar_type() && x.device() == a.device() &&
+      (mode == 'c' || (mode == 'a' && !shrink_triton_wins(x.size(0), a.size(0), x.size(1)))))
     return at::mm(x, a.t());
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("qerl::lora_shrink", "")

@@ -196,13 +196,15 @@ def test_bad_operands_name_the_tensor() -> None:
 
 
 def test_shrink_above_the_triton_threshold_is_cublas_from_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above ``TRITON_MAX_TOKENS`` the op calls cuBLAS for the shrink itself (no Triton shrink kernel), bit-identical
-    to the pair whose Python shrink runs ``F.linear``; ``QERL_LORA_SHRINK=triton`` still reaches the Triton kernel,
-    and a bad value still raises the Python op's error naming the variable."""
-    from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
+    """Above ``TRITON_MAX_TOKENS``, where ``triton_wins`` does not hold (here K > 4096), the op calls cuBLAS for the
+    shrink itself (no Triton shrink kernel), bit-identical to the pair whose Python shrink runs ``F.linear``;
+    ``QERL_LORA_SHRINK=triton`` still reaches the Triton kernel, and a bad value still raises the Python op's error
+    naming the variable."""
+    from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS, triton_wins
 
-    n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
+    n, k, bounds, rank = 768, 4608, [0, 512, 640, 768], 32
     m = TRITON_MAX_TOKENS + 1
+    assert not triton_wins(m, 3 * rank, k)
     packed, scale, gs = random_nvfp4(n, k, seed=5, device=DEV)
     rw = kernels.repack(packed, scale)
     x, lora_a, lora_b, mask = operands(m, n, k, bounds, rank, seed=6)
@@ -217,3 +219,28 @@ def test_shrink_above_the_triton_threshold_is_cublas_from_cpp(monkeypatch: pytes
     monkeypatch.setenv("QERL_LORA_SHRINK", "fastest")
     with pytest.raises(Exception, match="QERL_LORA_SHRINK"):
         linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds)
+
+
+@pytest.mark.parametrize("m", [17, 42, 64])
+def test_shrink_stays_on_triton_where_it_wins_by_shape(monkeypatch: pytest.MonkeyPatch, m: int) -> None:
+    """17-64 tokens with a short K and a small T x R (``triton_wins``): the C++ side hands the shrink to the Python op,
+    which runs the Triton kernel, so the one op and the pair run the same shrink kernel and give the same bits; where
+    the rule fails (m = 64 here: T x R = 6144) both run cuBLAS. ``QERL_LORA_SHRINK=cublas`` moves both to cuBLAS."""
+    from verl_qerl.kernels.lora_shrink import triton_wins
+
+    monkeypatch.delenv("QERL_LORA_SHRINK", raising=False)
+    n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
+    packed, scale, gs = random_nvfp4(n, k, seed=7, device=DEV)
+    rw = kernels.repack(packed, scale)
+    x, lora_a, lora_b, mask = operands(m, n, k, bounds, rank, seed=8)
+    wins = triton_wins(m, 3 * rank, k)
+    assert wins is (m < 64)
+    names = kernels_launched(lambda: linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    assert sum("_lora_shrink_kernel" in nm for nm in names) == (1 if wins else 0), names
+    assert torch.equal(linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds),
+                       pair(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    monkeypatch.setenv("QERL_LORA_SHRINK", "cublas")
+    names = kernels_launched(lambda: linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))
+    assert not any("_lora_shrink_kernel" in nm for nm in names), names
+    assert torch.equal(linear(x, rw, gs, None, n, lora_a, lora_b, mask, bounds),
+                       pair(x, rw, gs, None, n, lora_a, lora_b, mask, bounds))

@@ -145,6 +145,18 @@ def test_op_names_what_does_not_fit():
         torch.compile(ls.lora_shrink, fullgraph=True, backend="aot_eager")(torch.zeros(4, 8), torch.zeros(3, 7))
 
 
+def test_triton_wins_where_it_was_measured_to():
+    """The rule against the H200 measurements it was set from (lora_shrink.py's comment): Triton vs cuBLAS at T = 32
+    and 64 on the four 7B shapes (qkv K 3584 R 96, o R 32, gate_up R 64, down K 18944 R 32)."""
+    faster = {(32, "qkv"): True, (32, "o"): True, (32, "gate_up"): True, (32, "down"): False,
+              (64, "qkv"): False, (64, "o"): True, (64, "gate_up"): True, (64, "down"): False}
+    shapes = {"qkv": (96, 3584), "o": (32, 3584), "gate_up": (64, 3584), "down": (32, 18944)}
+    for (t, name), want in faster.items():
+        assert ls.triton_wins(t, *shapes[name]) is want, (t, name)
+    assert all(ls.triton_wins(t, 96, 18944) for t in range(1, ls.TRITON_MAX_TOKENS + 1))
+    assert not ls.triton_wins(ls.TRITON_WIDE_MAX_TOKENS + 1, 1, 8)
+
+
 def test_shrink_mode_is_validated(monkeypatch):
     monkeypatch.setenv(ls.SHRINK_ENV, "cuBLAS")
     assert ls.shrink_mode() == "cublas"
@@ -158,7 +170,14 @@ def test_shrink_mode_is_validated(monkeypatch):
     if ls.triton is not None:
         assert ls.shrink_impl(1, torch.device("cuda")) == "triton"
         assert ls.shrink_impl(t_max, torch.device("cuda")) == "triton"
-        assert ls.shrink_impl(t_max + 1, torch.device("cuda")) == "cublas"
+        assert ls.shrink_impl(t_max + 1, torch.device("cuda")) == "cublas"  # no shapes: the token rule alone
+        # with the shapes, 17-64 tokens stay on Triton where K and T x R are small (7B o / gate_up; qkv up to 42)
+        assert ls.shrink_impl(64, torch.device("cuda"), 32, 3584) == "triton"
+        assert ls.shrink_impl(64, torch.device("cuda"), 96, 3584) == "cublas"
+        assert ls.shrink_impl(32, torch.device("cuda"), 32, 18944) == "cublas"
+        assert ls.shrink_impl(65, torch.device("cuda"), 8, 256) == "cublas"
+        monkeypatch.setenv(ls.SHRINK_ENV, "cublas")
+        assert ls.shrink_impl(1, torch.device("cuda"), 32, 3584) == "cublas"
         monkeypatch.setenv(ls.SHRINK_ENV, "triton")
         assert ls.shrink_impl(8192, torch.device("cuda")) == "triton"
 

@@ -11,10 +11,11 @@ flight while the previous one is multiplied), accumulating in float32 and storin
 split-K partials, atomics or pre-zeroed buffers: the output is one shape-determined ``torch.empty``, so the op
 captures into CUDA graphs and, being a registered op with a fake impl, traces under torch.compile.
 
-Above :data:`TRITON_MAX_TOKENS` tokens (prefill) the op calls cuBLAS (``F.linear``) itself: without split-K the
-kernel's parallelism is the number of output tiles, and from a few dozen tokens on, cuBLAS's tensor-core GEMM (its
-two launches amortised over real work) is the faster one. ``QERL_LORA_SHRINK=auto|triton|cublas`` (default
-``auto``) forces one side on CUDA, for measurements. CPU tensors, or CUDA without Triton, use ``F.linear``.
+Above :data:`TRITON_MAX_TOKENS` tokens the op calls cuBLAS (``F.linear``) itself, except where :func:`triton_wins`
+(up to 64 tokens, short K, a small output): without split-K the kernel's parallelism is the number of output tiles,
+and beyond that cuBLAS's tensor-core GEMM (its two launches amortised over real work) is the faster one.
+``QERL_LORA_SHRINK=auto|triton|cublas`` (default ``auto``) forces one side on CUDA, for measurements. CPU tensors,
+or CUDA without Triton, use ``F.linear``.
 
 The kernel does not signal programmatic dependent launch (``signal_next`` is for tests): measured on an H200
 (``benchmarks/lora_gemm_bench.py``, NOTES "Sixth round"), a GEMM launched while the shrink ran could not place all
@@ -53,7 +54,27 @@ _lib.define("lora_shrink(Tensor x, Tensor a) -> Tensor")
 #: at T = 32 the down projection (K = 18944) is already slower (7.5 vs 6.6 us), at T = 64 every shape but o.
 TRITON_MAX_TOKENS = 16
 
-#: ``QERL_LORA_SHRINK``: ``auto`` (Triton up to :data:`TRITON_MAX_TOKENS`, cuBLAS above), ``triton`` (always the
+#: Up to :data:`TRITON_WIDE_MAX_TOKENS` tokens the kernel still beats cuBLAS where K and the output are small
+#: (:func:`triton_wins`): measured on an H200 (``benchmarks/shrink_ablation.py`` on branch ``next/shrink-cluster``,
+#: CUDA graphs, NOTES "Tenth round"), us Triton vs cuBLAS at T = 32: qkv (K 3584, R 96) 4.72 vs 6.10, o (R 32) 2.57
+#: vs 6.04, gate_up (R 64) 3.79 vs 6.08, down (K 18944) 7.38 vs 6.32; at T = 64: qkv 6.69 vs 6.15, o 3.75 vs 6.08,
+#: gate_up 5.10 vs 6.08, down 13.0 vs 6.39. Its programs each loop over all of K for a tile of the T x R output, so
+#: its time grows with K and with T x R; cuBLAS's pair stays at ~6 us.
+TRITON_WIDE_MAX_TOKENS = 64
+TRITON_WIDE_MAX_K = 4096
+TRITON_WIDE_MAX_OUTPUTS = 4096  # T x R
+
+
+def triton_wins(t: int, r: int, k: int) -> bool:
+    """Whether ``auto`` runs the Triton kernel for a ``t``-token shrink into ``r`` ranks over ``k`` inputs: up to
+    :data:`TRITON_MAX_TOKENS` tokens always; up to :data:`TRITON_WIDE_MAX_TOKENS` where ``k`` and ``t * r`` are small
+    (the measured shapes above). The C++ fused op (``shrink_triton_wins`` in cuda/qerl_torch.cpp) applies the same
+    rule, so both routes run the same kernel and give the same bits."""
+    if t <= TRITON_MAX_TOKENS:
+        return True
+    return t <= TRITON_WIDE_MAX_TOKENS and k <= TRITON_WIDE_MAX_K and t * r <= TRITON_WIDE_MAX_OUTPUTS
+
+#: ``QERL_LORA_SHRINK``: ``auto`` (Triton where :func:`triton_wins`, cuBLAS elsewhere), ``triton`` (always the
 #: kernel), ``cublas`` (always ``F.linear``). Read at every call on CUDA (a CUDA graph keeps what it captured).
 SHRINK_ENV = "QERL_LORA_SHRINK"
 SHRINK_MODES = ("auto", "triton", "cublas")
@@ -142,15 +163,18 @@ def shrink_mode() -> str:
     return mode
 
 
-def shrink_impl(t: int, device: torch.device) -> str:
-    """Which implementation the op runs for ``t`` tokens on ``device``: ``triton`` (the kernel), ``cublas``
-    (``F.linear`` on CUDA) or ``torch`` (``F.linear`` on the CPU)."""
+def shrink_impl(t: int, device: torch.device, r: int | None = None, k: int | None = None) -> str:
+    """Which implementation the op runs for ``t`` tokens (into ``r`` ranks over ``k`` inputs; without them, the
+    token rule alone) on ``device``: ``triton`` (the kernel), ``cublas`` (``F.linear`` on CUDA) or ``torch``
+    (``F.linear`` on the CPU)."""
     if device.type != "cuda":
         return "torch"
     mode = shrink_mode()
     if triton is None or mode == "cublas":
         return "cublas"
     if mode == "triton" or t <= TRITON_MAX_TOKENS:
+        return "triton"
+    if r is not None and k is not None and triton_wins(t, r, k):
         return "triton"
     return "cublas"
 
@@ -250,7 +274,7 @@ def _shrink_cpu(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 def _shrink_cuda(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     _check(x, a)
-    if shrink_impl(x.shape[0], x.device) == "triton":
+    if shrink_impl(x.shape[0], x.device, a.shape[0], x.shape[1]) == "triton":
         return lora_shrink_triton(x, a)
     return F.linear(x, a)
 
