@@ -601,7 +601,7 @@ def _fast_path_tasks(prompts: list[list[int]], adapter: dict, adapter_next: dict
 
 
 @pytest.fixture(scope="module")
-def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
+def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next, tmp_path_factory) -> dict:
     """Two engines with one adapter slot (verl's ``max_loras=1``) running the same tasks: the fast path
     (default) and vLLM's own LoRA path (``QERL_LORA_FAST_PATH=off``)."""
     extra = _verl_path()
@@ -616,7 +616,7 @@ def engines_fast_path(tiny_bf16, lora_adapter, lora_adapter_next) -> dict:
     # qerl engines keep the FP4 GEMM's kernel layout (the CUDA default), so the fast one runs the fused op
     kernel_layout = {BACKEND_ENV: "kernel"}
     # each qerl engine leaves its fast-path record (decode_stats.write_fast_path_record) in a folder of its own
-    records = {name: tempfile.mkdtemp(prefix=f"qerl-fast-path-{name}-") for name in ("fast", "vllm")}
+    records = {name: str(tmp_path_factory.mktemp(f"fast-path-{name}")) for name in ("fast", "vllm")}
     job = {"engines": [{"name": "fast", "llm": llm, "tasks": tasks,
                         "env": {FAST_PATH_ENV: "", STATS_ENV: records["fast"], **kernel_layout}},
                        {"name": "vllm", "llm": llm, "tasks": tasks,
