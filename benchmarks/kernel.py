@@ -226,10 +226,13 @@ def ceilings() -> tuple[float, float]:
 
 
 def run_header(device_name: str) -> dict:
-    """What every results JSON of this script starts with: device, versions, command, date."""
+    """What every results JSON of this script starts with: device, versions, command, date, and the ``QERL_*``
+    variables set (they pick kernels and routes, e.g. ``QERL_LORA_SHRINK=cublas``: without them two runs of the
+    same command line could not be told apart)."""
     return {"device": device_name,
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
             "command": "python " + " ".join(sys.argv),
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
 
 

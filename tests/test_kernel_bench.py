@@ -478,12 +478,15 @@ def test_gpu_scripts_use_current_kernel_and_mode_names(kb_diag, kb_variants):
     assert seen >= 6
 
 
-def test_run_header_has_what_every_results_json_needs(kb):
+def test_run_header_has_what_every_results_json_needs(kb, monkeypatch):
     """The timing table and the split sweep start their JSON from one header (results standard: device,
-    versions, command, date)."""
+    versions, command, date), with the QERL_* variables that chose the routes (and no others)."""
+    monkeypatch.setenv("QERL_LORA_SHRINK", "cublas")
+    monkeypatch.setenv("NOT_QERL_X", "1")
     h = kb.run_header("NVIDIA H200")
     assert h["device"] == "NVIDIA H200" and h["command"].startswith("python ")
     assert {"torch", "cuda", "python"} <= set(h["versions"]) and "T" in h["date"]
+    assert h["env"].get("QERL_LORA_SHRINK") == "cublas" and "NOT_QERL_X" not in h["env"]
 
 
 def test_interleaved_graph_ms_spreads_every_method_over_rounds(kb, monkeypatch):
