@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 import verl  # noqa: E402, F401  (required in CI: missing verl / vLLM must fail, not skip)
 import vllm  # noqa: E402, F401
 
+from verl_qerl.vllm import decode_stats  # noqa: E402
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_path", ["bf16_path", "nvfp4_path"])
@@ -41,7 +43,8 @@ def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path, model_path):
     # Ray's unix sockets live under RAY_TMPDIR and must stay below 108 bytes: keep the folder short
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     env = {**os.environ, "WORKDIR": str(work), "PYTHON": str(Path(os.sys.executable)),
-           "RAY_TMPDIR": ray_tmp, "QERL_DEVICE": "cpu", "TIMEOUT": "1200"}
+           "RAY_TMPDIR": ray_tmp, "QERL_DEVICE": "cpu", "TIMEOUT": "1200",
+           decode_stats.ENV: str(tmp_path / "stats")}
     res = subprocess.run(["bash", str(REPO / "examples/tiny/grpo.sh"), "nvfp4", *extra], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1500)
     shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -56,6 +59,13 @@ def test_tiny_qerl_grpo_runs_and_logs_aqn(tmp_path, model_path):
         assert "Linear layers already NVFP4" in log and "actor: Linear layers converted" not in log
         assert f"model='{work / 'model-nvfp4'}'" in log  # vLLM loaded the NVFP4 checkpoint (with qerl_nvfp4)
     assert "qerl_nvfp4" in log  # vLLM was started with our quantization method
+    # the rollout engine verl built ran the adapter on QeRL's single-adapter LoRA path on every quantized layer
+    # (qkv, o, gate_up, down per decoder layer), not on vLLM's own punica path: the record each LoRA manager of the
+    # vLLM worker leaves (the worker's own log line does not reach main_ppo's log)
+    layers = json.loads((work / "model" / "config.json").read_text())["num_hidden_layers"]
+    recs = decode_stats.read_fast_path_records(tmp_path / "stats")
+    assert recs and all(r["layers"] == 4 * layers and r["not_used"] is None for r in recs), recs
+    assert decode_stats.read_records(tmp_path / "stats"), "no decode-step record from the rollout engine"
     rows = [json.loads(line) for line in (tmp_path / "tiny/metrics-nvfp4.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["data"] for r in rows}
     assert sorted(steps) == [1, 2, 3]
