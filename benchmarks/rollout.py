@@ -56,6 +56,11 @@ The (model, backend) pairs measured in this call replace the merged ones, also w
 measured before the engine died (a pair that measured nothing here keeps its merged rows; earlier errors are
 not carried); the targets and the ratio table cover every model and batch size of the union, and each kept row
 names its file in ``merged_from``.
+
+This file is the command line and the parent: it makes each model's folders and runs each backend in a child
+process of itself (``--child``), then writes the results. Sibling modules hold the rest: ``rollout_prepare.py``
+the workload and its checkpoints / adapter (the ``build`` child job), ``rollout_engine.py`` one backend's engine
+and its timing (the ``bench`` child job), ``rollout_report.py`` the targets, ``--merge`` and the ratio table.
 """
 
 from __future__ import annotations
@@ -65,449 +70,50 @@ import datetime as _dt
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from results_format import read_earlier, target_status  # benchmarks/: this script's own folder
+from results_format import target_status  # benchmarks/: this script's own folder
+from rollout_engine import (  # the child's job: one backend in one engine, timed
+    ROW_PREFIX,
+    _shutdown,  # noqa: F401 - re-exported: lora_profile.py and tp_parity.py reach it as rollout._shutdown
+    bench_backend,
+)
+from rollout_prepare import (  # the workload and its checkpoints, adapter and tokenizer
+    BACKENDS,
+    DONE,  # noqa: F401 - re-exported, as the names below: other benchmarks and the tests use them as rollout.<name>
+    GPU_ONLY,
+    LORA_RANK,
+    LORA_TARGETS,
+    SHAPES,
+    TINY_TOKENIZER,  # noqa: F401
+    BenchError,
+    build_model,
+    check_disk,  # noqa: F401
+    checkpoint_bytes,  # noqa: F401
+    count_params,  # noqa: F401
+    quantize_with_progress,  # noqa: F401
+    qwen2_config,  # noqa: F401
+    tokenizer_identity,  # noqa: F401
+    write_lora_adapter,  # noqa: F401
+    write_random_checkpoint,  # noqa: F401
+)
+from rollout_report import (  # targets, --merge and the ratio table
+    make_targets,  # noqa: F401 - re-exported for the tests
+    merge_previous,
+    ratio_table,
+    read_previous,
+)
 
 HERE = Path(__file__).resolve()
-ROW_PREFIX = "[rollout-row] "  # one JSON row per measured batch in a child's log
 REPO = HERE.parent.parent
 if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # verl_qerl without an install, as the children get it through PYTHONPATH
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
-
-BACKENDS = ("bf16", "qerl_nvfp4", "ct_marlin", "nf4")
-GPU_ONLY = {"ct_marlin": "vLLM's compressed-tensors NVFP4 (Marlin) path needs a CUDA GPU",
-            "nf4": "bitsandbytes NF4 in vLLM needs a CUDA GPU"}
-
-#: Qwen2.5 shapes (untied embeddings, q/k/v biases).
-SHAPES = {
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064),
-    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                num_key_value_heads=8, vocab_size=152064),
-}
-#: qerl_nvfp4 / bf16 target at batch <= 8, per model (issue 8).
-BF16_TARGET = {"7b": 1.6, "32b": 2.0, "tiny": 1.6}
-#: issue 18, end to end: the 7B rollout at the batch sizes RL decodes at (B >= 64), ours / BF16, both with LoRA
-LARGE_BATCH_BF16_TARGET = {"7b": 1.2}
-NF4_TARGET = 2.5
-MARLIN_TARGET = 1.25
-#: qerl_nvfp4 with LoRA / without LoRA, output tok/s, every batch; prefill time with / without (issue 19).
-LORA_KEEP_TARGET = 0.90
-LORA_PREFILL_TARGET = 1.3
-#: workload keys a --merge file must share with this run for its rows to be comparable
-MERGE_KEYS = ("prompt_tokens", "new_tokens", "lora_rank", "seed")
-
-LORA_RANK = 32
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-INIT_STD = 0.02
-DONE = ".complete"  # marker file: a checkpoint folder whose writing finished
-
-
-class BenchError(RuntimeError):
-    """A setup problem the user can fix; printed without a traceback."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Checkpoints
-# ------------------------------------------------------------------------------------------------
-
-
-def qwen2_config(shape: dict, eos_id: int, pad_id: int) -> dict:
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        **shape,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "initializer_range": INIT_STD,
-        "bos_token_id": None,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-    }
-
-
-def layer_tensor_shapes(shape: dict, layer: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of one Qwen2 decoder layer's tensors, in checkpoint order."""
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    hd = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * hd
-    p = f"model.layers.{layer}."
-    return {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (h, h), p + "self_attn.q_proj.bias": (h,),
-        p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-        p + "self_attn.o_proj.weight": (h, h),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-    }
-
-
-def count_params(shape: dict) -> tuple[int, int]:
-    """(parameters in decoder Linear weights, all other parameters)."""
-    linear = other = 0
-    for name, s in layer_tensor_shapes(shape, 0).items():
-        n = 1
-        for d in s:
-            n *= d
-        if name.endswith("proj.weight"):
-            linear += n
-        else:
-            other += n
-    emb = shape["vocab_size"] * shape["hidden_size"]
-    return linear * shape["num_hidden_layers"], other * shape["num_hidden_layers"] + 2 * emb + shape["hidden_size"]
-
-
-def checkpoint_bytes(shape: dict, fmt: str) -> int:
-    linear, other = count_params(shape)
-    per_weight = 2.0 if fmt == "bf16" else 0.5 + 1 / 16  # packed e2m1 + one fp8 scale per 16
-    return int(linear * per_weight + other * 2)
-
-
-def _random_tensor(name: str, shape: tuple[int, ...], seed: int, device):
-    """Deterministic in (seed, name): N(0, 0.02) bf16 weights, ones for norms, zeros for biases."""
-    import torch
-
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16, device=device)
-    if name.endswith(".bias"):
-        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * INIT_STD).to(torch.bfloat16)
-
-
-def check_disk(folder: Path, needed: int, what: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    if free < needed * 1.05:
-        raise BenchError(f"not enough disk for {what} in {folder}: needs {needed / 1e9:.1f} GB "
-                         f"(+5%), {free / 1e9:.1f} GB free; use --work-dir elsewhere, or --bf16-checkpoint never")
-
-
-#: what a random checkpoint written without ``tokenizer`` gets (and what every checkpoint written before the
-#: marker recorded its tokenizer got): the tiny byte-level BPE of ``verl_qerl.testing.tiny.build_tokenizer``
-TINY_TOKENIZER = "tiny-bpe-512"
-
-
-def tokenizer_identity(tokenizer: Path | None) -> str:
-    """A checkpoint's tokenizer as its ``DONE`` marker records it: :data:`TINY_TOKENIZER`, or the SHA-256 of the
-    folder's ``tokenizer.json`` (a path would differ between machines; the content does not)."""
-    if tokenizer is None:
-        return TINY_TOKENIZER
-    import hashlib
-
-    file = Path(tokenizer) / "tokenizer.json"
-    if not file.is_file():
-        raise BenchError(f"tokenizer folder {tokenizer}: no tokenizer.json (write one with `qerl-pretrained "
-                         f"qwen2.5-coder-0.5b --tokenizer-only --out {tokenizer}`)")
-    return "sha256:" + hashlib.sha256(file.read_bytes()).hexdigest()
-
-
-def load_tokenizer(tokenizer: Path | None, vocab_size: int):
-    """The checkpoint's tokenizer: the tiny 512-id BPE when ``tokenizer`` is None, else the folder's; refused when
-    it has more ids than the model's ``vocab_size`` (the model could not embed them)."""
-    from verl_qerl.testing.tiny import build_tokenizer
-
-    if tokenizer is None:
-        return build_tokenizer(512)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    if len(tok) > vocab_size:
-        raise BenchError(f"tokenizer {tokenizer} has {len(tok)} ids, more than the model's vocab_size {vocab_size}")
-    return tok
-
-
-def write_random_checkpoint(folder: Path, shape: dict, fmt: str, *, seed: int = 0, device: str | None = None,
-                            show_progress: bool = True, tokenizer: Path | None = None) -> Path:
-    """Write a random Qwen2 checkpoint (``fmt`` 'bf16' or 'nvfp4') shard by shard; returns ``folder``.
-
-    ``tokenizer``: a tokenizer folder (e.g. Qwen2.5's, ``qerl-pretrained ... --tokenizer-only``) saved into the
-    checkpoint, its EOS / pad ids in ``config.json``; default the tiny 512-id BPE. Which one matters to a rollout:
-    verl masks every logit at or above ``len(tokenizer)``, so the tiny one lets the model sample only 512 ids.
-    A complete folder is reused when its marker names the same tokenizer, otherwise written again.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    from verl_qerl.nvfp4 import fused_global_scale, quantize
-    from verl_qerl.nvfp4.checkpoint import ct_quantization_config, ct_tensors
-
-    want = tokenizer_identity(tokenizer)
-    if (folder / DONE).is_file():
-        done = json.loads((folder / DONE).read_text())
-        have = done.get("tokenizer", TINY_TOKENIZER)
-        if have == want:
-            print(f"[rollout] reusing {folder}", flush=True)
-            return folder
-        print(f"[rollout] {folder} was written with tokenizer {have}, {want} asked: writing it again", flush=True)
-    if folder.exists():
-        shutil.rmtree(folder)
-    check_disk(folder.parent, checkpoint_bytes(shape, fmt), f"the {fmt} checkpoint")
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tok = load_tokenizer(tokenizer, shape["vocab_size"])
-    tok.save_pretrained(tmp)
-    config = qwen2_config(shape, tok.eos_token_id, tok.pad_token_id)
-    if fmt == "nvfp4":
-        config["quantization_config"] = ct_quantization_config(["lm_head"])
-    weight_map: dict[str, str] = {}
-    total = 0
-    n_layers = shape["num_hidden_layers"]
-    h, v = shape["hidden_size"], shape["vocab_size"]
-    shards: list[tuple[str, dict[str, tuple[int, ...]]]] = [("model-embed.safetensors",
-                                                              {"model.embed_tokens.weight": (v, h)})]
-    shards += [(f"model-layer-{i:03d}.safetensors", layer_tensor_shapes(shape, i)) for i in range(n_layers)]
-    shards.append(("model-head.safetensors", {"model.norm.weight": (h,), "lm_head.weight": (v, h)}))
-    bar = tqdm(shards, desc=f"write {fmt} {folder.name}", unit="shard", disable=not show_progress)
-    for shard, names in bar:
-        made = {name: _random_tensor(name, s, seed, device) for name, s in names.items()}
-        out: dict[str, torch.Tensor] = {}
-        if fmt == "nvfp4":
-            groups = {}
-            for name in made:
-                if name.endswith("proj.weight"):
-                    leaf = name.rsplit(".", 2)[-2]
-                    key = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gu", "up_proj": "gu"}
-                    groups.setdefault(key.get(leaf, leaf), []).append(name)
-            for members in groups.values():
-                gs = fused_global_scale([made[m] for m in members], members)
-                for m in members:
-                    out.update(ct_tensors(m.removesuffix(".weight"), quantize(made.pop(m), gs, name=m)))
-        out.update(made)
-        out = {k: t.to("cpu").contiguous() for k, t in out.items()}
-        save_file(out, tmp / shard, metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in out.values())
-        weight_map.update({k: shard for k in out})
-        del made, out
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / DONE).write_text(json.dumps({"fmt": fmt, "seed": seed, "bytes": total, "tokenizer": want,
-                                        "tokenizer_len": len(tok)}))
-    tmp.rename(folder)
-    return folder
-
-
-def write_config_only(folder: Path, shape: dict) -> Path:
-    """config.json + tokenizer, for ``load_format='dummy'`` engines."""
-    from verl_qerl.testing.tiny import build_tokenizer
-
-    if (folder / DONE).is_file():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(512)
-    tok.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps(qwen2_config(shape, tok.eos_token_id, tok.pad_token_id), indent=2))
-    (folder / DONE).write_text("{}")
-    return folder
-
-
-def quantize_with_progress(src: Path, dst: Path) -> Path:
-    from tqdm import tqdm
-
-    from verl_qerl.checkpoint_conversion import quantize_checkpoint
-
-    if (dst / DONE).is_file():
-        print(f"[rollout] reusing {dst}", flush=True)
-        return dst
-    shutil.rmtree(dst, ignore_errors=True)
-    quantize_checkpoint(src, dst, progress=lambda it, total, desc: tqdm(it, total=total, desc=desc, leave=False))
-    (dst / DONE).write_text("{}")
-    return dst
-
-
-def write_lora_adapter(folder: Path, config: dict, rank: int = LORA_RANK, seed: int = 1) -> Path:
-    """A random peft LoRA adapter (A and B nonzero) on q/k/v/o/gate/up/down of every layer."""
-    import torch
-    from safetensors.torch import save_file
-
-    if (folder / DONE).is_file():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    h, i = config["hidden_size"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
-    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for mod, (d_in, d_out) in dims.items():
-            part = "self_attn" if mod in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            base = f"base_model.model.model.layers.{layer}.{part}.{mod}"
-            a = torch.randn(rank, d_in, generator=gen) * (1.0 / d_in**0.5)
-            b = torch.randn(d_out, rank, generator=gen) * 0.01
-            tensors[f"{base}.lora_A.weight"] = a.to(torch.bfloat16)
-            tensors[f"{base}.lora_B.weight"] = b.to(torch.bfloat16)
-    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
-    adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
-        "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": list(LORA_TARGETS), "modules_to_save": None, "use_rslora": False, "use_dora": False,
-        "inference_mode": True,
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    (folder / DONE).write_text("{}")
-    return folder
-
-
-def build_model(job: dict) -> dict:
-    """Make the folders one model's backends need; returns their paths and what was done instead."""
-    work = Path(job["work_dir"]) / job["model"]
-    work.mkdir(parents=True, exist_ok=True)
-    backends, info = job["backends"], {"skipped": {}}
-    if job["model"] == "tiny":
-        from verl_qerl.testing.tiny import make_tiny_model
-
-        bf16 = work / "bf16"
-        if not (bf16 / DONE).is_file():
-            shutil.rmtree(bf16, ignore_errors=True)
-            make_tiny_model(bf16)
-            (bf16 / DONE).write_text("{}")
-        info["bf16"] = str(bf16)
-        info["nvfp4"] = str(quantize_with_progress(bf16, work / "nvfp4"))
-        config = json.loads((bf16 / "config.json").read_text())
-    else:
-        shape = SHAPES[job["model"]]
-        config = qwen2_config(shape, 0, 0)
-        want_bf16 = any(b in backends for b in ("bf16", "nf4"))
-        mode = job["bf16_checkpoint"]
-        write_bf16 = want_bf16 and (mode == "always" or (mode == "auto" and job["model"] != "32b"))
-        if write_bf16 and job["model"] == "32b" and mode == "always":
-            check_disk(work, checkpoint_bytes(shape, "bf16") + checkpoint_bytes(shape, "nvfp4"),
-                       "the 32B BF16 + NVFP4 checkpoints")
-        if write_bf16:
-            bf16 = write_random_checkpoint(work / "bf16", shape, "bf16", seed=job["seed"])
-            info["bf16"] = str(bf16)
-        elif want_bf16:
-            info["bf16"] = str(write_config_only(work / "config-only", shape))
-            info["bf16_dummy"] = True
-            if "nf4" in backends:
-                info["skipped"]["nf4"] = ("no BF16 checkpoint written (32B BF16 is 65.5 GB, over the disk); vLLM's "
-                                          "bitsandbytes path quantizes a BF16 checkpoint while loading and has no "
-                                          "dummy-weight path we know of")
-        if any(b in backends for b in ("qerl_nvfp4", "ct_marlin")):
-            if write_bf16 and not job["nvfp4_direct"]:
-                info["nvfp4"] = str(quantize_with_progress(bf16, work / "nvfp4"))
-            else:
-                info["nvfp4"] = str(write_random_checkpoint(work / "nvfp4", shape, "nvfp4", seed=job["seed"]))
-    if job["lora"]:
-        info["lora"] = str(write_lora_adapter(work / f"lora-r{LORA_RANK}", config))
-    return info
-
-
-# ------------------------------------------------------------------------------------------------
-# One backend in one process
-# ------------------------------------------------------------------------------------------------
-
-
-def _shutdown(llm) -> None:
-    import gc
-
-    shutdown = getattr(llm, "shutdown", None)
-    if shutdown is None:
-        shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-    del llm
-    gc.collect()
-    try:
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-    except Exception as exc:  # noqa: BLE001 - best effort at exit
-        print(f"[rollout] cleanup: {type(exc).__name__}: {exc}", flush=True)
-
-
-def bench_backend(job: dict) -> dict:
-    """Start one engine and time every batch size; returns the rows."""
-    from vllm import LLM, SamplingParams
-
-    backend = job["backend"]
-    if backend == "nf4":
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as exc:
-            raise BenchError(f"backend nf4 needs bitsandbytes importable ({exc}); stage it (benchmarks/GPU.md)") \
-                from exc
-    kw = dict(job["llm"])
-    t0 = time.perf_counter()
-    llm = LLM(**kw)
-    startup_s = time.perf_counter() - t0
-    quant = None
-    try:
-        quant = llm.llm_engine.vllm_config.model_config.quantization
-    except Exception:  # noqa: BLE001 - informative only
-        pass
-    fast_layers = None
-    if kw.get("enable_lora"):  # proof of which LoRA path ran: the count of layers on the single-adapter fast path
-        try:
-            fast_layers = llm.collective_rpc("qerl_lora_fast_path_layers")[0]
-        except Exception as exc:  # noqa: BLE001 - informative only
-            print(f"[rollout] could not count fast-path layers: {type(exc).__name__}: {exc}", flush=True)
-    lora_request = None
-    if job.get("lora"):
-        from vllm.lora.request import LoRARequest
-
-        lora_request = LoRARequest("bench-r32", 1, job["lora"])
-    prompts, warm = job["prompts"], job["warm_prompts"]
-    new = job["new_tokens"]
-
-    def generate(ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                                seed=None)
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, lora_request=lora_request,
-                            use_tqdm=False)
-        dt = time.perf_counter() - t
-        return dt, sum(len(o.outputs[0].token_ids) for o in outs)
-
-    rows = []
-    try:
-        for b in job["batches"]:
-            generate(warm[:b], 8)
-            prefill_s, _ = generate(prompts[:b], 1)
-            total_s, n_out = generate(prompts[:b], new)
-            decode_s = max(total_s - prefill_s, 1e-9)
-            row = {
-                "model": job["model"], "backend": backend, "batch": b, "lora": bool(lora_request),
-                "prompt_tokens": len(prompts[0]), "new_tokens": new, "output_tokens": n_out,
-                "total_s": total_s, "tok_s": n_out / total_s,
-                "prefill_s": prefill_s, "prefill_tok_s": b * len(prompts[0]) / prefill_s,
-                "decode_s": decode_s, "decode_tok_s": (n_out - b) / decode_s,
-                "decode_ms_per_step": 1e3 * decode_s / max(new - 1, 1),
-                "startup_s": startup_s, "quantization": quant, "lora_fast_path_layers": fast_layers,
-                "load_format": kw.get("load_format", "auto"),
-            }
-            rows.append(row)
-            # machine-readable too: the parent keeps these rows when a later batch times out or crashes
-            print(ROW_PREFIX + json.dumps(row), flush=True)
-            print(f"[rollout] {job['model']} {backend:10s} B={b:4d} {row['tok_s']:10.1f} tok/s  prefill "
-                  f"{prefill_s * 1e3:8.1f} ms  decode {row['decode_tok_s']:10.1f} tok/s"
-                  + (f"  fast-path layers {fast_layers}" if fast_layers is not None else ""), flush=True)
-    finally:
-        _shutdown(llm)
-    return {"rows": rows}
-
 
 # ------------------------------------------------------------------------------------------------
 # Orchestration
@@ -611,161 +217,6 @@ def versions() -> dict:
     except ImportError:
         pass
     return out
-
-
-def _row_lora(row: dict) -> bool:
-    return bool(row.get("lora", True))  # rows written before the split always had the adapter
-
-
-def _index(rows: list[dict]) -> dict[tuple[str, str, int, bool], dict]:
-    return {(r["model"], r["backend"], r["batch"], _row_lora(r)): r for r in rows}
-
-
-def _ratio(rows: dict, model: str, b: int, num: str, den: str, key: str = "tok_s", lora: bool = True,
-           den_lora: bool | None = None):
-    """``num``'s ``key`` over ``den``'s, at one (model, batch); ``lora`` / ``den_lora`` pick the with- or
-    without-adapter row of each (``den_lora`` defaults to ``lora``)."""
-    a = rows.get((model, num, b, lora))
-    c = rows.get((model, den, b, lora if den_lora is None else den_lora))
-    if a is None or c is None:
-        return None
-    return a[key] / c[key]
-
-
-def make_targets(rows: list[dict], models: list[str], batches: list[int], skipped: dict) -> list[dict]:
-    """Issue 8's cross-backend targets, on the LoRA rows where there are any (else on the no-LoRA rows, and
-    labelled so), and issue 19's with / without LoRA targets where both kinds of qerl_nvfp4 rows exist."""
-    idx = _index(rows)
-    lora = any(_row_lora(r) for r in rows) or not rows
-    label = "LoRA" if lora else "no LoRA"
-    targets = []
-
-    def add(name, model, b, num, den, target, key="tok_s", op=">=", num_lora=lora, den_lora=lora):
-        measured = _ratio(idx, model, b, num, den, key, num_lora, den_lora)
-        entry = {"name": name, "measured": None if measured is None else round(measured, 4), "op": op,
-                 "target": target}
-        if measured is None:
-            why = [skipped.get((model, k)) for k in dict.fromkeys((num, den)) if skipped.get((model, k))]
-            entry["note"] = "; ".join(why) or f"no {den} or {num} row (failed or not run)"
-        targets.append(entry)
-
-    for m in models:
-        for b in batches:
-            if b <= 8:
-                add(f"{m} B={b}: qerl_nvfp4 / bf16 output tok/s ({label})", m, b, "qerl_nvfp4", "bf16", BF16_TARGET[m])
-            elif b >= 64 and m in LARGE_BATCH_BF16_TARGET:
-                add(f"{m} B={b}: qerl_nvfp4 / bf16 output tok/s ({label})", m, b, "qerl_nvfp4", "bf16",
-                    LARGE_BATCH_BF16_TARGET[m])
-            add(f"{m} B={b}: qerl_nvfp4 / nf4 output tok/s ({label})", m, b, "qerl_nvfp4", "nf4", NF4_TARGET)
-            add(f"{m} B={b}: qerl_nvfp4 / ct_marlin output tok/s ({label})", m, b, "qerl_nvfp4", "ct_marlin",
-                MARLIN_TARGET)
-    split = {(r["model"], _row_lora(r)) for r in rows if r["backend"] == "qerl_nvfp4"}
-    for m in models:
-        if not {(m, True), (m, False)} <= split:
-            continue
-        for b in batches:
-            add(f"{m} B={b}: qerl_nvfp4 with LoRA / without LoRA output tok/s", m, b, "qerl_nvfp4", "qerl_nvfp4",
-                LORA_KEEP_TARGET, num_lora=True, den_lora=False)
-            add(f"{m} B={b}: qerl_nvfp4 prefill time with LoRA / without LoRA", m, b, "qerl_nvfp4", "qerl_nvfp4",
-                LORA_PREFILL_TARGET, key="prefill_s", op="<=", num_lora=True, den_lora=False)
-    return targets
-
-
-def read_previous(paths: list[str], workload: dict, device: str) -> list[tuple[str, dict]]:
-    """(path, result) of each --merge file, refused (BenchError) unless measured on ``device`` with ``workload``'s
-    MERGE_KEYS. Read before the first save: the output file may be one of them."""
-    previous = []
-    for path in paths:
-        try:
-            res = read_earlier(path, flag="--merge", script="rollout.py", section="workload", device=device,
-                               keys=MERGE_KEYS, here=workload)
-        except ValueError as exc:
-            raise BenchError(str(exc)) from exc
-        previous.append((str(path), res))
-    return previous
-
-
-def _model_key(model: str) -> tuple[int, str]:
-    order = [*SHAPES, "tiny"]
-    return (order.index(model) if model in order else len(order), model)
-
-
-def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[str], batches: list[int]) -> dict:
-    """``result`` plus the rows, skips and model info of ``previous`` (``read_previous``) for the (model, backend)
-    pairs without rows here (a later file wins a pair; a pair that failed here before any batch keeps its old
-    rows), and the
-    targets over the union of models and batches (also set in ``workload``: models in SHAPES order, batches
-    sorted). Why: one GPU call (10 minutes) holds only part of the comparison."""
-    def pair(x: dict) -> tuple:
-        return x["model"], x["backend"], _row_lora(x)
-
-    def skip_pair(x: dict) -> tuple[str, str]:
-        return x["model"], x["backend"]
-
-    now = {pair(r) for r in result["rows"]}
-    old: dict[tuple[str, str], list[dict]] = {}
-    skipped: dict[tuple[str, str], str] = {}
-    info: dict = {}
-    all_batches = set(batches)
-    for path, prev in previous:
-        groups: dict[tuple[str, str], list[dict]] = {}
-        for r in prev["rows"]:
-            groups.setdefault(pair(r), []).append({**r, "merged_from": r.get("merged_from", path)})
-        old.update(groups)
-        skipped.update({skip_pair(s): s["reason"] for s in prev.get("skipped", [])})
-        info.update(prev.get("models", {}))
-        all_batches.update(prev["workload"].get("batches") or [])
-    rows = [r for p, rs in old.items() if p not in now for r in rs] + result["rows"]
-    have = {skip_pair(r) for r in rows}
-    skipped.update({skip_pair(s): s["reason"] for s in result["skipped"]})
-    skipped = {p: why for p, why in skipped.items() if p not in have}
-    all_models = sorted({*models, *(m for m, _ in have), *(m for m, _ in skipped), *info}, key=_model_key)
-    batch_list = sorted(all_batches | {r["batch"] for r in rows})
-    rows.sort(key=lambda r: (_model_key(r["model"]), BACKENDS.index(r["backend"]), not _row_lora(r), r["batch"]))
-    return {**result, "workload": {**result["workload"], "models": all_models, "batches": batch_list},
-            "models": {**info, **result["models"]}, "rows": rows,
-            "skipped": [{"model": m, "backend": b, "reason": why} for (m, b), why in skipped.items()],
-            "targets": make_targets(rows, all_models, batch_list, skipped),
-            "merged_from": [path for path, _ in previous]}
-
-
-def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
-    """Markdown tables: per metric, each backend with and/or without LoRA and ours over the others; where a
-    backend ran both ways, its with / without LoRA ratios."""
-    idx = _index(rows)
-    lora_kinds = [k for k in (True, False) if any(_row_lora(r) == k for r in rows)] or [True]
-    lines = []
-
-    def fmt(x, ratio=False):
-        return "-" if x is None else (f"{x:.2f}x" if ratio else f"{x:,.0f}")
-
-    for key, label in (("tok_s", "output tok/s (prefill + decode)"), ("decode_tok_s", "decode tok/s"),
-                       ("prefill_tok_s", "prefill input tok/s")):
-        lines.append(f"\n{label}")
-        lines.append(f"| model | B | LoRA | {' | '.join(BACKENDS)} | ours/bf16 | ours/nf4 | ours/ct_marlin |")
-        lines.append("| --- | ---: | --- |" + " ---: |" * (len(BACKENDS) + 3))
-        for m in models:
-            for lora in lora_kinds:
-                for b in batches:
-                    vals = [fmt(idx[(m, be, b, lora)][key]) if (m, be, b, lora) in idx else "-" for be in BACKENDS]
-                    rats = [fmt(_ratio(idx, m, b, "qerl_nvfp4", d, key, lora), True)
-                            for d in ("bf16", "nf4", "ct_marlin")]
-                    lines.append(f"| {m} | {b} | {'r' + str(LORA_RANK) if lora else 'off'} | {' | '.join(vals)} | "
-                                 f"{' | '.join(rats)} |")
-    both = [be for be in BACKENDS if any((m, be, b, True) in idx and (m, be, b, False) in idx
-                                         for m in models for b in batches)]
-    if both:
-        lines.append("\nwith LoRA / without LoRA (output tok/s; prefill time)")
-        lines.append("| model | B | " + " | ".join(f"{be} tok/s | {be} prefill" for be in both) + " |")
-        lines.append("| --- | ---: |" + " ---: |" * (2 * len(both)))
-        for m in models:
-            for b in batches:
-                cells = []
-                for be in both:
-                    cells.append(fmt(_ratio(idx, m, b, be, be, "tok_s", True, False), True))
-                    cells.append(fmt(_ratio(idx, m, b, be, be, "prefill_s", True, False), True))
-                lines.append(f"| {m} | {b} | {' | '.join(cells)} |")
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
