@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -17,6 +18,7 @@
 #include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -670,12 +672,36 @@ at::Tensor gemm_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor
 // sizes cuBLAS's tensor-core GEMM is as fast as the Triton kernel on the device. Below it (decode, CUDA graphs: no
 // host time) the Triton kernel is one launch where this is two.
 constexpr int64_t kExpandCublasMinTokens = 128;
+// ... except while a CUDA graph is being captured, up to this many tokens: a replay has no host work, and the Triton
+// kernel is one launch where this route is two (TRITON_CAPTURED_MAX_TOKENS and expand_impl in lora_expand.py: the same
+// rule, so the Python op, to which this hands the expand then, runs the same kernel).
+constexpr int64_t kExpandTritonCapturedMaxTokens = 512;
+
+bool stream_capturing() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// An eager call from kExpandCublasMinTokens to kExpandTritonCapturedMaxTokens tokens goes through the Python op the
+// first time per operand signature (it runs the same cuBLAS ops, and compiles the Triton kernel a capture of that
+// shape will launch: lora_expand.py's _warm_for_capture); later calls skip the op's host time.
+bool first_eager_call(const at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t, const at::Tensor& mask) {
+  static std::mutex mu;
+  static std::set<std::vector<int64_t>> seen;
+  std::vector<int64_t> key = {out.size(0), out.size(1), shrunk.size(1), int64_t(out.scalar_type()),
+                              out.stride(0), out.stride(1), shrunk.stride(0), shrunk.stride(1),
+                              b_t.stride(0), b_t.stride(1), mask.dim() ? mask.stride(0) : 0,
+                              int64_t(out.device().index())};
+  std::lock_guard<std::mutex> lock(mu);
+  return seen.insert(std::move(key)).second;
+}
 
 c10::optional<at::Tensor> lora_expand_native(at::Tensor& out, const at::Tensor& shrunk, const at::Tensor& b_t,
                                              const at::Tensor& mask) {
   const auto dt = out.scalar_type();
   if (out.dim() != 2 || out.size(0) < kExpandCublasMinTokens || (dt != at::kBFloat16 && dt != at::kHalf) ||
-      shrunk.scalar_type() != dt || b_t.scalar_type() != dt || mask.numel() != out.size(0))
+      shrunk.scalar_type() != dt || b_t.scalar_type() != dt || mask.numel() != out.size(0) ||
+      (out.size(0) <= kExpandTritonCapturedMaxTokens && (stream_capturing() || first_eager_call(out, shrunk, b_t,
+                                                                                                mask))))
     return c10::nullopt;
   return out.addmm_(shrunk * mask.reshape({-1, 1}).to(dt), b_t);
 }

@@ -86,3 +86,17 @@ def test_kernel_bf16_on_cuda():
         got = le.lora_expand(out, s, b.t(), mask)
         assert (got.float() - want).abs().max().item() <= 2e-2 * max(1.0, want.abs().max().item()), (t, r, n)
         assert torch.equal(got[3::4], out[3::4])
+
+
+def test_expand_route_by_tokens_dtype_and_capture():
+    """Triton below CUBLAS_MIN_TOKENS; from there cuBLAS eagerly, Triton while a CUDA graph is captured up to
+    TRITON_CAPTURED_MAX_TOKENS (no host time to save there, one launch instead of two); Triton for operand dtypes the
+    cuBLAS route does not take."""
+    from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS as lo
+    from verl_qerl.kernels.lora_expand import TRITON_CAPTURED_MAX_TOKENS as hi
+    from verl_qerl.kernels.lora_expand import expand_impl
+
+    assert lo < hi
+    assert [expand_impl(t, True, False) for t in (1, lo - 1, lo, hi, hi + 1)] == ["triton"] * 2 + ["cublas"] * 3
+    assert [expand_impl(t, True, True) for t in (1, lo - 1, lo, hi, hi + 1)] == ["triton"] * 4 + ["cublas"]
+    assert {expand_impl(t, False, c) for t in (1, lo, hi + 1) for c in (False, True)} == {"triton"}

@@ -8,7 +8,10 @@ the GEMM's output by cuBLAS called from C++ (no Python op: ~96 us of host time p
 * the wrong route: the Triton kernel is launched below the threshold and not from it on (profiler);
 * a wrong value or a token without the adapter touched: the float64 oracle, and bit-for-bit equality of those rows
   with the GEMM's output; NaN-poisoned allocations;
-* capture: a CUDA graph replay with fresh operands equals the eager call bit for bit.
+* capture: up to ``TRITON_CAPTURED_MAX_TOKENS`` tokens a captured expand runs the Triton kernel (one launch where
+  cuBLAS's route is two; no host time to save in a graph): a replay with fresh operands equals the GEMM followed by
+  the Triton kernel bit for bit; above it the eager call's cuBLAS result. The first eager call of a shape goes
+  through the Python op (which compiles that kernel for the capture), later ones not: the same bits.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import torch
 
 from verl_qerl import kernels
 from verl_qerl.kernels import GemmMode as Mode
-from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS, lora_expand
+from verl_qerl.kernels.lora_expand import (
+    CUBLAS_MIN_TOKENS,
+    TRITON_CAPTURED_MAX_TOKENS,
+    lora_expand,
+    lora_expand_torch,
+    lora_expand_triton,
+)
 from verl_qerl.testing.gpu import capture, kernels_launched, poison
 from verl_qerl.testing.nvfp4_random import random_nvfp4
 
@@ -107,10 +116,12 @@ def test_op_from_the_threshold_matches_float64(dtype: torch.dtype) -> None:
     assert torch.equal(got, lora_expand(out, shrunk, lora_b.t(), mask))  # deterministic
 
 
-def test_graph_capture_from_the_threshold() -> None:
-    """The fused op captured at 300 tokens (cuBLAS in place on the GEMM's output) and replayed with fresh operands:
-    the eager op's result bit for bit."""
-    m, n, k, bounds, rank = 300, 768, 1024, [0, 512, 640, 768], 32
+@pytest.mark.parametrize("m", [300, TRITON_CAPTURED_MAX_TOKENS + 88])
+def test_graph_capture_from_the_threshold(m: int) -> None:
+    """The fused op captured from the threshold and replayed with fresh operands: up to TRITON_CAPTURED_MAX_TOKENS the
+    GEMM followed by the Triton expand, bit for bit (the captured route), above it the eager op's result (cuBLAS in
+    place on the GEMM's output, captured as it runs eagerly)."""
+    n, k, bounds, rank = 768, 1024, [0, 512, 640, 768], 32
     packed, scale, gs = random_nvfp4(n, k, 3, DEV)
     rw = kernels.repack(packed, scale)
     shrunk, lora_b, mask = operands(m, n, bounds, rank, torch.bfloat16, seed=11)
@@ -129,4 +140,43 @@ def test_graph_capture_from_the_threshold() -> None:
         s_static.copy_(s_new)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y_static, f(x_new, s_new)), i
+        if m <= TRITON_CAPTURED_MAX_TOKENS:
+            base = torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, None, n, int(Mode.AUTO), 0)
+            assert torch.equal(y_static, lora_expand_triton(base, s_new, lora_b.t(), mask)), i
+        else:
+            assert torch.equal(y_static, f(x_new, s_new)), i
+
+
+def test_python_op_runs_triton_when_captured_and_cublas_eagerly() -> None:
+    """qerl::lora_expand at 256 tokens: eagerly the torch ops (cuBLAS), bit for bit, and no Triton launch; captured
+    (the kernel compiled by the eager call before it), the Triton kernel's bits, replayed with fresh operands."""
+    t, n, bounds, rank = 256, 768, [0, 512, 640, 768], 32
+    shrunk, lora_b, mask = operands(t, n, bounds, rank, torch.bfloat16, seed=21)
+    out = torch.randn(t, n, device=DEV).to(torch.bfloat16)
+    assert not any(TRITON in nm for nm in kernels_launched(lambda: lora_expand(out, shrunk, lora_b.t(), mask)))
+    assert torch.equal(lora_expand(out, shrunk, lora_b.t(), mask), lora_expand_torch(out, shrunk, lora_b.t(), mask))
+    graph, y = capture(lambda: lora_expand(out, shrunk, lora_b.t(), mask))
+    for i in range(2):
+        out.copy_(torch.randn(t, n, device=DEV).to(torch.bfloat16))
+        shrunk.copy_(operands(t, n, bounds, rank, torch.bfloat16, seed=30 + i)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, lora_expand_triton(out, shrunk, lora_b.t(), mask)), i
+
+
+def test_first_eager_call_through_the_python_op_gives_the_same_bits() -> None:
+    """A shape's first eager call of the fused op at 200 tokens goes through qerl::lora_expand (compiling the capture's
+    Triton kernel), the next ones run cuBLAS from C++: all equal bit for bit, and none launches the Triton kernel."""
+    m, n, k, bounds, rank = 200, 784, 1024, [0, 784], 16
+    packed, scale, gs = random_nvfp4(n, k, 9, DEV)
+    rw = kernels.repack(packed, scale)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    shrunk, lora_b, mask = operands(m, n, bounds, rank, torch.bfloat16, seed=41)
+
+    def fused() -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
+                                              int(Mode.AUTO), 0)
+
+    first = fused()
+    assert torch.equal(first, fused()) and torch.equal(first, fused())
+    assert not any(TRITON in nm for nm in kernels_launched(fused))

@@ -7,11 +7,11 @@ The single-adapter LoRA path (``verl_qerl.vllm.lora_fast_path``) computes, per l
 and the residual add of the base layer's output. In torch ops that is a multiply and
 an ``addmm``, two kernel launches; at decode batch sizes every launch costs about as much as the work, and a
 7B model has 112 such layers per step, so on CUDA it is one Triton kernel (from :data:`CUBLAS_MIN_TOKENS` tokens
-on, with bf16 / fp16 operands, the torch ops: cuBLAS). It returns a new tensor (no
-in-place mutation for torch.compile to functionalize) and allocates only a shape-determined output, so it
-captures into CUDA graphs. For ``qerl_nvfp4`` layers the expand usually runs inside the FP4 GEMM instead
-(``qerl::nvfp4_gemm_lora``, :mod:`verl_qerl.kernels.ops`); that op calls this one wherever its GEMM has no LoRA
-epilogue (larger M, other kernels).
+on, with bf16 / fp16 operands and outside CUDA-graph capture, the torch ops: cuBLAS; :func:`expand_impl`). It
+returns a new tensor (no in-place mutation for torch.compile to functionalize) and allocates only a
+shape-determined output, so it captures into CUDA graphs. For ``qerl_nvfp4`` layers the expand usually runs
+inside the FP4 GEMM instead (``qerl::nvfp4_gemm_lora``, :mod:`verl_qerl.kernels.ops`); that op calls this one
+wherever its GEMM has no LoRA epilogue (larger M, other kernels).
 
 Shapes: out [T, N]; shrunk [T, R]; b_t [R, N] (any strides: vLLM's B is stored [N, R], ``b_t`` is its
 transpose view); mask [T, 1] or [T]. Accumulation in float32, output in ``out``'s dtype. CPU tensors, or CUDA
@@ -77,8 +77,10 @@ if triton is not None:
         tl.store(y_ptr + rt[:, None] * stride_yt + rn[None, :] * stride_yn, y.to(y_ptr.dtype.element_ty), mask=both)
 
 
-def lora_expand_triton(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``, for tests)."""
+def lora_expand_triton(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor,
+                       warmup: bool = False) -> torch.Tensor:
+    """The Triton kernel (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``, for tests). ``warmup``: compile
+    and load the kernel for these operands without launching it (the returned tensor is then uninitialised)."""
     if triton is None:
         raise RuntimeError("qerl::lora_expand: Triton is not importable")
     _check(out, shrunk, b_t, mask)
@@ -94,11 +96,13 @@ def lora_expand_triton(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tenso
     block_n = 64 if t <= 64 else 128
     block_r = 16 if r <= 16 else 32
     grid = (triton.cdiv(t, block_t), triton.cdiv(n, block_n))
-    _lora_expand_kernel[grid](out, shrunk, b_t, mask, y, t, n, r,
-                              out.stride(0), out.stride(1), shrunk.stride(0), shrunk.stride(1),
-                              b_t.stride(0), b_t.stride(1), mask.stride(0), y.stride(0), y.stride(1),
-                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r,
-                              IEEE_FP32=b_t.dtype == torch.float32, num_warps=4)
+    args = (out, shrunk, b_t, mask, y, t, n, r, out.stride(0), out.stride(1), shrunk.stride(0), shrunk.stride(1),
+            b_t.stride(0), b_t.stride(1), mask.stride(0), y.stride(0), y.stride(1))
+    meta = dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, IEEE_FP32=b_t.dtype == torch.float32, num_warps=4)
+    if warmup:
+        _lora_expand_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _lora_expand_kernel[grid](*args, **meta)
     return y
 
 
@@ -113,11 +117,47 @@ def _expand_cpu(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask
 #: as the Triton kernel and the prefill is host-bound, where this Python op costs ~96 us per call (NOTES "Eighth
 #: round"). Below it the Triton kernel (one launch; decode runs in CUDA graphs, where host time does not count).
 CUBLAS_MIN_TOKENS = 128
+#: ... except while a CUDA graph is being captured, up to this many tokens (vLLM's largest captured batch by default):
+#: a graph replays no host work, so the Python op's cost is gone, and the Triton kernel is one launch (mask and
+#: residual add inside) where cuBLAS's route is two (the mask's multiply, then the GEMM); the profiled 256-token
+#: prefill spent 308 us of its 112 layers in that multiply alone (NOTES "Eleventh round"). The C++ side
+#: (``kExpandTritonCapturedMaxTokens``) hands the expand to this op under the same rule, so both routes keep the
+#: same bits; an eager call and a graph replay of the same shape differ by the summation order of the expand.
+TRITON_CAPTURED_MAX_TOKENS = 512
+
+
+def expand_impl(t: int, cublas_dtypes: bool, capturing: bool) -> str:
+    """Which kernel the CUDA side runs for a ``t``-token expand: ``cublas`` (mask multiply + ``addmm``) from
+    :data:`CUBLAS_MIN_TOKENS` tokens with bf16 / fp16 operands (``cublas_dtypes``), unless a CUDA graph is being
+    captured (``capturing``) and ``t`` is at most :data:`TRITON_CAPTURED_MAX_TOKENS`; else ``triton``."""
+    if not cublas_dtypes or t < CUBLAS_MIN_TOKENS:
+        return "triton"
+    return "triton" if capturing and t <= TRITON_CAPTURED_MAX_TOKENS else "cublas"
+
+
+#: operand signatures whose Triton kernel an eager cuBLAS call already compiled for a later capture
+_warmed: set[tuple] = set()
+
+
+def _warm_for_capture(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> None:
+    """Compile (without launching) the Triton kernel an eager cuBLAS call's shape would run under capture, once per
+    operand signature: a capture then only launches it. vLLM (and ``verl_qerl.testing.gpu.capture``) run every
+    captured size eagerly first; compiling and loading a module inside a capture is not something to rely on."""
+    key = (tuple(out.shape), shrunk.shape[1], out.dtype, out.stride(), shrunk.stride(), b_t.stride(), mask.stride(),
+           out.device.index)
+    if key not in _warmed:
+        lora_expand_triton(out, shrunk, b_t, mask, warmup=True)
+        _warmed.add(key)
 
 
 def _expand_cuda(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if triton is None or (out.shape[0] >= CUBLAS_MIN_TOKENS and out.dtype in (torch.bfloat16, torch.float16)
-                           and shrunk.dtype == out.dtype and b_t.dtype == out.dtype):
+    cublas_dtypes = (out.dtype in (torch.bfloat16, torch.float16) and shrunk.dtype == out.dtype
+                     and b_t.dtype == out.dtype)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if triton is None or expand_impl(out.shape[0], cublas_dtypes, capturing) == "cublas":
+        if triton is not None and not capturing and out.shape[0] <= TRITON_CAPTURED_MAX_TOKENS:
+            _check(out, shrunk, b_t, mask)
+            _warm_for_capture(out, shrunk, b_t, mask)
         return _expand_cpu(out, shrunk, b_t, mask)
     return lora_expand_triton(out, shrunk, b_t, mask)
 
