@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 import rollout  # noqa: E402  (device and version helpers shared by the benchmarks)
 from lora_shrink_bench import graph_us  # noqa: E402
-from results_format import target_status  # noqa: E402
+from results_format import report_and_write  # noqa: E402
 
 from verl_qerl.kernels import lora_expand as le  # noqa: E402
 
@@ -82,12 +82,7 @@ def main(argv: list[str] | None = None) -> int:
            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cublas_min_tokens": le.CUBLAS_MIN_TOKENS,
            "triton_captured_max_tokens": le.TRITON_CAPTURED_MAX_TOKENS, "rows": rows, "targets": targets}
-    for tg in targets:
-        print(f"#  {target_status(tg)} {tg['name']}: {tg['measured']} {tg['op']} {tg['target']}")
-    out = Path(args.out) / f"lora-expand-{name.replace(' ', '-').lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"# wrote {out}")
+    report_and_write(Path(args.out) / f"lora-expand-{name.replace(' ', '-').lower()}.json", res)
     return 0
 
 

@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from kernel import MODELS, ROT, capture_graph, interleaved_graph_ms, layer_shapes, run_header  # noqa: E402
 from kernel_common import random_nvfp4  # noqa: E402
-from results_format import target_status  # noqa: E402
+from results_format import report_and_write  # noqa: E402
 
 from verl_qerl import kernels  # noqa: E402
 from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
@@ -168,12 +168,7 @@ def main() -> int:
                   f"+{lay['pair_cost_us']:.1f} (PDL +{lay['pair_pdl_cost_us']:.1f}), one op "
                   f"+{lay['linear_cost_us']:.1f} (PDL +{lay['linear_pdl_cost_us']:.1f})", flush=True)
     out["targets"] = build_targets(out["rows"])
-    for t in out["targets"]:
-        print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
-    path = Path(args.out or os.environ.get("OUT", ".")) / f"lora-gemm-{name.split()[-1].lower()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
-    print(f"# wrote {path}")
+    report_and_write(Path(args.out or os.environ.get("OUT", ".")) / f"lora-gemm-{name.split()[-1].lower()}.json", out)
     return 0
 
 

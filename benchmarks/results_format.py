@@ -28,6 +28,19 @@ def target_status(t: dict) -> str:
     return {True: "met", False: "MISSED", None: "-"}[target_met(t)]
 
 
+def report_and_write(path: Path, result: dict) -> Path:
+    """Prints ``result``'s targets (status, name, measured, op, target) and writes it to ``path`` as JSON, whole:
+    to a temporary file beside it, then renamed, so an interrupted run leaves no half-written results file."""
+    for t in result.get("targets", []):
+        print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    print(f"# wrote {path}")
+    return path
+
+
 def read_earlier(path: str, *, flag: str, script: str, section: str, device: str, keys: tuple[str, ...],
                  here: dict, defaults: dict | None = None) -> dict:
     """An earlier results JSON of ``script`` that a later call extends (``--baseline``, ``--merge``): one remote
