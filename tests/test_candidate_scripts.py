@@ -105,3 +105,48 @@ def test_decode_skeleton_edits_match_the_kernel(tmp_path: Path) -> None:
     assert "X_HALF_BYTES + DT_W_BYTES" not in w and "(i % STAGES), DT_W_BYTES);" in w  # each slot expects weights only
     h = edited(skip, w4k)
     assert h.count("DT_W_BYTES / 2, bar)") == 2 and "W_VEC / 2" in h
+
+
+def _patch_for_header(tmp_path: Path, old: str, new: str) -> Path:
+    """A unified diff against HEAD's cuda/qerl_nvfp4.h replacing ``old`` with ``new``."""
+    import difflib
+
+    text = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:cuda/qerl_nvfp4.h"], capture_output=True,
+                          text=True).stdout
+    assert old in text
+    diff = difflib.unified_diff(text.splitlines(keepends=True), text.replace(old, new, 1).splitlines(keepends=True),
+                                "a/cuda/qerl_nvfp4.h", "b/cuda/qerl_nvfp4.h")
+    patch = tmp_path / "cand.patch"
+    patch.write_text("".join(diff))
+    return patch
+
+
+def test_stage_applies_a_patch_to_head_without_touching_the_checkout(tmp_path):
+    """A FILE.patch argument stages HEAD with the patch applied, in a folder named after it; the working tree and the
+    index are left as they were. A patch that does not apply is refused, naming it, with nothing staged."""
+    if not _git_ok():
+        pytest.skip("not a git checkout")
+    status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True).stdout
+    patch = _patch_for_header(tmp_path, "#pragma once", "#pragma once\n// candidate marker")
+    dest = tmp_path / "cand"
+    out = subprocess.run(["bash", str(STAGE), str(patch)], capture_output=True, text=True,
+                         env=dict(os.environ, DEST=str(dest)), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "// candidate marker" in (dest / "cand" / "cuda" / "qerl_nvfp4.h").read_text()
+    assert "// candidate marker" not in (REPO / "cuda" / "qerl_nvfp4.h").read_text()
+    assert subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True,
+                          text=True).stdout == status
+    bad = tmp_path / "bad.patch"
+    bad.write_text(patch.read_text().replace("#pragma once", "#pragma twice"))
+    out = subprocess.run(["bash", str(STAGE), str(bad)], capture_output=True, text=True,
+                         env=dict(os.environ, DEST=str(tmp_path / "c2")), timeout=60)
+    assert out.returncode == 2 and "bad.patch does not apply to HEAD" in out.stderr
+    assert not (tmp_path / "c2" / "bad").exists()
+
+
+@pytest.mark.parametrize("patch", sorted((REPO / "benchmarks" / "candidates").glob("*.patch")), ids=lambda p: p.stem)
+def test_kept_candidates_still_apply_to_head(patch):
+    """Every kernel candidate kept as a patch (benchmarks/candidates/README.md) applies to HEAD: a change to the files
+    it touches must rebase it (or delete it) rather than leave a candidate nobody can stage."""
+    out = subprocess.run(["git", "-C", str(REPO), "apply", "--check", str(patch)], capture_output=True, text=True)
+    assert out.returncode == 0, f"{patch.name} no longer applies to HEAD: {out.stderr}"

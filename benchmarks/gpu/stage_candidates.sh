@@ -2,6 +2,10 @@
 # ON THE DEV MACHINE: copies of the repository at several commits, each as a folder the device tool can carry, so
 # one GPU call checks and times kernel candidates side by side (benchmarks/gpu/candidates_check.sh).
 #   bash benchmarks/gpu/stage_candidates.sh 44fb047 51ade69 main      # -> .xfer-cand/<commit>/ (~1 MB each)
+#   bash benchmarks/gpu/stage_candidates.sh HEAD benchmarks/candidates/wide-k16-pipeline.patch   # -> .xfer-cand/<name>/
+# A FILE.patch argument stages HEAD with that patch applied (as a commit object made without touching the working
+# tree or the index; the folder is named after the patch): candidates kept on main as patches, because branches do
+# not outlive a session here.
 # Each folder holds what the kernel tests and kernel.py need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
 # benchmarks/results_format.py, benchmarks/gpu/, tests/test_kernels_gpu.py, tests/conftest.py, pytest.ini. It prints
 # the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then candidates_check.sh.
@@ -11,8 +15,20 @@ cd "$(dirname "$0")/../.."
 DEST=${DEST:-.xfer-cand}
 names=()
 for rev in "$@"; do
-  sha=$(git rev-parse --verify --quiet "$rev^{commit}") || { echo "stage_candidates: $rev is not a commit here" >&2; exit 2; }
-  name=${sha:0:7}
+  if [[ "$rev" == *.patch ]]; then
+    [ -f "$rev" ] || { echo "stage_candidates: $rev: no such patch file" >&2; exit 2; }
+    index=$(mktemp)
+    GIT_INDEX_FILE=$index git read-tree HEAD
+    if ! GIT_INDEX_FILE=$index git apply --cached "$rev"; then
+      rm -f "$index"; echo "stage_candidates: $rev does not apply to HEAD" >&2; exit 2
+    fi
+    tree=$(GIT_INDEX_FILE=$index git write-tree); rm -f "$index"
+    sha=$(git commit-tree "$tree" -p HEAD -m "candidate $(basename "$rev" .patch) on HEAD")
+    name=$(basename "$rev" .patch)
+  else
+    sha=$(git rev-parse --verify --quiet "$rev^{commit}") || { echo "stage_candidates: $rev is not a commit here" >&2; exit 2; }
+    name=${sha:0:7}
+  fi
   rm -rf "${DEST:?}/$name.tmp" && mkdir -p "$DEST/$name.tmp"
   git archive "$sha" cuda verl_qerl pytest.ini tests/conftest.py tests/test_kernels_gpu.py benchmarks/gpu \
     $(git ls-tree --name-only "$sha" benchmarks/ | grep -E '^benchmarks/(kernel[a-z_]*|results_format)\.py$') \
