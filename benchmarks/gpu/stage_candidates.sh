@@ -23,7 +23,9 @@ for rev in "$@"; do
       rm -f "$index"; echo "stage_candidates: $rev does not apply to HEAD" >&2; exit 2
     fi
     tree=$(GIT_INDEX_FILE=$index git write-tree); rm -f "$index"
-    sha=$(git commit-tree "$tree" -p HEAD -m "candidate $(basename "$rev" .patch) on HEAD")
+    sha=$(GIT_AUTHOR_NAME=stage_candidates GIT_AUTHOR_EMAIL=stage_candidates@localhost \
+          GIT_COMMITTER_NAME=stage_candidates GIT_COMMITTER_EMAIL=stage_candidates@localhost \
+          git commit-tree "$tree" -p HEAD -m "candidate $(basename "$rev" .patch) on HEAD")  # (works without a git identity)
     name=$(basename "$rev" .patch)
   else
     sha=$(git rev-parse --verify --quiet "$rev^{commit}") || { echo "stage_candidates: $rev is not a commit here" >&2; exit 2; }
