@@ -150,3 +150,16 @@ def test_kept_candidates_still_apply_to_head(patch):
     it touches must rebase it (or delete it) rather than leave a candidate nobody can stage."""
     out = subprocess.run(["git", "-C", str(REPO), "apply", "--check", str(patch)], capture_output=True, text=True)
     assert out.returncode == 0, f"{patch.name} no longer applies to HEAD: {out.stderr}"
+
+
+@pytest.mark.parametrize("patch", sorted((REPO / "benchmarks" / "candidates").glob("*.patch")), ids=lambda p: p.stem)
+def test_kept_candidates_touch_only_what_staging_carries(patch):
+    """A kept candidate changes only what stage_candidates.sh puts in a staged copy (the kernels, their Python side,
+    the kernel benchmarks, the GPU kernel tests): a hunk elsewhere would be dropped when staged, and one made by
+    diffing against a newer main would silently revert that file when the patch is merged."""
+    import re
+
+    files = re.findall(r"^diff --git a/(\S+) b/", patch.read_text(), flags=re.M)
+    assert files, f"{patch.name} has no file diffs"
+    allowed = re.compile(r"^(cuda/|verl_qerl/kernels/|benchmarks/kernel[a-z_]*\.py$|tests/test_[a-z_]*gpu\.py$)")
+    assert [f for f in files if not allowed.match(f)] == [], f"{patch.name} touches files staging does not carry"
