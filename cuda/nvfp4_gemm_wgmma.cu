@@ -362,8 +362,11 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
     // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+    static_assert(wgmma_rs::StagedStore<2, ACC, THREADS>::kBytes <= STAGES * C::STAGE_BYTES,
+                  "the staged store does not fit the ring");
     wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out);
+                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
+                                                      smem);
     __syncthreads();  // s_is_last is reused by the next segment
     u = range.after(seg);
   }

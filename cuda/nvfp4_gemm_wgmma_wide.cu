@@ -240,9 +240,11 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
       u = 1;
     } else {
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOTS * WD_SLOT_BYTES,
+                    "the staged store does not fit the ring");
       wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
                                                               my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
-                                                              bias, out);
+                                                              bias, out, smem);
       __syncthreads();  // s_is_last is reused by the next segment
       u = range.after(seg);
     }

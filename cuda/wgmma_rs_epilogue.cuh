@@ -8,21 +8,109 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "nvfp4_common.cuh"
 #include "streamk_schedule.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace qerl {
 namespace wgmma_rs {
 
+// The tile's bf16 store, staged through shared memory (the ring, free at a segment's end). Why (benchmarks/NOTES.md,
+// "Twelfth round"): stored straight from the accumulators every element is its own 2-byte store with its own address
+// and bounds check (~12 instructions each, 128 per thread per tile) and a warp's store covers four half-used sectors:
+// 13.5 % of the wide kernel's warp samples at M = 256 (H100 source profile). Staged, each thread writes its values as
+// bf16 with 16 `stmatrix .trans` (the accumulator layout is the mma fragment layout; transposed, a stored row is 8
+// weight rows of one token, the output's order), and the tile leaves in 16-byte coalesced stores.
+//   The staged tile: kStoreTokens token rows of kStoreRows weight rows; a row's pitch has 16 bytes of padding so that
+// the 8 token rows one matrix writes land on 8 different 16-byte bank groups.
+template <int kBlocks, int kAcc, int kThreads>
+struct StagedStore {
+  static constexpr int kTokens = 2 * kAcc;                       // 8 tokens per accumulator quad
+  static constexpr int kRows = (kThreads / 128) * 64 * kBlocks;  // weight rows of the tile
+  static constexpr int kPitch = kRows * 2 + 16;                  // bytes per staged token row
+  static constexpr int kBytes = kTokens * kPitch;                // the kernel's ring must hold this much
+  static_assert(kAcc % 8 == 0, "stmatrix .x4 takes two 8-token groups of both row halves");
+};
+
+#ifdef QERL_WGMMA_DEVICE
+// Four 8x8 bf16 matrices to shared memory, each transposed: register i of lane l holds row l / 4, columns 2 (l % 4),
+// +1 of matrix i (the mma fragment layout); lanes 8 i .. 8 i + 7 give the addresses of the stored rows of matrix i,
+// stored row j being column j of the fragment (16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// acc * alpha + bias -> bf16 into `stage` (StagedStore's layout; every thread of the CTA calls this: it holds a
+// barrier), then out[m, n] for m < M, n < N in 16-byte pieces. Needs N % 8 == 0 and a 16-byte aligned `out` (the
+// caller checks; through the op both always hold: the layout takes N % 16 == 0 and the op allocates `out`, so the
+// scalar store behind the check is a guard for other callers). The same FP32 operations and rounding as the direct store: the same bits.
+template <int kBlocks, int kAcc, int kThreads>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kAcc], uint8_t* stage, int row0, int m0,
+                                                  int M, int N, bool active, float alpha,
+                                                  const __nv_bfloat16* bias, __nv_bfloat16* out) {
+  using S = StagedStore<kBlocks, kAcc, kThreads>;
+  // threadIdx.x read here (volatile): index math derived from it is not hoisted into the kernel's prologue and kept
+  // live across the main loop (in the 255-register kernels ptxas spilled such values)
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  const int lane = tid & 31;
+  const int wg = tid >> 7;
+  const int wl = (tid >> 5) & 3;
+  if (active) {
+    const uint32_t base = smem_u32(stage);
+    const int mi = lane >> 3;  // the matrix whose stored row this lane addresses: row half mi % 2, token group mi / 2
+    const int mj = lane & 7;   // ... and which of its 8 token rows
+#pragma unroll
+    for (int h = 0; h < kBlocks; ++h) {
+      const int n_blk = wg * 64 * kBlocks + h * 64 + wl * 16;  // this warp's 16 rows of block h, in the tile
+      float bv[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int n = row0 + n_blk + (lane >> 2) + 8 * rh;
+        bv[rh] = bias != nullptr && n < N ? __bfloat162float(bias[n]) : 0.0f;
+      }
+      const uint32_t row_addr = base + (n_blk + 8 * (mi & 1)) * 2;
+#pragma unroll
+      for (int p = 0; p < kAcc / 8; ++p) {  // token groups 2 p, 2 p + 1
+        uint32_t r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int rh = i & 1;
+          const int q = 2 * p + (i >> 1);
+          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[h][4 * q + 2 * rh] * alpha + bv[rh],
+                                                         acc[h][4 * q + 2 * rh + 1] * alpha + bv[rh]);
+          r[i] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+        stmatrix_x4_trans(row_addr + uint32_t((8 * (2 * p + (mi >> 1)) + mj) * S::kPitch), r);
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int kChunks = S::kRows / 8;  // 16-byte pieces per token row
+#pragma unroll 4
+  for (int c = tid; c < S::kTokens * kChunks; c += kThreads) {
+    const int t = c / kChunks;
+    const int n = row0 + 8 * (c % kChunks);
+    if (m0 + t < M && n < N)
+      *reinterpret_cast<uint4*>(out + size_t(m0 + t) * N + n) =
+          *reinterpret_cast<const uint4*>(stage + t * S::kPitch + 2 * (c % kChunks) * 8);
+  }
+}
+#endif  // QERL_WGMMA_DEVICE
+
 // acc[h][4 q + c] of thread (warp wl of warpgroup wg, lane) is weight row wg * 64 * kBlocks + 64 h + 16 wl + lane / 4
 // + 8 (c / 2) of the tile and token m0 + 8 q + 2 (lane % 4) + c % 2. kThreads threads hold the tile (all of the
 // CTA's, barrier __syncthreads). `active`: whether this warpgroup holds rows of the tile (the 64 / 128-token kernel's
-// second 128-row half may not exist). Returns after the store (or after publishing a partial when another CTA of the
-// tile stores it).
+// second 128-row half may not exist). `stage`: StagedStore<kBlocks, kAcc, kThreads>::kBytes of shared memory free
+// until the caller's next barrier (the ring), for the staged store. Returns after the store (or after publishing a
+// partial when another CTA of the tile stores it).
 template <int kBlocks, int kAcc, int kThreads, int kSlotFloats>
 __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const streamk::CtaRange& range, float* ws,
                                             int* counters, int& s_is_last, int tile, int my_first_tile, int row0,
                                             int m0, int M, int N, bool active, const float* gscale,
-                                            const __nv_bfloat16* bias, __nv_bfloat16* out) {
+                                            const __nv_bfloat16* bias, __nv_bfloat16* out, uint8_t* stage) {
   constexpr int NQ = kAcc / 4;  // float4 partials per m64 block per thread
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -72,9 +160,16 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
           }
         });
   }
-  if (!do_store || !active) return;
+  if (!do_store) return;
   // acc * (128 / global_scale) + bias -> bf16, rows < M and < N only
   const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
+#ifdef QERL_WGMMA_DEVICE
+  if ((N & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {  // CTA-uniform
+    store_tile_staged<kBlocks, kAcc, kThreads>(acc, stage, row0, m0, M, N, active, alpha, bias, out);
+    return;
+  }
+#endif
+  if (!active) return;
 #pragma unroll
   for (int h = 0; h < kBlocks; ++h) {
 #pragma unroll

@@ -220,12 +220,14 @@ def _needs_wgmma(variant: str = "wgmma_rs") -> None:
 
 WGMMA_SHAPES = [
     # (N, K): Qwen2.5-7B qkv, an odd number of 16-row blocks with a half 256-row tile (N % 256 = 112), a single
-    # stage, other hidden sizes than Qwen2.5's (Llama-7B-like 4096 / 11008, Qwen2.5-0.5B's 896)
+    # stage, other hidden sizes than Qwen2.5's (Llama-7B-like 4096 / 11008, Qwen2.5-0.5B's 896), and N = 1008
+    # (the staged bf16 tile store's 16-byte pieces end at N inside the last, 112-row tile; K = 384: 3 stages)
     (4608, 3584),
     (1136, 640),
     (272, 128),
     (11008, 4096),
     (896, 896),
+    (1008, 384),
 ]
 
 

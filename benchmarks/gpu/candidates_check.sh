@@ -6,12 +6,25 @@
 #   OUT=$OUT bash benchmarks/gpu/candidates_check.sh .xfer-cand/44fb047 .xfer-cand/51ade69   # ~2-3 min each
 # Writes to $OUT, two files per candidate (a call returns 8): <name>.log and <name>-kernel.json (kernel.py's
 # results: rows, per-layer ratios, targets). CAND_MS, CAND_MODELS override the table's M list and models.
+# All candidates are JIT-built first, concurrently (one ninja each; ~1 min in all instead of ~1 min each).
+# CAND_SANITIZE=all or a comma list of candidate names: for those, after the tests, compute-sanitizer memcheck and
+# racecheck over kernel.py --sanitize's wgmma_rs shapes (N x K <= 1.5M), before timing. CAND_VARIANTS: the timed
+# variants (default splitk,streamk,wgmma_rs).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
 mkdir -p "$OUT"
 ROOT=$(pwd)
 status=0
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+export SAN
+for dir in "$@"; do  # concurrent JIT builds; each candidate's build step below then finds its cache
+  [ -f "$dir/cuda/qerl_nvfp4.h" ] || continue
+  name=$(basename "$dir")
+  ( cd "$dir" && PYTHONPATH="$PWD" TORCH_EXTENSIONS_DIR="/tmp/qerl-ext-$name" MAX_JOBS=4 \
+      timeout 300 python3 -c "from verl_qerl.kernels import load_extension as l; l()" > "/tmp/prebuild-$name.log" 2>&1 ) &
+done
+wait
 for dir in "$@"; do
   name=$(basename "$dir")
   [ -f "$dir/cuda/qerl_nvfp4.h" ] || { echo "candidates_check: $dir is not a staged repository copy" >&2; status=2; continue; }
@@ -26,7 +39,13 @@ for dir in "$@"; do
     step build 150 bash -c 'python3 -c "$QERL_BUILD_CHECK_PY" >> "$LOG" 2>&1' || exit 1
     step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
       >> '$LOG' 2>&1" || { tail -30 "$LOG"; exit 1; }
-    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin --variants splitk,streamk,wgmma_rs \
+    if [ "${CAND_SANITIZE:-}" = all ] || [[ ",${CAND_SANITIZE:-}," == *",$name,"* ]]; then
+      for tool in memcheck racecheck; do
+        step "sanitizer_$tool" 240 bash -c "'$SAN' --tool $tool --error-exitcode 9 python3 benchmarks/kernel.py \
+          --sanitize --sanitize-modes wgmma_rs --sanitize-max-nk 1500000 >> '$LOG' 2>&1" || { tail -20 "$LOG"; exit 1; }
+      done
+    fi
+    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin --variants "${CAND_VARIANTS:-splitk,streamk,wgmma_rs}" \
       --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
       --out "/tmp/qerl-cand-$name/kernel-$name.json" >> "$LOG" 2>&1 || exit 1
     cp "/tmp/qerl-cand-$name/kernel-$name.json" "$OUT/$name-kernel.json"  # its dispatch table is rebuilt from rows
