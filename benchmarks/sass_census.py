@@ -117,11 +117,15 @@ class Kernel:
         return sorted(out, key=lambda lp: (lp.size, lp.start))
 
     def main_loop(self) -> Loop | None:
-        """The innermost loop with tensor-core instructions (the k loop of a GEMM), else the largest loop."""
+        """The k loop of a GEMM: of the innermost loops with tensor-core instructions (no other such loop inside),
+        the one with the most of them (a short loop of a few MMAs beside it, e.g. a LoRA term's extra ranks, is not
+        the k loop); else the largest loop."""
         loops = self.loops()
         mma = [lp for lp in loops if any(lp.counts.get(c) for c in MMA_CLASSES)]
         if mma:
-            return mma[0]
+            innermost = [lp for lp in mma
+                         if not any(o is not lp and lp.start <= o.start and o.end <= lp.end for o in mma)]
+            return max(innermost, key=lambda lp: (sum(lp.counts.get(c, 0) for c in MMA_CLASSES), -lp.size))
         return loops[-1] if loops else None
 
     def producer_only(self, loop: Loop) -> int:

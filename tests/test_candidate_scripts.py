@@ -41,7 +41,8 @@ def test_stage_makes_complete_copies(staged):
     copy = dest / head
     for rel in ("cuda/qerl_nvfp4.h", "verl_qerl/kernels/__init__.py", "benchmarks/kernel.py",
                 "benchmarks/kernel_results.py", "benchmarks/results_format.py", "benchmarks/gpu/steps.sh",
-                "tests/test_kernels_gpu.py", "tests/conftest.py", "pytest.ini"):
+                "tests/test_kernels_gpu.py", "tests/test_lora_fused_gpu.py", "benchmarks/lora_gemm_bench.py",
+                "tests/conftest.py", "pytest.ini"):
         assert (copy / rel).is_file(), rel
     assert (copy / "cuda" / "nvfp4_gemm_wgmma.cu").read_bytes() == subprocess.run(
         ["git", "-C", str(REPO), "show", "HEAD:cuda/nvfp4_gemm_wgmma.cu"], capture_output=True).stdout
@@ -161,5 +162,6 @@ def test_kept_candidates_touch_only_what_staging_carries(patch):
 
     files = re.findall(r"^diff --git a/(\S+) b/", patch.read_text(), flags=re.M)
     assert files, f"{patch.name} has no file diffs"
-    allowed = re.compile(r"^(cuda/|verl_qerl/kernels/|benchmarks/kernel[a-z_]*\.py$|tests/test_[a-z_]*gpu\.py$)")
+    allowed = re.compile(r"^(cuda/|verl_qerl/kernels/|benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench)\.py$|"
+                         r"tests/test_[a-z_]*gpu\.py$)")
     assert [f for f in files if not allowed.match(f)] == [], f"{patch.name} touches files staging does not carry"

@@ -89,6 +89,21 @@ def test_main_loop_is_the_tensor_core_loop(sc, tmp_path):
     assert any(not lp.counts.get("HMMA") for lp in loops)  # the other loop exists and was passed over
 
 
+# a one-MMA loop before the two-MMA k loop: the main loop is the one with more tensor work, not the first found
+MMA_SIDE_LOOP = MMA_LOOP.replace("for (int i = 0; i < n; ++i) t = t * 3u + a[i];", """for (int i = 0; i < n; ++i) {
+    t = t * 3u + a[i];
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%4,%4}, "
+                 "{%0,%1,%2,%3};\\n" : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(t));
+  }""")
+
+
+def test_main_loop_is_the_loop_with_the_most_tensor_work(sc, tmp_path):
+    (kernel,) = sc.census(_write(tmp_path, "mma_side.cu", MMA_SIDE_LOOP))
+    hmma = sorted(lp.counts.get("HMMA", 0) for lp in kernel.loops())
+    assert 1 in hmma and 2 in hmma, hmma  # both loops compiled as written
+    assert kernel.main_loop().counts.get("HMMA") == 2
+
+
 def test_compare_tells_identical_from_changed(sc, tmp_path):
     base = sc.census(_write(tmp_path, "a.cu", FMA_LOOP))
     same = sc.census(_write(tmp_path, "b.cu", FMA_LOOP.replace("COMMENT", "another comment")))

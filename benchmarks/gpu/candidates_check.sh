@@ -9,7 +9,9 @@
 # All candidates are JIT-built first, concurrently (one ninja each; ~1 min in all instead of ~1 min each).
 # CAND_SANITIZE=all or a comma list of candidate names: for those, after the tests, compute-sanitizer memcheck and
 # racecheck over kernel.py --sanitize's wgmma_rs shapes (N x K <= 1.5M), before timing. CAND_VARIANTS: the timed
-# variants (default splitk,streamk,wgmma_rs).
+# variants (default splitk,streamk,wgmma_rs). CAND_TESTS: pytest arguments of a second test step (e.g.
+# tests/test_lora_fused_gpu.py), after the wgmma tests. CAND_LORA_MS: also time benchmarks/lora_gemm_bench.py
+# at these token counts (<name>-lora-gemm.json; a third file per candidate).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
@@ -39,6 +41,10 @@ for dir in "$@"; do
     step build 150 bash -c 'python3 -c "$QERL_BUILD_CHECK_PY" >> "$LOG" 2>&1' || exit 1
     step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
       >> '$LOG' 2>&1" || { tail -30 "$LOG"; exit 1; }
+    if [ -n "${CAND_TESTS:-}" ]; then
+      step more_tests 300 bash -c "python3 -m pytest -x -q -p no:cacheprovider $CAND_TESTS >> '$LOG' 2>&1" \
+        || { tail -30 "$LOG"; exit 1; }
+    fi
     if [ "${CAND_SANITIZE:-}" = all ] || [[ ",${CAND_SANITIZE:-}," == *",$name,"* ]]; then
       for tool in memcheck racecheck; do
         step "sanitizer_$tool" 240 bash -c "'$SAN' --tool $tool --error-exitcode 9 python3 benchmarks/kernel.py \
@@ -49,6 +55,11 @@ for dir in "$@"; do
       --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
       --out "/tmp/qerl-cand-$name/kernel-$name.json" >> "$LOG" 2>&1 || exit 1
     cp "/tmp/qerl-cand-$name/kernel-$name.json" "$OUT/$name-kernel.json"  # its dispatch table is rebuilt from rows
+    if [ -n "${CAND_LORA_MS:-}" ]; then  # the LoRA GEMM table (benchmarks/lora_gemm_bench.py) side by side too
+      step lora_timing 200 python3 benchmarks/lora_gemm_bench.py --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" \
+        --ms "$CAND_LORA_MS" --out "/tmp/qerl-cand-$name/lora" >> "$LOG" 2>&1 || exit 1
+      cp /tmp/qerl-cand-$name/lora/lora-gemm-*.json "$OUT/$name-lora-gemm.json"
+    fi
     exit $fail
   )
   rc=$?

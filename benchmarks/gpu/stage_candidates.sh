@@ -6,9 +6,9 @@
 # A FILE.patch argument stages HEAD with that patch applied (as a commit object made without touching the working
 # tree or the index; the folder is named after the patch): candidates kept on main as patches, because branches do
 # not outlive a session here.
-# Each folder holds what the kernel tests and kernel.py need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
-# benchmarks/results_format.py, benchmarks/gpu/, tests/test_kernels_gpu.py, tests/conftest.py, pytest.ini. It prints
-# the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then candidates_check.sh.
+# Each folder holds what the kernel tests and benchmarks need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
+# benchmarks/lora_*bench.py, benchmarks/results_format.py, benchmarks/gpu/, tests/test_*gpu.py, tests/conftest.py,
+# pytest.ini. It prints the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then candidates_check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "$#" -ge 1 ] || { echo "usage: bash benchmarks/gpu/stage_candidates.sh COMMIT [COMMIT ...]" >&2; exit 2; }
@@ -32,8 +32,9 @@ for rev in "$@"; do
     name=${sha:0:7}
   fi
   rm -rf "${DEST:?}/$name.tmp" && mkdir -p "$DEST/$name.tmp"
-  git archive "$sha" cuda verl_qerl pytest.ini tests/conftest.py tests/test_kernels_gpu.py benchmarks/gpu \
-    $(git ls-tree --name-only "$sha" benchmarks/ | grep -E '^benchmarks/(kernel[a-z_]*|results_format)\.py$') \
+  git archive "$sha" cuda verl_qerl pytest.ini tests/conftest.py benchmarks/gpu \
+    $(git ls-tree --name-only "$sha" tests/ | grep -E '^tests/test_[a-z_]*gpu\.py$') \
+    $(git ls-tree --name-only "$sha" benchmarks/ | grep -E '^benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench|results_format)\.py$') \
     | tar -x -C "$DEST/$name.tmp"
   rm -rf "${DEST:?}/$name" && mv "$DEST/$name.tmp" "$DEST/$name"  # no half-written folder under the final name
   names+=("$DEST/$name")
