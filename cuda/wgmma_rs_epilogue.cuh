@@ -45,7 +45,8 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 // acc * alpha + bias -> bf16 into `stage` (StagedStore's layout; every thread of the CTA calls this: it holds a
 // barrier), then out[m, n] for m < M, n < N in 16-byte pieces. Needs N % 8 == 0 and a 16-byte aligned `out` (the
 // caller checks; through the op both always hold: the layout takes N % 16 == 0 and the op allocates `out`, so the
-// scalar store behind the check is a guard for other callers). The same FP32 operations and rounding as the direct store: the same bits.
+// scalar store behind the check is a guard for other callers). The same FP32 operations and rounding as the direct
+// store: the same bits.
 template <int kBlocks, int kAcc, int kThreads>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kAcc], uint8_t* stage, int row0, int m0,
                                                   int M, int N, bool active, float alpha,
