@@ -8,10 +8,10 @@
 # results: rows, per-layer ratios, targets). CAND_MS, CAND_MODELS override the table's M list and models.
 # All candidates are JIT-built first, concurrently (one ninja each; ~1 min in all instead of ~1 min each).
 # CAND_SANITIZE=all or a comma list of candidate names: for those, after the tests, compute-sanitizer memcheck and
-# racecheck over kernel.py --sanitize's wgmma_rs shapes (N x K <= 1.5M), before timing. CAND_VARIANTS: the timed
-# variants (default splitk,streamk,wgmma_rs). CAND_TESTS: pytest arguments of a second test step (e.g.
-# tests/test_lora_fused_gpu.py), after the wgmma tests. CAND_LORA_MS: also time benchmarks/lora_gemm_bench.py
-# at these token counts (<name>-lora-gemm.json; a third file per candidate).
+# racecheck over kernel.py --sanitize's wgmma_rs shapes (N x K <= 1.5M; with QERL_WGMMA_CLUSTER=1 and =0), before
+# timing. CAND_VARIANTS: the timed variants (default splitk,streamk,wgmma_rs). CAND_TESTS: pytest arguments of a
+# second test step (e.g. tests/test_lora_fused_gpu.py), after the wgmma tests. CAND_LORA_MS: also time
+# benchmarks/lora_gemm_bench.py at these token counts (<name>-lora-gemm.json; a third file per candidate).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
@@ -47,8 +47,11 @@ for dir in "$@"; do
     fi
     if [ "${CAND_SANITIZE:-}" = all ] || [[ ",${CAND_SANITIZE:-}," == *",$name,"* ]]; then
       for tool in memcheck racecheck; do
-        step "sanitizer_$tool" 240 bash -c "'$SAN' --tool $tool --error-exitcode 9 python3 benchmarks/kernel.py \
-          --sanitize --sanitize-modes wgmma_rs --sanitize-max-nk 1500000 >> '$LOG' 2>&1" || { tail -20 "$LOG"; exit 1; }
+        for cl in 1 0; do  # the wgmma kernels' cluster split-K where it applies, then stream-K on the same shapes
+          step "sanitizer_${tool}_cluster$cl" 240 bash -c "QERL_WGMMA_CLUSTER=$cl '$SAN' --tool $tool --error-exitcode 9 \
+            python3 benchmarks/kernel.py --sanitize --sanitize-modes wgmma_rs --sanitize-max-nk 1500000 >> '$LOG' 2>&1" \
+            || { tail -20 "$LOG"; exit 1; }
+        done
       done
     fi
     step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin --variants "${CAND_VARIANTS:-splitk,streamk,wgmma_rs}" \
