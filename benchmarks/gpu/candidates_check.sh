@@ -24,7 +24,8 @@ for dir in "$@"; do  # concurrent JIT builds; each candidate's build step below 
   [ -f "$dir/cuda/qerl_nvfp4.h" ] || continue
   name=$(basename "$dir")
   ( cd "$dir" && PYTHONPATH="$PWD" TORCH_EXTENSIONS_DIR="/tmp/qerl-ext-$name" MAX_JOBS=4 \
-      timeout 300 python3 -c "from verl_qerl.kernels import load_extension as l; l()" > "/tmp/prebuild-$name.log" 2>&1 ) &
+      timeout 300 python3 -c "from verl_qerl.kernels import load_extension as l; l()" \
+      > "/tmp/prebuild-$name.log" 2>&1 ) &
 done
 wait
 for dir in "$@"; do
@@ -48,14 +49,16 @@ for dir in "$@"; do
     if [ "${CAND_SANITIZE:-}" = all ] || [[ ",${CAND_SANITIZE:-}," == *",$name,"* ]]; then
       for tool in memcheck racecheck; do
         for cl in 1 0; do  # the wgmma kernels' cluster split-K where it applies, then stream-K on the same shapes
-          step "sanitizer_${tool}_cluster$cl" 240 bash -c "QERL_WGMMA_CLUSTER=$cl '$SAN' --tool $tool --error-exitcode 9 \
-            python3 benchmarks/kernel.py --sanitize --sanitize-modes wgmma_rs --sanitize-max-nk 1500000 >> '$LOG' 2>&1" \
+          step "sanitizer_${tool}_cluster$cl" 240 bash -c "QERL_WGMMA_CLUSTER=$cl '$SAN' --tool $tool \
+            --error-exitcode 9 python3 benchmarks/kernel.py --sanitize --sanitize-modes wgmma_rs \
+            --sanitize-max-nk 1500000 >> '$LOG' 2>&1" \
             || { tail -20 "$LOG"; exit 1; }
         done
       done
     fi
-    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin --variants "${CAND_VARIANTS:-splitk,streamk,wgmma_rs}" \
-      --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
+    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin \
+      --variants "${CAND_VARIANTS:-splitk,streamk,wgmma_rs}" --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" \
+      --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
       --out "/tmp/qerl-cand-$name/kernel-$name.json" >> "$LOG" 2>&1 || exit 1
     cp "/tmp/qerl-cand-$name/kernel-$name.json" "$OUT/$name-kernel.json"  # its dispatch table is rebuilt from rows
     if [ -n "${CAND_LORA_MS:-}" ]; then  # the LoRA GEMM table (benchmarks/lora_gemm_bench.py) side by side too

@@ -8,7 +8,8 @@
 # not outlive a session here.
 # Each folder holds what the kernel tests and benchmarks need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
 # benchmarks/lora_*bench.py, benchmarks/results_format.py, benchmarks/gpu/, tests/test_*gpu.py, tests/conftest.py,
-# pytest.ini. It prints the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then candidates_check.sh.
+# pytest.ini. It prints the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then
+# candidates_check.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "$#" -ge 1 ] || { echo "usage: bash benchmarks/gpu/stage_candidates.sh COMMIT [COMMIT ...]" >&2; exit 2; }
@@ -34,7 +35,8 @@ for rev in "$@"; do
   rm -rf "${DEST:?}/$name.tmp" && mkdir -p "$DEST/$name.tmp"
   git archive "$sha" cuda verl_qerl pytest.ini tests/conftest.py benchmarks/gpu \
     $(git ls-tree --name-only "$sha" tests/ | grep -E '^tests/test_[a-z_]*gpu\.py$') \
-    $(git ls-tree --name-only "$sha" benchmarks/ | grep -E '^benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench|results_format)\.py$') \
+    $(git ls-tree --name-only "$sha" benchmarks/ \
+      | grep -E '^benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench|results_format)\.py$') \
     | tar -x -C "$DEST/$name.tmp"
   rm -rf "${DEST:?}/$name" && mv "$DEST/$name.tmp" "$DEST/$name"  # no half-written folder under the final name
   names+=("$DEST/$name")
