@@ -30,6 +30,7 @@
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include "cluster_splitk.cuh"
 #include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
@@ -115,8 +116,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[
     wgmma_m64n128k16_rs(d, a, desc);
 }
 
-// The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA kernel.
-template <int T, bool LORA>
+// The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA kernel. kCluster = false:
+// persistent stream-K (units_per_cta: the range length); true: one tile per thread-block cluster of s CTAs, CTA rank r
+// running stages [r units_per_cta, (r + 1) units_per_cta) of tile `cluster_id_x()`, the sums reduced on chip
+// (cluster_splitk::reduce_store; the LoRA term comes from rank 0, whose range starts the tile).
+template <int T, bool LORA, bool kCluster>
 __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4* __restrict__ qw,
                                            const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                            const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
@@ -162,8 +166,17 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
   int g0 = 0;  // stages this CTA ran before the current segment: slot of stage it = (g0 + it) % STAGES, and its
                // barrier's phase parity = ((g0 + it) / STAGES) % 2
 
-  for (int u = range.begin; u < range.end;) {
-    const streamk::Segment seg = range.segment_at(u);
+  const int u_end = kCluster ? 1 : range.end;
+  for (int u = kCluster ? 0 : range.begin; u < u_end;) {
+    streamk::Segment seg;
+    if constexpr (kCluster) {
+      // (read through shuffles so ptxas can prove them warp-uniform: the stage loop's bounds and slots, and the
+      // wgmma descriptors with them, stay in uniform registers)
+      const int kb0 = min(S, __shfl_sync(0xffffffffu, cluster_ctarank(), 0) * units_per_cta);
+      seg = {__shfl_sync(0xffffffffu, cluster_id_x(), 0), kb0, min(S, kb0 + units_per_cta)};
+    } else {
+      seg = range.segment_at(u);
+    }
     const int tile = seg.tile;
     const int kb = seg.kb;
     const int count = seg.count();
@@ -361,19 +374,26 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
       for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
     __syncthreads();  // every warp is done with the ring before the next segment refills it
 
-    // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-    static_assert(wgmma_rs::StagedStore<2, ACC, THREADS>::kBytes <= STAGES * C::STAGE_BYTES,
-                  "the staged store does not fit the ring");
-    wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
-                                                      ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
-                                                      smem);
-    __syncthreads();  // s_is_last is reused by the next segment
-    u = range.after(seg);
+    if constexpr (kCluster) {
+      static_assert(2 * ACC * THREADS * 4 <= STAGES * C::STAGE_BYTES, "the cluster sums do not fit the ring");
+      cluster_splitk::reduce_store<2, ACC, THREADS>(acc, smem, smem_base, ntile * C::TILE_ROWS, m0, M, N, gscale, bias,
+                                                    out);
+      u = 1;
+    } else {
+      // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+      static_assert(wgmma_rs::StagedStore<2, ACC, THREADS>::kBytes <= STAGES * C::STAGE_BYTES,
+                    "the staged store does not fit the ring");
+      wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
+                                                        ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
+                                                        smem);
+      __syncthreads();  // s_is_last is reused by the next segment
+      u = range.after(seg);
+    }
   }
 }
 #endif  // QERL_WGMMA_DEVICE
 
-template <int T>
+template <int T, bool kCluster>
 __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     nvfp4_gemm_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                             const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -381,7 +401,7 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
                             float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
                             int units_per_cta) {
 #ifdef QERL_WGMMA_DEVICE
-  wgmma_body<T, false>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, nullptr);
+  wgmma_body<T, false, kCluster>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (qerl_nvfp4_gemm_wgmma_ctas_per_sm = 0)
 #endif
@@ -389,7 +409,7 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
 
 // The same kernel with the LoRA term as each tile's starting accumulator (T = 64 only:
 // qerl_nvfp4_gemm_wgmma_lora_supported). A separate kernel so that the plain one's code stays as measured.
-template <int T>
+template <int T, bool kCluster>
 __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
     nvfp4_gemm_wgmma_lora_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -397,17 +417,51 @@ __global__ void __launch_bounds__(WgCfg<T>::THREADS, WgCfg<T>::CTAS_PER_SM)
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
                                  int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora) {
 #ifdef QERL_WGMMA_DEVICE
-  wgmma_body<T, true>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, &lora);
+  wgmma_body<T, true, kCluster>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, &lora);
 #else
   __trap();
 #endif
 }
 
+template <int T, bool kCluster = false>
+using WgLauncher = tma::Launcher<nvfp4_gemm_wgmma_kernel<T, kCluster>, T, WgCfg<T>::THREADS, WgCfg<T>::SMEM_BYTES,
+                                 WgCfg<T>::TILE_ROWS>;
+template <bool kCluster = false>
+using WgLoraLauncher = tma::Launcher<nvfp4_gemm_wgmma_lora_kernel<64, kCluster>, 64, WgCfg<64>::THREADS,
+                                     WgCfg<64>::SMEM_BYTES, WgCfg<64>::TILE_ROWS>;
+
+// The cluster split-K of the T-token kernel (`lora`: the LoRA kernel at T = 64 with that epilogue, normalized), where
+// cluster_splitk::split takes it: 1 and *e the launch's status; else 0 (run stream-K).
 template <int T>
-using WgLauncher =
-    tma::Launcher<nvfp4_gemm_wgmma_kernel<T>, T, WgCfg<T>::THREADS, WgCfg<T>::SMEM_BYTES, WgCfg<T>::TILE_ROWS>;
-using WgLoraLauncher = tma::Launcher<nvfp4_gemm_wgmma_lora_kernel<64>, 64, WgCfg<64>::THREADS, WgCfg<64>::SMEM_BYTES,
-                                     WgCfg<64>::TILE_ROWS>;
+int launch_if_cluster(const void* x, const void* qweight, const void* qscale, const float* gscale, const void* bias,
+                      void* out, int M, int N, int K, int grid, const QerlLoraEpilogue* lora, cudaStream_t stream,
+                      cudaError_t* e) {
+  if (T != 64 && lora != nullptr) return 0;  // (no LoRA kernel at T = 128)
+  const int tiles = WgLauncher<T>::tiles(M, N);
+  int per = 0;
+  const int s = lora != nullptr ? cluster_splitk::split<WgLoraLauncher<true>>(tiles, K, grid, &per)
+                                : cluster_splitk::split<WgLauncher<T, true>>(tiles, K, grid, &per);
+  if (s <= 0) return 0;
+  CUtensorMap x_map;
+  if ((*e = tma::encode_activations(&x_map, x, M, K, T)) != cudaSuccess) return 1;
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr;
+  cluster_splitk::config(&cfg, &attr, s, tiles, WgCfg<T>::THREADS, WgCfg<T>::SMEM_BYTES, stream);
+  const auto* w = static_cast<const uint4*>(qweight);
+  const auto* sc = static_cast<const uint4*>(qscale);
+  const auto* b = static_cast<const __nv_bfloat16*>(bias);
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  if constexpr (T == 64) {
+    if (lora != nullptr) {
+      *e = cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_lora_kernel<64, true>, x_map, w, sc, gscale, b, o,
+                              static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora);
+      return 1;
+    }
+  }
+  *e = cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_kernel<T, true>, x_map, w, sc, gscale, b, o,
+                          static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per);
+  return 1;
+}
 // Ranks (slices x rank) the LoRA epilogue stages: two k64 halves of the ring slot.
 constexpr int kWgLoraMaxRanks = 128;
 using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
@@ -423,6 +477,17 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* q
   if (block_t == 256)
     return qerl_nvfp4_gemm_wgmma_wide_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N,
                                              K, grid, stream);
+  if (block_t == 64 || block_t == 128) {
+    cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
+                                                     qerl::WgEntry::workspace_floats(M, N, K, grid, block_t));
+    if (e != cudaSuccess) return e;
+    const int clustered =
+        block_t == 64 ? qerl::launch_if_cluster<64>(x, qweight, qscale, global_scale, bias, out, M, N, K, grid, nullptr,
+                                                    stream, &e)
+                      : qerl::launch_if_cluster<128>(x, qweight, qscale, global_scale, bias, out, M, N, K, grid,
+                                                     nullptr, stream, &e);
+    if (clustered) return e;
+  }
   return qerl::WgEntry::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid, block_t,
                                stream);
 }
@@ -444,7 +509,7 @@ extern "C" int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const Qe
   QerlLoraEpilogue norm;
   return block_t == 64 && lora != nullptr && lora->lora_a == nullptr &&
                  qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm) &&
-                 qerl::WgLoraLauncher::prepare() == cudaSuccess
+                 qerl::WgLoraLauncher<>::prepare() == cudaSuccess
              ? 1
              : 0;
 }
@@ -458,6 +523,10 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const vo
   if (block_t != 64 || lora == nullptr || lora->lora_a != nullptr ||
       !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
     return cudaErrorInvalidValue;
-  return qerl::WgLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+  cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
+                                                   qerl::WgEntry::workspace_floats(M, N, K, grid, block_t));
+  if (e != cudaSuccess) return e;
+  if (qerl::launch_if_cluster<64>(x, qweight, qscale, global_scale, bias, out, M, N, K, grid, &norm, stream, &e)) return e;
+  return qerl::WgLoraLauncher<>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
                                       stream, false, norm);
 }

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "cluster_splitk.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
@@ -61,70 +62,9 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
 }
 #endif  // QERL_WGMMA_DEVICE
 
-constexpr int kClusterMax = 8;  // the portable cluster size limit (the cluster split-K's largest split)
-
-#ifdef QERL_WGMMA_DEVICE
-
-// The end of a tile split over a thread-block cluster (kCluster): every CTA of the cluster holds the partial sums of
-// its K range of the same tile in registers (layout of wgmma_rs::finish_tile: accumulator i of thread t is weight row
-// 64 (t / 128) + 16 ((t / 32) % 4) + (t % 32) / 4 + 8 ((i / 2) % 2) of the tile and token 8 (i / 4) + 2 (t % 4) +
-// i % 2). Each CTA writes them to its own shared memory (the ring, free by now) as red[i][t]; one cluster barrier;
-// then CTA rank r takes the r-th of s equal shares of the tile's 128 x 256 elements, sums each over the s CTAs in
-// rank order through distributed shared memory (the same order whichever CTA sums: deterministic), and stores it as
-// bf16 with the scale and bias; a second barrier keeps every CTA's shared memory alive until the others have read it.
-// The registers are free after the first write, so the sums need none of the accumulators' 128.
-__device__ __forceinline__ void cluster_reduce_store(const float (&acc)[1][WD_T / 2], uint8_t* smem,
-                                                     uint32_t smem_base, int row0, int m0, int M, int N,
-                                                     const float* gscale, const __nv_bfloat16* bias,
-                                                     __nv_bfloat16* out) {
-  constexpr int ACC = WD_T / 2;
-  constexpr int ELEMS = ACC * WD_THREADS;
-  const int tid = threadIdx.x;
-  const int s = cluster_nctarank();
-  const int rank = cluster_ctarank();
-  float* red = reinterpret_cast<float*>(smem);  // [ACC][WD_THREADS]: 128 KB, conflict-free per index
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) red[i * WD_THREADS + tid] = acc[0][i];
-  cluster_sync();
-  uint32_t src[kClusterMax];  // red of CTA r, as a shared::cluster address
-#pragma unroll
-  for (int r = 0; r < kClusterMax; ++r) src[r] = mapa_cluster(smem_base, r < s ? r : 0);
-  const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
-  const int hi = (rank + 1) * ELEMS / s;
-  // kBatch elements per thread at a time, all their loads issued before the first sum: the distributed shared
-  // memory's latency (hundreds of cycles) is paid once per batch, not once per element
-  constexpr int kBatch = 8;
-  for (int j0 = rank * ELEMS / s + tid; j0 < hi; j0 += kBatch * WD_THREADS) {
-    float v[kBatch][kClusterMax];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int j = min(j0 + b * WD_THREADS, hi - 1);  // past the share: a valid address, never stored
-#pragma unroll
-      for (int r = 0; r < kClusterMax; ++r) v[b][r] = r < s ? ld_shared_cluster_f32(src[r] + uint32_t(j) * 4u) : 0.0f;
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int j = j0 + b * WD_THREADS;
-      float sum = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kClusterMax; ++r)
-        if (r < s) sum += v[b][r];
-      const int i = j / WD_THREADS, t = j % WD_THREADS, lane = t & 31;
-      const int n = row0 + 64 * (t >> 7) + 16 * ((t >> 5) & 3) + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int m = m0 + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      if (j < hi && n < N && m < M) {
-        const float bv = bias != nullptr ? __bfloat162float(bias[n]) : 0.0f;
-        out[size_t(m) * N + n] = __float2bfloat16_rn(sum * alpha + bv);
-      }
-    }
-  }
-  cluster_sync();
-}
-#endif  // QERL_WGMMA_DEVICE
-
 // kCluster = false: persistent stream-K over all SMs (units_per_cta: the range length). kCluster = true: one tile per
 // cluster of s CTAs (launched with a cluster dimension), CTA rank r running stages [r * units_per_cta, (r + 1) *
-// units_per_cta) of it, the sums reduced on chip (cluster_reduce_store): no workspace, no counters.
+// units_per_cta) of it, the sums reduced on chip (cluster_splitk::reduce_store): no workspace, no counters.
 template <bool kCluster>
 __global__ void __launch_bounds__(WD_THREADS, 1)
     nvfp4_gemm_wgmma_wide_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
@@ -236,7 +176,9 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                       // every stage loaded was waited for)
 
     if constexpr (kCluster) {
-      cluster_reduce_store(acc, smem, smem_base, ntile * WD_ROWS, m0, M, N, gscale, bias, out);
+      static_assert(WD_ACC * WD_THREADS * 4 <= WD_SLOTS * WD_SLOT_BYTES, "the cluster sums do not fit the ring");
+      cluster_splitk::reduce_store<1, WD_ACC, WD_THREADS>(acc, smem, smem_base, ntile * WD_ROWS, m0, M, N, gscale,
+                                                          bias, out);
       u = 1;
     } else {
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
@@ -257,63 +199,6 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 using WideLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<false>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 using ClusterLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 
-// The cluster split-K is used where the tiles are few (at most half the CTAs) and each CTA's K range stays short
-// (the partials of such tiles cost as much as their main loop under stream-K: benchmarks/NOTES.md, "Where the narrow
-// GEMM's time goes at M = 256"); longer ranges keep stream-K, whose balance over all SMs then wins.
-constexpr int kClusterMaxStagesPerCta = 24;
-
-// The launch configuration of the cluster kernel: `tiles` clusters of s CTAs (*attr: the cluster dimension, owned
-// by the caller like *cfg).
-void cluster_config(cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr, int s, int tiles, cudaStream_t stream) {
-  *attr = {};
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = unsigned(s);
-  attr->val.clusterDim.y = 1;
-  attr->val.clusterDim.z = 1;
-  *cfg = {};
-  cfg->gridDim = dim3(unsigned(s * tiles));
-  cfg->blockDim = dim3(WD_THREADS);
-  cfg->dynamicSmemBytes = WD_SMEM_BYTES;
-  cfg->stream = stream;
-  cfg->attrs = attr;
-  cfg->numAttrs = 1;
-}
-
-// The cluster size s for this launch (0: stream-K); *stages_per_cta the K stages of each rank. QERL_WGMMA_CLUSTER=0
-// turns it off (timing stream-K on the same shapes).
-int cluster_split(int M, int N, int K, int grid, int* stages_per_cta) {
-  const char* env = std::getenv("QERL_WGMMA_CLUSTER");
-  if (env != nullptr && env[0] == '0') return 0;
-  const int tiles = WideLauncher::tiles(M, N);
-  const int S = K / QERL_GEMM_BK;
-  if (tiles <= 0 || S < 2) return 0;
-  int s = std::min(kClusterMax, std::min(grid / tiles, S));
-  if (s < 2) return 0;
-  const int per = (S + s - 1) / s;
-  if (per > kClusterMaxStagesPerCta) return 0;
-  s = (S + per - 1) / per;  // no rank without a stage
-  if (s < 2 || ClusterLauncher::prepare() != cudaSuccess) return 0;
-  // every cluster resident at once (one CTA per SM, s SMs of one GPC each); else stream-K
-  static int max_clusters[64][kClusterMax + 1] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  int* cached = dev >= 0 && dev < 64 ? &max_clusters[dev][s] : nullptr;
-  int n = cached != nullptr ? *cached : 0;
-  if (n == 0) {
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute attr;
-    cluster_config(&cfg, &attr, s, tiles, nullptr);
-    if (cudaOccupancyMaxActiveClusters(&n, nvfp4_gemm_wgmma_wide_kernel<true>, &cfg) != cudaSuccess || n <= 0) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    if (cached != nullptr) *cached = n;
-  }
-  if (tiles > n) return 0;
-  *stages_per_cta = per;
-  return s;
-}
-
 cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscale, const float* gscale,
                            const void* bias, void* out, int M, int N, int K, int s, int per, cudaStream_t stream) {
   CUtensorMap x_map;
@@ -321,7 +206,7 @@ cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscal
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr;
-  cluster_config(&cfg, &attr, s, WideLauncher::tiles(M, N), stream);
+  cluster_splitk::config(&cfg, &attr, s, WideLauncher::tiles(M, N), WD_THREADS, WD_SMEM_BYTES, stream);
   return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, static_cast<const uint4*>(qweight),
                             static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
                             static_cast<__nv_bfloat16*>(out), static_cast<float*>(nullptr), static_cast<int*>(nullptr),
@@ -337,8 +222,10 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const vo
                                                          float* workspace, int* counters, int M, int N, int K,
                                                          int grid, cudaStream_t stream) {
   int per = 0;
-  if (const int s = qerl::cluster_split(M, N, K, grid, &per); s > 0) {
-    // (cluster_split chose s only after ClusterLauncher::prepare() succeeded)
+  const int tiles = qerl::WideLauncher::tiles(M, N);
+  if (const int s = qerl::cluster_splitk::split<qerl::ClusterLauncher>(tiles, K, grid, &per, false);
+      s > 0) {
+    // (split chose s only after ClusterLauncher::prepare() succeeded)
     const cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
                                                            qerl::WideLauncher::workspace_floats(M, N, K, grid));
     if (e != cudaSuccess) return e;

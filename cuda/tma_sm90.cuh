@@ -111,10 +111,13 @@ using KernelFn = void (*)(const CUtensorMap, const uint4*, const uint4*, const f
 // tile (also the box's rows) and kTileRows weight rows per tile: the Launcher of streamk_schedule.cuh for a kernel
 // whose first argument is the activations' tensor map. kKernel takes KernelFn's arguments, then any `extra` ones
 // launch() is given (the decode kernel's LoRA epilogue).
-template <auto kKernel, int kBlockM_, int kThreads, int kSmemBytes, int kTileRows_>
+template <auto kKernel, int kBlockM_, int kThreads_, int kSmemBytes_, int kTileRows_>
 struct Launcher {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kRows = kTileRows_;
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kSmemBytes = kSmemBytes_;
+  static constexpr auto kernel() { return kKernel; }
   static constexpr int kMinUnitsPerCta = 1;  // plain stream-K (streamk::EntryPoints asks)
 
   // cudaErrorNotSupported where the kernel cannot run: not built for sm_90a, not an sm_90 device, too little shared

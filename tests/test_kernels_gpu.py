@@ -248,12 +248,17 @@ def wgmma_wide_min_m(m: int):  # noqa: ANN201
 WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 255, 256, 300, 1000, 4096)
 
 
-@pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128"])
+@pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128", "wgmma_rs_streamk"])
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
-def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
+def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Hopper wgmma kernels (modes wgmma_rs, wgmma_ss) at M from 1 to 4096 (every token tile: 64, 128 and the
     register-A kernel's 256 from M = 129, and ``wgmma_rs_t128``: that kernel held at 128-token tiles; tails in M;
-    whole and partial stream-K segments): float64 reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    whole and partial stream-K segments, and the register-A kernel's tiles split over thread-block clusters where its
+    tiles are few; ``wgmma_rs_streamk``: the same with the cluster split off, ``QERL_WGMMA_CLUSTER=0``): float64
+    reference, NaN-poisoned outputs, bias, bit-identical repeats."""
+    if variant == "wgmma_rs_streamk":
+        monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
+        variant = "wgmma_rs"
     narrow = variant == "wgmma_rs_t128"
     variant = "wgmma_rs" if narrow else variant
     _needs_wgmma(variant)
@@ -268,6 +273,35 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str) -> None:
             if m * n > 4096 * 4608 or (narrow and m < 129):
                 continue
             check_forced_mode(rw, gs, w, bias if m % 2 else None, torch.randn(m, k, device=DEV, generator=g), mode)
+
+
+@pytest.mark.parametrize("m", [64, 128])
+def test_wgmma_few_tiles_run_the_cluster_split(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 7B qkv-shaped GEMM at M = 64 / 128 (36 / 18 output tiles of the 64- / 128-token kernel) runs its cluster
+    split-K (one launch of the cluster instantiation), and with ``QERL_WGMMA_CLUSTER=0`` stream-K; same result within
+    the kernels' rounding (the sums are taken in another order: not bit-equal)."""
+    import re
+
+    from verl_qerl.testing.gpu import kernels_launched
+
+    _needs_wgmma()
+    n, k = 4608, 3584
+    packed, scale, gs = rand_nvfp4(n, k, seed=m)
+    rw = kernels.repack(packed, scale)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    t = 64 if m <= 64 else 128
+
+    def run() -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(Mode.WGMMA_RS))
+
+    names = kernels_launched(run)
+    assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_kernel<{t},\s*true>", names[0]), names
+    clustered = run()
+    monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
+    names = kernels_launched(run)
+    assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_kernel<{t},\s*false>", names[0]), names
+    ref = reference.linear_f64(x, packed, scale, gs, None)
+    assert rel(clustered, ref) <= TOL and rel(run(), ref) <= TOL
 
 
 def test_wgmma_wide_min_m_refuses_small_m() -> None:

@@ -144,6 +144,15 @@ def test_wgmma_lora_term_past_its_register_fragments(m: int) -> None:
     test_fused_op_matches_float64(m, 384, 1024, [0, 96, 384], 64, Mode.WGMMA_RS, 0)
 
 
+@pytest.mark.parametrize("m", [17, 64])
+def test_wgmma_lora_term_under_stream_k(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's small shapes split their few tiles over thread-block clusters (the term from rank 0); with the
+    cluster split off (``QERL_WGMMA_CLUSTER=0``) the 64-token LoRA kernel runs stream-K on a qkv-like shape: the term
+    from the segment that starts each tile, carried through the fix-up."""
+    monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
+    test_fused_op_matches_float64(m, 768, 2048, [0, 512, 640, 768], 32, Mode.WGMMA_RS, 0)
+
+
 def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
     """At decode M the op launches the split-K kernel only (no expand kernel); where auto picks another GEMM it is
     that GEMM's kernels plus ``_lora_expand_kernel`` (below ``CUBLAS_MIN_TOKENS``: tests/test_lora_expand_gpu.py
