@@ -76,8 +76,11 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
         bad += not ok
         print(f"sanitize M={m} N={n} K={k} mode={mode} splits={splits}: rel err {err:.2e} "
               f"dequant equal {torch.equal(w1, w2)}")
-    # the fused LoRA epilogues (split-K's; the decode kernel's in mode decode_tma): three slices, a masked token
-    for m, n, k, mode in [(5, 528, 896, "splitk"), (5, 528, 896, "decode_tma"), (16, 1136, 640, "decode_tma")]:
+    # the fused LoRA epilogues (split-K's; the decode kernel's in mode decode_tma; the register-A wgmma kernels' LoRA
+    # term at 64-token tiles and at 256: a tile split over a cluster, and stream-K's partial segments): three slices,
+    # a masked token
+    for m, n, k, mode in [(5, 528, 896, "splitk"), (5, 528, 896, "decode_tma"), (16, 1136, 640, "decode_tma"),
+                          (40, 528, 896, "wgmma_rs"), (300, 528, 896, "wgmma_rs"), (600, 4352, 256, "wgmma_rs")]:
         if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
             continue
         packed, scale, gs = random_nvfp4(n, k)

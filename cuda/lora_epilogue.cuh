@@ -200,4 +200,19 @@ inline bool lora_valid(const QerlLoraEpilogue& p, int N, int max_ranks, QerlLora
   return true;
 }
 
+// The register-A wgmma kernels' LoRA term stages its B operand (a token's shrink row piece of 8 ranks, `v`, times the
+// token's mask) at token row r, 16-byte chunk q of a k64 half (`half`) in the activations' 128-byte-swizzled K-major
+// layout. The mask is applied in bf16 (exact for 0 / 1 masks; a 0 mask stores exact zeros).
+__device__ __forceinline__ void stage_masked_shrink(uint8_t* half, int r, int q, uint4 v, float mask) {
+  if (mask == 0.0f) {
+    v = make_uint4(0u, 0u, 0u, 0u);
+  } else if (mask != 1.0f) {
+    __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      e[j] = __float22bfloat162_rn(make_float2(__low2float(e[j]) * mask, __high2float(e[j]) * mask));
+  }
+  *reinterpret_cast<uint4*>(half + r * 128 + ((q ^ (r & 7)) << 4)) = v;
+}
+
 }  // namespace qerl

@@ -313,17 +313,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
         for (int c = 0; c < kStageItems; ++c) {
           const int i = tid + c * THREADS;
           if (i >= halves * T * 8) continue;  // zeros where !lora_here
-          const int q = i & 7;
-          const int r = (i >> 3) % T;
-          if (mv[c] == 0.0f) {
-            v[c] = make_uint4(0u, 0u, 0u, 0u);
-          } else if (mv[c] != 1.0f) {
-            __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(&v[c]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              e[j] = __float22bfloat162_rn(make_float2(__low2float(e[j]) * mv[c], __high2float(e[j]) * mv[c]));
-          }
-          *reinterpret_cast<uint4*>(stage + (i / (8 * T)) * T * 128 + r * 128 + ((q ^ (r & 7)) << 4)) = v[c];
+          stage_masked_shrink(stage + (i / (8 * T)) * T * 128, (i >> 3) % T, i & 7, v[c], mv[c]);
         }
         fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
         __syncthreads();
@@ -342,6 +332,10 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 #pragma unroll
               for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
               wgmma_rs<T>(acc[h], f, k_desc(j));
+              // retired before the next step's loads write f's registers (a wgmma reads its A registers
+              // asynchronously: PTX ISA, wgmma.mma_async; cuda/nvfp4_gemm_wgmma_wide.cu's LoRA loop says more)
+              wgmma_commit();
+              wgmma_wait<0>();
             }
           }
           wgmma_commit();
@@ -507,11 +501,11 @@ extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
 
 extern "C" int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora) {
   QerlLoraEpilogue norm;
-  return block_t == 64 && lora != nullptr && lora->lora_a == nullptr &&
-                 qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm) &&
-                 qerl::WgLoraLauncher<>::prepare() == cudaSuccess
-             ? 1
-             : 0;
+  if ((block_t != 64 && block_t != 256) || lora == nullptr || lora->lora_a != nullptr ||
+      !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
+    return 0;
+  if (block_t == 256) return qerl_nvfp4_gemm_wgmma_wide_lora_available();
+  return qerl::WgLoraLauncher<>::prepare() == cudaSuccess ? 1 : 0;
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const void* qweight, const void* qscale,
@@ -520,9 +514,12 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const vo
                                                          int grid, int block_t, const QerlLoraEpilogue* lora,
                                                          cudaStream_t stream) {
   QerlLoraEpilogue norm;
-  if (block_t != 64 || lora == nullptr || lora->lora_a != nullptr ||
+  if ((block_t != 64 && block_t != 256) || lora == nullptr || lora->lora_a != nullptr ||
       !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
     return cudaErrorInvalidValue;
+  if (block_t == 256)
+    return qerl_nvfp4_gemm_wgmma_wide_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M,
+                                                  N, K, grid, &norm, stream);
   cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
                                                    qerl::WgEntry::workspace_floats(M, N, K, grid, block_t));
   if (e != cudaSuccess) return e;

@@ -24,6 +24,7 @@
 #include <cstdlib>
 
 #include "cluster_splitk.cuh"
+#include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 #include "streamk_schedule.cuh"
@@ -62,17 +63,120 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
 }
 #endif  // QERL_WGMMA_DEVICE
 
+#ifdef QERL_WGMMA_DEVICE
+// The LoRA term mask * (shrunk @ B^T) of a 128-row x 256-token tile as its starting accumulator (the wide LoRA
+// kernel; the 64-token kernel's design, cuda/nvfp4_gemm_wgmma.cu): the tile's tokens' shrink rows times their mask
+// (bf16; 0 / 1 masks are exact) staged in ring slot `slot` in the activations' swizzled layout (R = slices x rank
+// zero-padded to 64 / 128: one or two k64 halves), lora_b's rows of this warp as the register A operand (the k16
+// fragment of rows g, g + 8 and ranks 2t, 2t + 1, + 8; zero outside the row's slice), m64n256k16 wgmmas into acc,
+// then acc scaled by global_scale / 128 so that the store's 128 / global_scale gives the term back. `here`: this
+// segment starts the tile (kb == 0); elsewhere zeros are staged and the same wgmmas run (a branch around them would
+// make ptxas serialize every wgmma of the kernel: C7515). The caller has the slot free and refills it only after a
+// CTA barrier that follows this function (every wgmma here is retired on return).
+__device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const QerlLoraEpilogue& L, uint8_t* stage,
+                                                uint32_t stage_addr, bool here, int row0, int m0, int M, int N,
+                                                const float* gscale) {
+  // the thread's indices read here (volatile): ptxas would otherwise keep the kernel's copies live from its prologue
+  // across the main loop, which spills at 255 registers
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  const int lane = tid & 31;
+  const int wl = (tid >> 5) & 3;
+  const int wg = tid >> 7;
+  const int R = L.n_slices * L.rank;  // <= 128, a multiple of 8 (qerl_nvfp4_gemm_wgmma_lora_supported)
+  const int halves = (R + 63) >> 6;
+  const __nv_bfloat16* bb = static_cast<const __nv_bfloat16*>(L.lora_b);
+  const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
+  const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
+  // the staged B operand, one k64 half at a time (8 uint4 per thread each: 256 tokens x 8 pieces of 8 ranks)
+  constexpr int kItems = WD_T * 8 / WD_THREADS;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h >= halves) break;  // CTA-uniform, before any wgmma
+    uint4 v[kItems];
+    float mv[kItems];
+#pragma unroll
+    for (int c = 0; c < kItems; ++c) {  // every load first: one latency per half
+      const int i = tid + c * WD_THREADS;
+      const int m = m0 + (i >> 3);
+      const int k0 = h * 64 + (i & 7) * 8;
+      const bool ok = here && m < M && k0 < R;
+      mv[c] = ok ? __bfloat162float(mk[size_t(m) * L.mask_stride]) : 0.0f;
+      v[c] = ok ? *reinterpret_cast<const uint4*>(sh + size_t(m) * L.ld_shrunk + k0) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int c = 0; c < kItems; ++c) {
+      const int i = tid + c * WD_THREADS;
+      stage_masked_shrink(stage + h * WD_X_HALF_BYTES, i >> 3, i & 7, v[c], mv[c]);
+    }
+  }
+  fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
+  __syncthreads();
+  const int g = lane >> 2;
+  const int t2 = 2 * (lane & 3);
+  // this warpgroup's m64 block; its index read through a shuffle so ptxas can prove the k16 loop's bounds
+  // warp-uniform (else it serializes every wgmma of the kernel behind injected warpgroup arrivals: C7520)
+  const int n_first = row0 + 64 * __shfl_sync(0xffffffffu, wg, 0);
+  auto slice_of = [&](int n) { return (n >= L.slice_end[0]) + (n >= L.slice_end[1]); };
+  // register e of lora_b's A fragment for k16 step j (zero outside the row's slice, past N, or where the segment
+  // does not start the tile)
+  auto b_frag = [&](int j, int e) -> uint32_t {
+    const int n = n_first + 16 * wl + g + 8 * (e & 1);
+    const int k = 16 * j + t2 + 8 * (e >> 1);
+    const int sl = n < N ? slice_of(n) : 0;
+    return here && n < N && k >= sl * L.rank && k < (sl + 1) * L.rank
+               ? __ldg(reinterpret_cast<const uint32_t*>(bb + size_t(n) * L.ld_b + k))
+               : 0u;
+  };
+  // the block runs k16 steps [lo, hi) (past N: the last slice's, with zero fragments); kKPrefetch of them always,
+  // from registers (rank 32 in one slice: every step), the rest in a loop
+  constexpr int kKPrefetch = 2;
+  const int lo = slice_of(n_first) * L.rank / 16;
+  const int hi = ((slice_of(min(n_first + 63, N - 1)) + 1) * L.rank + 15) / 16;
+  uint32_t fb[kKPrefetch][4];
+#pragma unroll
+  for (int jj = 0; jj < kKPrefetch; ++jj)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fb[jj][e] = lo + jj < hi ? b_frag(lo + jj, e) : 0u;
+  auto k_desc = [&](int j) {
+    return kWgmmaDescSwizzle128 |
+           uint64_t(((stage_addr + (j >> 2) * WD_X_HALF_BYTES + (j & 3) * 32) >> 4) & 0x3FFF);
+  };
+  wgmma_fence();
+#pragma unroll
+  for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_m64n256k16_rs(acc, fb[jj], k_desc(min(lo + jj, hi - 1)));
+  for (int j = lo + kKPrefetch; j < hi; ++j) {  // ranks past the registers (rank > 32, or a slice boundary)
+    uint32_t f[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f[e] = b_frag(j, e);
+    wgmma_m64n256k16_rs(acc, f, k_desc(j));
+    // f is the same registers every step and a wgmma reads its A registers asynchronously: they may not be written
+    // before a wait_group has retired it (PTX ISA, wgmma.mma_async). Without this wait the next step's loads (and
+    // the zeros ptxas writes first) overwrite the fragment of a wgmma still queued behind the earlier ones, so that
+    // step's ranks are lost or multiplied by the wrong shrink columns. (A wait placed before the loads, or loading
+    // the next fragment first, makes ptxas serialize every wgmma of the kernel: C7513.)
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < WD_T / 2; ++i) reg_fence(acc[i]);
+  const float inv_alpha = __ldg(gscale) * (1.0f / 128.0f);
+#pragma unroll
+  for (int i = 0; i < WD_T / 2; ++i) acc[i] *= inv_alpha;
+}
+
 // kCluster = false: persistent stream-K over all SMs (units_per_cta: the range length). kCluster = true: one tile per
 // cluster of s CTAs (launched with a cluster dimension), CTA rank r running stages [r * units_per_cta, (r + 1) *
-// units_per_cta) of it, the sums reduced on chip (cluster_splitk::reduce_store): no workspace, no counters.
-template <bool kCluster>
-__global__ void __launch_bounds__(WD_THREADS, 1)
-    nvfp4_gemm_wgmma_wide_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
-                                 const uint4* __restrict__ qs, const float* __restrict__ gscale,
-                                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
-                                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                 int units_per_cta) {
-#ifdef QERL_WGMMA_DEVICE
+// units_per_cta) of it, the sums reduced on chip (cluster_splitk::reduce_store): no workspace, no counters. kLora: the
+// tile starts from its LoRA term (wide_lora_start; `lora` normalized by lora_valid), else `lora` is unused.
+template <bool kCluster, bool kLora>
+__device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const uint4* __restrict__ qw,
+                                          const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                          const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                          float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                          int units_per_cta, const QerlLoraEpilogue* lora) {
   constexpr int PF = WD_SLOTS - 1;  // stages in flight ahead of the one computed
   constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
   constexpr int WD_STAGE_W_VEC = WD_W_BYTES / 16;  // uint4 per tile-stage: 512
@@ -159,6 +263,12 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #pragma unroll
     for (int st = 0; st < PF; ++st)
       if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
+    if constexpr (kLora) {
+      // the slot the prologue left free (refilled only after the loop's first CTA barrier)
+      const int free_slot = (g0 + PF) % WD_SLOTS;
+      wide_lora_start(acc[0], *lora, smem + free_slot * WD_SLOT_BYTES, smem_base + free_slot * WD_SLOT_BYTES,
+                      kb == 0, ntile * WD_ROWS, m0, M, N, gscale);
+    }
     uint32_t a0[4][4], a1[4][4];
     for (int st = 0; st < count; ++st) {
       const int slot = (g0 + st) % WD_SLOTS;
@@ -191,26 +301,65 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
       u = range.after(seg);
     }
   }
+}
+#endif  // QERL_WGMMA_DEVICE
+
+template <bool kCluster>
+__global__ void __launch_bounds__(WD_THREADS, 1)
+    nvfp4_gemm_wgmma_wide_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
+                                 const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                 const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                 float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                 int units_per_cta) {
+#ifdef QERL_WGMMA_DEVICE
+  wide_body<kCluster, false>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
 #endif
 }
 
+// The same kernel with the LoRA term as each tile's starting accumulator: a separate kernel so that the plain one's
+// code stays as measured.
+template <bool kCluster>
+__global__ void __launch_bounds__(WD_THREADS, 1)
+    nvfp4_gemm_wgmma_wide_lora_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
+                                      const uint4* __restrict__ qs, const float* __restrict__ gscale,
+                                      const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
+                                      float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                      int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora) {
+#ifdef QERL_WGMMA_DEVICE
+  wide_body<kCluster, true>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, &lora);
+#else
+  __trap();
+#endif
+}
+
 using WideLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<false>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 using ClusterLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
+using WideLoraLauncher =
+    tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<false>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
+using ClusterLoraLauncher =
+    tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 
+// `lora` (normalized) launches the LoRA kernel, NULL the plain one.
 cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscale, const float* gscale,
-                           const void* bias, void* out, int M, int N, int K, int s, int per, cudaStream_t stream) {
+                           const void* bias, void* out, int M, int N, int K, int s, int per,
+                           const QerlLoraEpilogue* lora, cudaStream_t stream) {
   CUtensorMap x_map;
   cudaError_t e = tma::encode_activations(&x_map, x, M, K, WD_T);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr;
   cluster_splitk::config(&cfg, &attr, s, WideLauncher::tiles(M, N), WD_THREADS, WD_SMEM_BYTES, stream);
-  return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, static_cast<const uint4*>(qweight),
-                            static_cast<const uint4*>(qscale), gscale, static_cast<const __nv_bfloat16*>(bias),
-                            static_cast<__nv_bfloat16*>(out), static_cast<float*>(nullptr), static_cast<int*>(nullptr),
-                            M, N, K, per);
+  const auto* w = static_cast<const uint4*>(qweight);
+  const auto* sc = static_cast<const uint4*>(qscale);
+  const auto* b = static_cast<const __nv_bfloat16*>(bias);
+  auto* o = static_cast<__nv_bfloat16*>(out);
+  if (lora != nullptr)
+    return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_lora_kernel<true>, x_map, w, sc, gscale, b, o,
+                              static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora);
+  return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, w, sc, gscale, b, o,
+                            static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per);
 }
 
 }  // namespace
@@ -221,18 +370,38 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const vo
                                                          const float* global_scale, const void* bias, void* out,
                                                          float* workspace, int* counters, int M, int N, int K,
                                                          int grid, cudaStream_t stream) {
+  return qerl_nvfp4_gemm_wgmma_wide_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N,
+                                                K, grid, nullptr, stream);
+}
+
+extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                                              const float* global_scale, const void* bias, void* out,
+                                                              float* workspace, int* counters, int M, int N, int K,
+                                                              int grid, const QerlLoraEpilogue* lora,
+                                                              cudaStream_t stream) {
   int per = 0;
   const int tiles = qerl::WideLauncher::tiles(M, N);
-  if (const int s = qerl::cluster_splitk::split<qerl::ClusterLauncher>(tiles, K, grid, &per, false);
-      s > 0) {
-    // (split chose s only after ClusterLauncher::prepare() succeeded)
+  // the wide kernel tries only the largest cluster (split's smaller_clusters false: NOTES "Outcome of the cluster
+  // candidate")
+  const int s = lora != nullptr
+                    ? qerl::cluster_splitk::split<qerl::ClusterLoraLauncher>(tiles, K, grid, &per, false)
+                    : qerl::cluster_splitk::split<qerl::ClusterLauncher>(tiles, K, grid, &per, false);
+  if (s > 0) {
+    // (split chose s only after the cluster launcher's prepare() succeeded)
     const cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
                                                            qerl::WideLauncher::workspace_floats(M, N, K, grid));
     if (e != cudaSuccess) return e;
-    return qerl::launch_cluster(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, stream);
+    return qerl::launch_cluster(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, lora, stream);
   }
+  if (lora != nullptr)
+    return qerl::WideLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
+                                          grid, stream, false, *lora);
   return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
                                     stream);
+}
+
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_lora_available() {
+  return qerl::WideLoraLauncher::prepare() == cudaSuccess ? 1 : 0;
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid) {

@@ -137,15 +137,24 @@ cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight
                                               const float* global_scale, const void* bias, void* out,
                                               float* workspace, int* counters, int M, int N, int K, int grid,
                                               cudaStream_t stream);
+// The same with the LoRA term of `lora` (normalized by lora_valid, ranks <= 128, shrunk given) as each tile's starting
+// accumulator (the wide LoRA kernel); lora == NULL: exactly qerl_nvfp4_gemm_wgmma_wide_launch.
+cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, const void* qweight, const void* qscale,
+                                                   const float* global_scale, const void* bias, void* out,
+                                                   float* workspace, int* counters, int M, int N, int K, int grid,
+                                                   const QerlLoraEpilogue* lora, cudaStream_t stream);
+// 1 where the wide LoRA kernel can run (sm_90a build, sm_90 device), else 0.
+int qerl_nvfp4_gemm_wgmma_wide_lora_available();
 size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid);
 int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N);
 int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm();
 
-// The register-A wgmma kernel at 64-token tiles with the LoRA expand of QerlLoraEpilogue (shrunk given, lora_a NULL;
-// at most 128 slices x rank) in the same launch: the term is each tile's starting accumulator, a few wgmmas run by
-// the CTA whose stream-K segment starts the tile while its first stages' copies are in flight. The same output as the
-// plain launch plus mask * expand, with the shrink's rows multiplied by their mask in bf16 first (exact for 0 / 1
-// masks). Workspace and counters as qerl_nvfp4_gemm_wgmma_launch's at block_t 64.
+// The register-A wgmma kernel at 64-token tiles, and the wide one at 256 (block_t 64 / 256), with the LoRA expand of
+// QerlLoraEpilogue (shrunk given, lora_a NULL; at most 128 slices x rank) in the same launch: the term is each tile's
+// starting accumulator, a few wgmmas run by the CTA whose stream-K segment (or cluster rank 0) starts the tile while
+// its first stages' copies are in flight. The same output as the plain launch plus mask * expand, with the shrink's
+// rows multiplied by their mask in bf16 first (exact for 0 / 1 masks). Workspace and counters as
+// qerl_nvfp4_gemm_wgmma_launch's at the same block_t.
 int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora);
 cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,

@@ -360,7 +360,7 @@ int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
 
 // The fused GEMM the route picks (`decode_tma`: the copy-engine decode kernel first, where it runs). `lora`
 // (qerl::nvfp4_gemm_lora): a LoRA expand for the kernel's epilogue; *lora_done tells whether it ran there (only the
-// split-K and decode kernels have one, and only for what their *_lora_supported accept): when false the caller adds
+// split-K, decode and register-A wgmma kernels at 64 / 256 tokens have one, and only for what their *_lora_supported accept): when false the caller adds
 // the LoRA term itself. `pdl` (the ops' argument): the split-K and decode kernels go out as programmatic dependent
 // launches on sm_90+ devices (cuda/qerl_nvfp4.h says what the caller promises); the other kernels ignore it.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -886,8 +886,10 @@ bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
-  if (r.kernel && r.wgmma == Wgmma::kRegA && wgmma_grid(m, n, r.wgmma) > 0 && wgmma_block_t(m, r.wgmma) == 64)
-    return true;  // 17-64 tokens on the register-A wgmma kernel (ranks <= 128)
+  if (r.kernel && r.wgmma == Wgmma::kRegA && wgmma_grid(m, n, r.wgmma) > 0 &&
+      (wgmma_block_t(m, r.wgmma) == 64 || wgmma_block_t(m, r.wgmma) == 256))
+    return true;  // the register-A wgmma kernel's 64- and 256-token tiles (ranks <= 128): 17-64 tokens and the wide
+                  // kernel's M
   return splitk_lora_runs(m, n, k, r);
 }
 

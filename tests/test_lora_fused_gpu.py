@@ -34,9 +34,9 @@ SHAPES = [(512, 1024, [0, 512], 32), (1024, 1024, [0, 512, 1024], 32), (768, 204
 #: (mode, splits): auto dispatch; the split-K kernel with one split (every CTA runs the epilogue) and with 4 (the
 #: last CTA of each tile runs it, after the deterministic partial sum)
 MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0)]
-#: decode token counts (block_m 8 and 16), then 17, 64, 300: other block sizes, and the fallback where auto picks
-#: another kernel
-TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 300]
+#: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 256, 300: other block sizes (the register-A wgmma
+#: kernel's 64-, 128- and 256-token tiles), and the fallback where auto picks another kernel
+TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 129, 256, 300]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,10 +98,10 @@ def epilogue_runs(m: int, n: int, k: int, mode: int) -> bool:
     ext = kernels.extension()
     runs = bool(ext.lora_epilogue_runs(m, n, k, int(mode)))
     # the epilogue where the split-K kernel runs tiles of at most 8 tokens, the decode kernel, or the register-A wgmma
-    # kernel its 64-token tiles (17-64 tokens)
+    # kernel its 64- or 256-token tiles (17-64 tokens; from 129, the wide kernel's default threshold), not its 128
     choice = ext.gemm_choice(m, n, k, int(mode))
-    assert runs == ((choice == "splitk" and m <= 8) or choice == "decode_tma" or (choice == "wgmma_rs" and m <= 64)), (
-        m, n, k, mode, choice)
+    wgmma_tile = choice == "wgmma_rs" and (m <= 64 or m >= 129)
+    assert runs == ((choice == "splitk" and m <= 8) or choice == "decode_tma" or wgmma_tile), (m, n, k, mode, choice)
     return runs
 
 
@@ -136,11 +136,12 @@ def test_fused_op_matches_float64(m: int, n: int, k: int, bounds: list[int], ran
         assert torch.equal(got, before)  # the fallback is that pair, bit for bit
 
 
-@pytest.mark.parametrize("m", [5, 17, 64])
+@pytest.mark.parametrize("m", [5, 17, 64, 300])
 def test_wgmma_lora_term_past_its_register_fragments(m: int) -> None:
     """Rank 64 with a slice boundary inside an m64 block: the register-A wgmma kernel's LoRA term (the tile's starting
     accumulator) holds the first two k16 steps of each block's lora_b fragments in registers and loads the rest in
-    its loop (ranks 0-127 here), so both paths run against float64."""
+    its loop (ranks 0-127 here), so both paths run against float64 (M = 300: the wide kernel, its 6 tiles split over
+    clusters of 8 CTAs, the term added by rank 0)."""
     test_fused_op_matches_float64(m, 384, 1024, [0, 96, 384], 64, Mode.WGMMA_RS, 0)
 
 
@@ -153,6 +154,15 @@ def test_wgmma_lora_term_under_stream_k(m: int, monkeypatch: pytest.MonkeyPatch)
     test_fused_op_matches_float64(m, 768, 2048, [0, 512, 640, 768], 32, Mode.WGMMA_RS, 0)
 
 
+@pytest.mark.parametrize("m", [129, 300])
+def test_wide_lora_term_under_stream_k(m: int) -> None:
+    """A 7B qkv-shaped layer (three slices, 36 128-row tiles of 28 stages): at M = 129 the wide kernel splits each tile
+    over a cluster of 3 CTAs (the decode batches verl runs), at M = 300 its 72 tiles run stream-K (partial segments
+    start inside tiles): only the segment that starts a tile adds its LoRA term, the sum over the others' partials
+    (on chip or through the fix-up) carries it."""
+    test_fused_op_matches_float64(m, 4608, 3584, [0, 3584, 4096, 4608], 32, Mode.WGMMA_RS, 0)
+
+
 def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
     """At decode M the op launches the split-K kernel only (no expand kernel); where auto picks another GEMM it is
     that GEMM's kernels plus ``_lora_expand_kernel`` (below ``CUBLAS_MIN_TOKENS``: tests/test_lora_expand_gpu.py
@@ -160,7 +170,7 @@ def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
     n, k, bounds, rank = 768, 2048, [0, 512, 640, 768], 32
     packed, scale, gs = rand_nvfp4(n, k, seed=1)
     rw = kernels.repack(packed, scale)
-    for m in (1, 8, 64):
+    for m in (1, 8, 64, 300):
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
         shrunk, lora_b, mask = lora_operands(m, n, bounds, rank, seed=m)
         names = kernels_launched(lambda: fused(x, rw, gs, None, n, shrunk, lora_b, mask, bounds))  # noqa: B023
@@ -168,7 +178,8 @@ def test_decode_runs_one_kernel_and_the_fallback_two() -> None:
         expand = sum("_lora_expand_kernel" in nm for nm in names)
         if epilogue_runs(m, n, k, 0):
             assert len(names) == 1 and expand == 0, names
-            assert any(kn in names[0] for kn in ("nvfp4_gemm_splitk_kernel", "nvfp4_gemm_wgmma_lora_kernel")), names
+            assert any(kn in names[0] for kn in ("nvfp4_gemm_splitk_kernel", "nvfp4_gemm_wgmma_lora_kernel",
+                                                 "nvfp4_gemm_wgmma_wide_lora_kernel")), names
         else:
             assert expand == 1, names
 
@@ -239,3 +250,19 @@ def test_errors_name_the_operand() -> None:
         fused(x, rw, gs, None, n, shrunk, lora_b, mask, [0, 256, 500])
     with pytest.raises(RuntimeError, match="splits=2 .* needs mode 1"):
         fused(x, rw, gs, None, n, shrunk, lora_b, mask, bounds, Mode.AUTO, 2)
+
+
+@pytest.mark.parametrize("m,bounds,rank,cluster", [
+    (300, [0, 384], 48, "1"),      # one loop step past the register fragments, the last
+    (300, [0, 384], 64, "1"),      # two loop steps, R = 64 (one k64 half)
+    (300, [0, 96, 384], 32, "1"),  # the loop only from the slice boundary, R = 64
+    (300, [0, 96, 384], 64, "0"),  # the rank-64 two-slice case under stream-K instead of clusters
+    (256, [0, 96, 384], 64, "1"),
+    (64, [0, 96, 384], 64, "1"),   # the 64-token LoRA kernel's same loop
+])
+def test_wgmma_lora_loop_steps(m: int, bounds: list[int], rank: int, cluster: str, monkeypatch) -> None:  # noqa: ANN001
+    """The LoRA term's k16 loop past its register fragments, step by step: each wgmma of the loop reads the same
+    fragment registers, which the next step may only overwrite after a wait retired it (a missing wait lost whole
+    steps' ranks in the wide kernel: only rank > 32 or a slice boundary inside an m64 block reach the loop)."""
+    monkeypatch.setenv("QERL_WGMMA_CLUSTER", cluster)  # read at each launch
+    test_fused_op_matches_float64(m, 384, 1024, bounds, rank, Mode.WGMMA_RS, 0)
