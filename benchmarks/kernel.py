@@ -191,25 +191,42 @@ def bench_graph(fn, reps: int = 20) -> float | None:
     return t
 
 
-#: Rounds of :func:`interleaved_graph_ms`: each method's replays are spread over this many rounds.
-ROUNDS = 4
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` methods, one per round, in which every method comes right after every other one equally often
+    (a Williams design: n rounds for even n, 2n for odd n; within rounds, not across their boundaries).
+
+    Why: a kernel timed right after a compute-bound one (BF16 cuBLAS above all) runs at the clock the power limit
+    left. Rotations of one order (the rounds' first design) keep every method's predecessor fixed, so the auto
+    dispatch's column, listed after BF16, read up to 16 % slower than the very same kernel forced a few columns later
+    (benchmarks/NOTES.md, "The `ours` column reads slower than the same kernel's forced column")."""
+    if n <= 0:
+        return []
+    if n == 1:
+        return [[0]]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def interleaved_graph_ms(graphs: dict, reps: int, rounds: int = ROUNDS) -> dict[str, float | None]:
-    """Median ms per call of each graph, its ``reps`` replays spread over ``rounds`` round-robin rounds (the
-    starting method rotating), so that every method sees the same mix of clock states.
-
-    Why: timed one after the other, a method that runs right after a compute-bound one runs at the clock the
-    power limit left (H200: the wgmma kernel at M >= 256 timed right after BF16 cuBLAS read 8-25 % slower than the
-    same kernel timed a few methods later; benchmarks/NOTES.md, "Kernel timings in rounds").
+def interleaved_graph_ms(graphs: dict, reps: int) -> dict[str, float | None]:
+    """Median ms per call of each graph, its ``reps`` replays spread over the rounds of :func:`balanced_orders`, so
+    that every method sees the same mix of clock states: each one is timed after each other method equally often
+    (NOTES "Kernel timings in rounds": timed one after the other, the wgmma kernel at M >= 256 right after BF16
+    cuBLAS read 8-25 % slower than the same kernel timed a few methods later). A graph that is None reads None.
     """
     keys = [k for k, g in graphs.items() if g is not None]
     times: dict[str, list[float]] = {k: [] for k in keys}
-    per_round = max(1, -(-reps // rounds))
-    for rnd in range(rounds):
-        order = keys[rnd % len(keys):] + keys[:rnd % len(keys)] if keys else []
-        for k in order:
-            times[k] += replay_ms(graphs[k], per_round)
+    orders = balanced_orders(len(keys))
+    per_round = max(1, -(-reps // max(1, len(orders))))
+    for order in orders:
+        for i in order:
+            times[keys[i]] += replay_ms(graphs[keys[i]], per_round)
     return {k: (statistics.median(times[k]) if k in times else None) for k in graphs}
 
 

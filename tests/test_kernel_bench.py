@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import collections
 import types
 from pathlib import Path
 
@@ -489,23 +490,46 @@ def test_run_header_has_what_every_results_json_needs(kb, monkeypatch):
     assert h["env"].get("QERL_LORA_SHRINK") == "cublas" and "NOT_QERL_X" not in h["env"]
 
 
-def test_interleaved_graph_ms_spreads_every_method_over_rounds(kb, monkeypatch):
-    """Each method's replays run in every round, the round's first method rotates, and a method whose graph
-    could not be captured reads None. A method timed only after a slow neighbour would fail the order check."""
+@pytest.mark.parametrize("n", range(1, 11))
+def test_balanced_orders_put_every_method_after_every_other_equally(kb, n):
+    """Every round is a permutation, and within rounds each ordered pair (a right before b) occurs equally often:
+    once for even n, twice for odd n. The rotations used before fail this (each method always after the same one)."""
+    orders = kb.balanced_orders(n)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    pairs = collections.Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    want = 1 if n % 2 == 0 else 2
+    assert pairs == {(a, b): want for a in range(n) for b in range(n) if a != b}
+
+
+def test_balanced_orders_reject_what_rotations_do(kb):
+    """The check above fails on rotations of one order (the old design): the oracle is not vacuous."""
+    n = 4
+    rotations = [[(x + i) % n for x in range(n)] for i in range(n)]
+    pairs = collections.Counter((a, b) for o in rotations for a, b in zip(o, o[1:]))
+    assert pairs != {(a, b): 1 for a in range(n) for b in range(n) if a != b}
+    assert kb.balanced_orders(n) != rotations
+
+
+def test_interleaved_graph_ms_times_every_method_after_every_other(kb, monkeypatch):
+    """Each method's replays run in every round, each method follows each other one in some round (in particular
+    `ours` is not always timed right after `bf16`), and a method whose graph could not be captured reads None."""
     calls: list[tuple[str, int]] = []
-    speed = {"bf16": 1.0, "ours": 2.0, "kernel_x": 3.0}
+    speed = {"bf16": 1.0, "ours": 2.0, "kernel_x": 3.0, "kernel_y": 4.0}
 
     def fake_replay(g, reps):
         calls.append((g, reps))
         return [speed[g]] * reps
 
     monkeypatch.setattr(kb, "replay_ms", fake_replay)
-    out = kb.interleaved_graph_ms({"bf16": "bf16", "ours": "ours", "none": None, "kernel_x": "kernel_x"},
-                                  reps=10, rounds=4)
-    assert out == {"bf16": 1.0, "ours": 2.0, "none": None, "kernel_x": 3.0}
-    assert [g for g, _ in calls] == ["bf16", "ours", "kernel_x", "ours", "kernel_x", "bf16",
-                                     "kernel_x", "bf16", "ours", "bf16", "ours", "kernel_x"]
+    out = kb.interleaved_graph_ms({"bf16": "bf16", "ours": "ours", "none": None, "kernel_x": "kernel_x",
+                                   "kernel_y": "kernel_y"}, reps=10)
+    assert out == {"bf16": 1.0, "ours": 2.0, "none": None, "kernel_x": 3.0, "kernel_y": 4.0}
+    assert len(calls) == 16 and collections.Counter(g for g, _ in calls) == {k: 4 for k in speed}
     assert {r for _, r in calls} == {3}  # ceil(10 / 4) replays per round, so >= reps in all
+    rounds = [[g for g, _ in calls[i:i + 4]] for i in range(0, 16, 4)]
+    after_bf16 = [r[r.index("bf16") + 1] for r in rounds if r.index("bf16") < 3]
+    assert sorted(after_bf16) == ["kernel_x", "kernel_y", "ours"]
 
 
 def test_profile_shape_filter_names_what_matched_nothing(kb_diag):
