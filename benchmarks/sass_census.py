@@ -108,7 +108,7 @@ class Kernel:
         for ins in self.instructions:
             if ins.op_class not in ("BRA", "JMP") or ins.predicate.startswith("@!PT"):
                 continue
-            target = _branch_target(ins.operands)
+            target = branch_target(ins.operands)
             if target is None or target > ins.offset:
                 continue
             body = [by_offset[o] for o in range(target, ins.offset + 16, 16) if o in by_offset]
@@ -141,7 +141,7 @@ class Kernel:
         inside = [i for i in self.instructions if loop.start <= i.offset <= loop.end]
         regions = []
         for ins in inside:
-            target = _branch_target(ins.operands) if ins.op_class == "BRA" and ins.predicate else None
+            target = branch_target(ins.operands) if ins.op_class == "BRA" and ins.predicate else None
             if target is not None and ins.offset < target <= loop.end + 16:
                 regions.append((ins.offset, target))
         skipped: set[int] = set()
@@ -157,7 +157,7 @@ class Kernel:
         return skipped
 
 
-def _branch_target(operands: str) -> int | None:
+def branch_target(operands: str) -> int | None:
     """The absolute target of a direct branch (nvdisasm's JSON gives it as the operand's hex offset)."""
     m = re.search(r"0x[0-9a-fA-F]+", operands.split(",")[-1])
     return int(m.group(0), 16) if m else None

@@ -22,10 +22,11 @@
 //    benchmarks/NOTES.md.)
 //  * Ring: STAGES slots of (weights 8 KB and scales 1 KB per 128-row tile, activations T x 256 B), all copied by
 //    the copy engine (bulk copies and TMA issued by thread 0 on the slot's mbarrier),
-//    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage is
-//    decoded (wait_group 1 at the end of a stage); the slot refilled at iteration i was read at i - 2, whose
-//    wgmmas every warpgroup has waited for before the barrier of iteration i. The slot's mbarrier completing makes
-//    the copies visible to the decode's loads and to the wgmmas alike; no proxy fence is needed.
+//    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage's first
+//    half is decoded (wait_group 1 after each half's commit retires the half before it); the slot refilled at
+//    iteration i was read at i - 2, whose wgmmas every warpgroup has waited for before the barrier of iteration
+//    i. The slot's mbarrier completing makes the copies visible to the decode's loads and to the wgmmas alike; no
+//    proxy fence is needed.
 //  * Persistent stream-K as cuda/nvfp4_gemm_streamk.cu: the (m tile, n tile, k stage) units are cut into equal
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
@@ -236,8 +237,12 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 #pragma unroll
           for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
         wgmma_commit();
+        // retires the half before this one (at t = 0 the previous stage's second half) before the next decode
+        // writes A registers: a wgmma reads them until retired (PTX ISA, wgmma.mma_async), and the stage loop
+        // reuses the same registers every stage (one wait per stage left the second half's in flight through the
+        // next stage's second decode)
+        wgmma_wait<1>();
       }
-      wgmma_wait<1>();
     };
 
     // ---- the segment's stages [kb, ke)
