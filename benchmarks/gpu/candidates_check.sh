@@ -12,6 +12,7 @@
 # timing. CAND_VARIANTS: the timed variants (default splitk,streamk,wgmma_rs). CAND_TESTS: pytest arguments of a
 # second test step (e.g. tests/test_lora_fused_gpu.py), after the wgmma tests. CAND_LORA_MS: also time
 # benchmarks/lora_gemm_bench.py at these token counts (<name>-lora-gemm.json; a third file per candidate).
+# CAND_PDL=1: the table with kernel.py --pdl (`ours` as programmatic dependent launches, `ours_nopdl` beside it).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
@@ -56,7 +57,7 @@ for dir in "$@"; do
         done
       done
     fi
-    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin \
+    step timing 240 python3 benchmarks/kernel.py --no-tune --no-marlin ${CAND_PDL:+--pdl} \
       --variants "${CAND_VARIANTS:-splitk,streamk,wgmma_rs}" --models "${CAND_MODELS:-qwen2.5-7b,qwen2.5-32b}" \
       --ms "${CAND_MS:-1,16,64,128,256,512,1024}" \
       --out "/tmp/qerl-cand-$name/kernel-$name.json" >> "$LOG" 2>&1 || exit 1
