@@ -26,7 +26,7 @@ QERL_GEMM_MODE(StreamK, 5, "streamk", "the stream-K kernel at every M where it a
 QERL_GEMM_MODE(AutoSplitK, 6, "auto_splitk", "by M as auto without a table, the fused kernel split-K only")
 QERL_GEMM_MODE(WgmmaRS, 7, "wgmma_rs", "the register-A Hopper wgmma kernel at every M where it runs (sm_90a build, sm_90 device), as streamk elsewhere")
 QERL_GEMM_MODE(WgmmaSS, 8, "wgmma_ss", "as wgmma_rs with the shared-memory-operand wgmma kernel (experimental, never picked by auto)")
-QERL_GEMM_MODE(DecodeTma, 9, "decode_tma", "the copy-engine decode kernel at M <= 16 where it runs (sm_90a build, sm_90 device; no LoRA epilogue: split-K there), as streamk elsewhere")
+QERL_GEMM_MODE(DecodeTma, 9, "decode_tma", "the copy-engine decode kernel at M <= 16 where it runs (sm_90a build, sm_90 device; with the LoRA expand in its epilogue), as streamk elsewhere")
 
 QERL_GEMM_KERNEL_DEF(SplitK, 0, "splitk", "split-K mma.sync kernel (cuda/nvfp4_gemm.cu): decode and small M")
 QERL_GEMM_KERNEL_DEF(StreamK, 1, "streamk", "stream-K mma.sync kernel (cuda/nvfp4_gemm_streamk.cu): 256-row tiles, M >= 17")
