@@ -37,3 +37,20 @@ def tiny_nvfp4(tiny_bf16, tmp_path_factory):
     dst = tmp_path_factory.mktemp("tiny") / "nvfp4"
     quantize_checkpoint(tiny_bf16, dst)
     return dst
+
+
+@pytest.fixture(scope="module")
+def sass_census():
+    """benchmarks/sass_census.py as a module, where nvcc and nvdisasm exist (the CI machine has both; else skip)."""
+    import shutil
+
+    from verl_qerl.testing.scripts import load_script
+
+    mod = load_script("benchmarks/sass_census.py", "sass_census")
+    if not shutil.which("nvcc"):
+        pytest.skip("nvcc not installed")
+    try:
+        mod.find_nvdisasm()
+    except mod.CensusError as exc:
+        pytest.skip(str(exc))
+    return mod

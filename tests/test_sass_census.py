@@ -4,27 +4,17 @@ find those loops, their counts, the register report and, against a second build,
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from verl_qerl.testing.scripts import load_script
-
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def sc():
-    mod = load_script("benchmarks/sass_census.py", "sass_census")
-    if not shutil.which("nvcc"):
-        pytest.skip("nvcc not installed")
-    try:
-        mod.find_nvdisasm()
-    except mod.CensusError as exc:
-        pytest.skip(str(exc))
-    return mod
+def sc(sass_census):
+    return sass_census
 
 
 # four independent FMA chains in a loop that must not unroll: exactly four FFMA per iteration

@@ -6,7 +6,6 @@ finish before the write lands (benchmarks/NOTES.md, "Fourteenth round")."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def sh():
-    census = load_script("benchmarks/sass_census.py", "sass_census")
-    if not shutil.which("nvcc"):
-        pytest.skip("nvcc not installed")
-    try:
-        census.find_nvdisasm()
-    except census.CensusError as exc:
-        pytest.skip(str(exc))
+def sh(sass_census):  # skips where nvcc / nvdisasm are missing
     return load_script("benchmarks/sass_hazards.py", "sass_hazards")
 
 
