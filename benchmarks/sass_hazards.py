@@ -102,6 +102,8 @@ def _width(opcode: str) -> int:
         return 2
     if segs[0] == "CS2R" and "32" not in segs:
         return 2
+    if segs[0] == "HMMA":  # mma.sync m16n8k16: 4 FP32 (or 2 packed FP16) accumulators
+        return 4 if "F32" in segs else 2
     return 1
 
 
