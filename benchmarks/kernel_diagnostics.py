@@ -78,20 +78,35 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
               f"dequant equal {torch.equal(w1, w2)}")
     # the fused LoRA epilogues (split-K's; the decode kernel's in mode decode_tma; the register-A wgmma kernels' LoRA
     # term at 64-token tiles and at 256: a tile split over a cluster, and stream-K's partial segments): three slices,
-    # a masked token
-    for m, n, k, mode in [(5, 528, 896, "splitk"), (5, 528, 896, "decode_tma"), (16, 1136, 640, "decode_tma"),
-                          (40, 528, 896, "wgmma_rs"), (300, 528, 896, "wgmma_rs"), (600, 4352, 256, "wgmma_rs")]:
+    # a masked token. Then (op `linear`, qerl::nvfp4_lora_linear) the shrink in the GEMM's launch: split-K's shrink
+    # CTAs, the decode kernel's shrink units at block_m 8 and 16 (48 ranks: two 32-rank columns, the second half
+    # zero-filled), with tiles split over CTAs (stream-K partials ahead of the shrink's) and with one K stage (none).
+    for m, n, k, mode, op in [(5, 528, 896, "splitk", "gemm_lora"), (5, 528, 896, "decode_tma", "gemm_lora"),
+                              (16, 1136, 640, "decode_tma", "gemm_lora"), (40, 528, 896, "wgmma_rs", "gemm_lora"),
+                              (300, 528, 896, "wgmma_rs", "gemm_lora"), (600, 4352, 256, "wgmma_rs", "gemm_lora"),
+                              (5, 528, 896, "splitk", "linear"), (5, 528, 896, "decode_tma", "linear"),
+                              (16, 1136, 640, "decode_tma", "linear"), (3, 528, 128, "decode_tma", "linear")]:
         if (modes is not None and mode not in modes) or (max_nk is not None and n * k > max_nk):
             continue
         packed, scale, gs = random_nvfp4(n, k)
         rw = kernels.repack(packed, scale)
         r, bounds = 16, [0, 256, 384, n]
         x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-        shrunk = torch.randn(m, 3 * r, device=DEV).to(torch.bfloat16)
+        if op == "linear":
+            lora_a = (torch.randn(3 * r, k, device=DEV) / k**0.5).to(torch.bfloat16)
+            shrunk = (x.double() @ lora_a.double().T).to(torch.bfloat16)  # the reference's shrink
+        else:
+            shrunk = torch.randn(m, 3 * r, device=DEV).to(torch.bfloat16)
         lora_b = (torch.randn(n, 3 * r, device=DEV) * 0.05).to(torch.bfloat16)
         mask = (torch.arange(m, device=DEV) != 1).to(torch.bfloat16)
-        out = torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
-                                             kernels.GEMM_MODES[mode], 0)
+        mode_id = kernels.GEMM_MODES[mode]
+        if op == "linear":
+            out = torch.ops.qerl.nvfp4_lora_linear(x, rw.qweight, rw.qscale, gs, None, n, lora_a, lora_b, mask, bounds,
+                                                   mode_id, 0)
+            op += f" (shrink in launch {bool(kernels.extension().lora_shrink_in_launch_runs(m, n, k, mode_id, 3 * r))})"
+        else:
+            out = torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
+                                                 mode_id, 0)
         ref = reference.linear_f64(x, packed, scale, gs, None).clone()
         for i in range(3):
             c = slice(bounds[i], bounds[i + 1])
@@ -99,7 +114,7 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
                                                    @ lora_b[c, i * r:(i + 1) * r].double().T)
         err = float((out.double() - ref).norm() / ref.norm())
         bad += not err < 1e-2
-        print(f"sanitize LoRA M={m} N={n} K={k} mode={mode}: rel err {err:.2e}")
+        print(f"sanitize LoRA M={m} N={n} K={k} mode={mode} {op}: rel err {err:.2e}")
     torch.cuda.synchronize()
     print("SANITIZE", "OK" if bad == 0 else f"{bad} FAILED")
     return 1 if bad else 0

@@ -9,11 +9,12 @@ token counts, each method is captured ``ROT`` times into one CUDA graph (weights
 * ``shrink``: ``qerl::lora_shrink`` alone;
 * ``pair``: shrink, then ``nvfp4_gemm_lora`` (the fast path's two ops), as launched without PDL;
 * ``pair_pdl``: the same with ``pdl=True`` (the GEMM may launch as the shrink's programs exit);
-* ``linear`` / ``linear_pdl``: ``qerl::nvfp4_lora_linear``, the whole LoRA layer as one op (where the split-K kernel
-  runs, one launch: the shrink's CTAs in the GEMM's grid), without / with PDL: what the fast path runs;
+* ``linear`` / ``linear_pdl``: ``qerl::nvfp4_lora_linear``, the whole LoRA layer as one op (where the split-K or the
+  ``decode_tma`` kernel runs, one launch: the shrink's units in the GEMM's grid), without / with PDL: what the fast
+  path runs;
 * ``linear_splitk_pdl``: the same op forced onto the split-K kernel (mode ``splitk``), so for the GEMMs the table
-  routes to ``decode_tma`` (whose LoRA path keeps the separate shrink) the row says what the in-launch shrink there
-  would give: the data a LoRA-aware route would be calibrated from.
+  routes to ``decode_tma`` the row says what split-K's in-launch shrink would give there: the data a LoRA-aware route
+  would be calibrated from.
 
 Per layer (sum of the four GEMMs) it prints the epilogue's cost (gemm_lora - gemm), the pair's and the one op's cost
 over the base with and without PDL (the shrink does not signal: the GEMM may launch as its programs exit). Writes
@@ -126,7 +127,7 @@ def measure(name: str, n: int, k: int, m: int, cfg: dict, iters: int) -> dict:
     ext = kernels.extension()
     rec = {"layer": name, "N": n, "K": k, "M": m, "slices": s, "rank": RANK,
            "gemm_runs": ext.gemm_choice(m, n, k, 0), "lora_epilogue": bool(ext.lora_epilogue_runs(m, n, k, 0)),
-           "shrink_in_launch": bool(ext.lora_shrink_in_launch_runs(m, n, k, 0))}
+           "shrink_in_launch": bool(ext.lora_shrink_in_launch_runs(m, n, k, 0, s * RANK))}
     for key, ms in interleaved_graph_ms(graphs, reps=iters).items():
         rec[f"{key}_us"] = round(ms * 1e3, 3) if ms is not None else None
     return rec

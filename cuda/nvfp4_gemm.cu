@@ -29,6 +29,7 @@
 //    CTA dispatch (as stream-K fix-ups do): a tile's last CTA has seen its last split's CTA start, whose block index
 //    is above every shrink CTA of its m-tile, and shrink CTAs wait on nothing.
 #include "lora_epilogue.cuh"
+#include "lora_shrink_in_launch.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
@@ -61,33 +62,6 @@ struct Cfg {
   static constexpr int MAX_LORA_RANKS = (SMEM_BYTES - S_OFFSET) / (BM * 2) / 8 * 8;
   static_assert(MAX_LORA_RANKS >= 96, "the drained ring must hold the LoRA tile and shrunk rows of rank 32 x 3");
 };
-
-enum LoraMode { kNoLora = 0, kLoraShrunk = 1, kLoraShrinkInLaunch = 2 };
-
-// The in-launch shrink's workspace and counters (kLoraShrinkInLaunch), after the split-K partials and the tiles'
-// counters: per m-tile, `splits x cols` FP32 partials of BM x 32 (row t at t * 32), the bf16 sum [BM, ranks], and
-// three counters (shrink CTAs arrived, sum ready, tiles done with it). cols: CTA columns, ceil(ranks / 32); ranks:
-// n_slices * rank.
-struct ShrinkPlan {
-  __host__ __device__ static int cols_for(const QerlLoraEpilogue& p) {
-    return (p.n_slices * p.rank + QERL_LORA_SHRINK_RANKS_PER_CTA - 1) / QERL_LORA_SHRINK_RANKS_PER_CTA;
-  }
-  __host__ __device__ static size_t partial_floats(int bm, int cols, int splits) {
-    return size_t(splits) * cols * bm * QERL_LORA_SHRINK_RANKS_PER_CTA;
-  }
-  __host__ __device__ static size_t sum_floats(int bm, int ranks) { return (size_t(bm) * ranks / 2 + 3) / 4 * 4; }
-  __host__ __device__ static size_t floats(int bm, int cols, int ranks, int splits, int m_tiles) {
-    return size_t(m_tiles) * (partial_floats(bm, cols, splits) + sum_floats(bm, ranks));
-  }
-};
-
-// ld.acquire.gpu of a flag another CTA of this launch sets with a release: spin until it is non-zero.
-__device__ __forceinline__ void wait_flag_acquire(const int* flag) {
-  int v;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-  } while (v == 0);
-}
 
 // The split-K kernel's activation stage: BM rows x BK bf16 of x (rows >= M zero-filled) into a ring slot at byte
 // offset W_STAGE_BYTES + S_STAGE_BYTES, rows padded to XROW_BYTES; GEMM and in-launch shrink CTAs load it alike.
@@ -194,24 +168,9 @@ __device__ __forceinline__ void shrink_cta(const __nv_bfloat16* __restrict__ x, 
   };
   run_cp_async_ring_after_prior<C::STAGES>(s_count, load_a, load_x, compute);
 
-  // The four k quarters of each 16-rank half, in quarter order: red[warp][mt][c][lane] -> part[t][rank].
-  float* red = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) red[((warp * MT + mt) * 4 + c) * 32 + lane] = acc[mt][c];
-  __syncthreads();
-  float* part = part_base + (size_t(split) * cols + col) * (BM * RPC);
-  for (int e = tid; e < BM * RPC; e += THREADS) {
-    const int t = e / RPC, rho = e % RPC;
-    const int hh = rho >> 4, r_in = rho & 15, mt = t >> 3;
-    const int c = ((r_in >> 3) << 1) | (t & 1);
-    const int ln = ((r_in & 7) << 2) | ((t & 7) >> 1);
-    float v = 0.0f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) v += red[(((hh + 2 * q) * MT + mt) * 4 + c) * 32 + ln];
-    part[e] = v;
-  }
+  // The four k quarters of each 16-rank half, in quarter order, into this unit's partial.
+  store_shrink_partial<BM, THREADS>(acc, reinterpret_cast<float*>(smem), part_base, size_t(split) * cols + col, tid,
+                                    [] { __syncthreads(); });
   // Publish; the last shrink CTA of the m-tile acquires every partial and sums them.
   if (!arrive_last(arrived, 0, splits * cols, tid, s_flag)) return;
   const int rows = min(BM, M - m0);
@@ -258,7 +217,8 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   const int s_count = q + (split < rem ? 1 : 0);
   const int nb0 = ntile * (BN / 16);
   const int m0 = mtile * BM;
-  // The in-launch shrink's buffers for this m-tile (ShrinkPlan).
+  // The in-launch shrink's buffers for this m-tile (ShrinkPlan) and its three counters after the tiles' own: shrink
+  // CTAs arrived, sum ready, tiles done with it.
   [[maybe_unused]] float* sh_part = nullptr;
   [[maybe_unused]] __nv_bfloat16* sh_sum = nullptr;
   [[maybe_unused]] int* sh_counters = nullptr;
@@ -407,15 +367,7 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
       lora_tile<BM, BN, true>(reinterpret_cast<float*>(smem + C::LT_OFFSET), s_sm, ep, nb0 * 16, m0, M, N, rt, &b_pre);
     // The last tile of the m-tile to get here has every tile's reads of the sum behind it: it zeroes the counters
     // for the next launch.
-    if (tid == 0) {
-      int prev;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(sh_counters + 2) : "memory");
-      if (prev == n_tiles - 1) {
-        sh_counters[0] = 0;
-        sh_counters[1] = 0;
-        sh_counters[2] = 0;
-      }
-    }
+    if (tid == 0) shrink_sum_read(sh_counters, n_tiles);
     __syncthreads();
   }
   if (kh != 0) return;

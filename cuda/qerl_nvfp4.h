@@ -41,10 +41,11 @@ size_t qerl_nvfp4_gemm_workspace_floats(int M, int N, int splits, int block_m);
 // slices' B on a block diagonal (row n holds its slice's rank values at columns s(n) * rank ..); only those blocks
 // are read. All bf16, rows 16-byte aligned (rank and the leading dimensions multiples of 8).
 //
-// With lora_a set (split-K kernel only, qerl_nvfp4_gemm_lora_launch), the launch computes the shrink itself and
-// `shrunk` is not read: extra CTAs ahead of the GEMM's (the lowest block indices of each split, one per 32 ranks of
-// A_cat) write FP32 partial shrinks of their K range to the workspace; each tile's last CTA waits for them, sums them
-// in split order and rounds the sum to bf16 (the value a separate shrink kernel would have stored) before the expand.
+// With lora_a set (the split-K launch, qerl_nvfp4_gemm_lora_launch, and the decode launch below), the launch computes
+// the shrink itself and `shrunk` is not read (cuda/lora_shrink_in_launch.cuh): split-K runs extra CTAs ahead of the
+// GEMM's (the lowest block indices of each split, one per 32 ranks of A_cat) that write FP32 partial shrinks of their
+// K range to the workspace, and the last of them sums them in split order and rounds the sum to bf16 (the value a
+// separate shrink kernel would have stored); each tile's last CTA waits for that sum before the expand.
 typedef struct {
   const void* shrunk;  // bf16 [M, ld_shrunk]: x @ A_cat^T, slice s at columns s * rank .. + rank
   const void* lora_b;  // bf16 [N, ld_b]
@@ -183,10 +184,28 @@ cudaError_t qerl_nvfp4_gemm_decode_tma_launch(const void* x, const void* qweight
                                               float* workspace, int* counters, int M, int N, int K, int grid,
                                               int block_m, const QerlLoraEpilogue* lora, int pdl,
                                               cudaStream_t stream);
+// With lora->lora_a set the launch computes the shrink too (qerl::nvfp4_lora_linear; the linear kernel): the
+// lowest-indexed CTAs each compute one unit (32 ranks x one 128-K stage) first, the last unit of each 32-rank column
+// sums the column's stage partials in a fixed order and rounds to bf16, and every tile's storing CTA waits for all
+// columns before its expand. Then M <= block_m, at most qerl_nvfp4_gemm_decode_tma_shrink_fits's units, `workspace`
+// holds qerl_nvfp4_gemm_decode_tma_lora_workspace_floats(...) floats and `counters`
+// qerl_nvfp4_gemm_decode_tma_lora_counters(...) ints (zero on entry, left zero), `grid` is SMs x
+// qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, 2) (the flag wait needs the grid resident at once), and `pdl`'s
+// promise covers lora_a (each unit's A rows are copied before the wait).
 int qerl_nvfp4_gemm_decode_tma_lora_supported(int N, int block_m, const QerlLoraEpilogue* lora);
 size_t qerl_nvfp4_gemm_decode_tma_workspace_floats(int M, int N, int K, int grid, int block_m);
 int qerl_nvfp4_gemm_decode_tma_tiles(int M, int N, int block_m);
-int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m, int lora);  // lora: 1 for the LoRA-epilogue kernel
+int qerl_nvfp4_gemm_decode_tma_ctas_per_sm(int block_m, int lora);  // lora: 1 LoRA epilogue, 2 with the shrink too
+// 1 where the launch takes an in-launch shrink of `ranks` (= n_slices x rank) columns for this shape and grid: 1 <= M
+// <= block_m, ranks <= 128, and no more shrink units (ceil(ranks / 32) x K / 128) than the launch's CTAs.
+int qerl_nvfp4_gemm_decode_tma_shrink_fits(int M, int N, int K, int grid, int block_m, int ranks);
+// 1 where the launch takes `lora` with lora_a set: the operands (as qerl_nvfp4_gemm_lora_supported's, ld_a >= K) and
+// qerl_nvfp4_gemm_decode_tma_shrink_fits.
+int qerl_nvfp4_gemm_decode_tma_shrink_supported(int M, int N, int K, int grid, int block_m,
+                                               const QerlLoraEpilogue* lora);
+size_t qerl_nvfp4_gemm_decode_tma_lora_workspace_floats(int M, int N, int K, int grid, int block_m,
+                                                        const QerlLoraEpilogue* lora);
+int qerl_nvfp4_gemm_decode_tma_lora_counters(int M, int N, int block_m, const QerlLoraEpilogue* lora);
 
 // Dense [N, K] in `out_dtype` from the compressed-tensors layout (K % 16 == 0).
 cudaError_t qerl_nvfp4_dequant_launch(const uint8_t* packed, const uint8_t* scale,

@@ -345,14 +345,15 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
 }
 
-// The copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu) for M <= 16, plain or with the LoRA epilogue: the
-// CTAs it requests on the current device (SMs x resident CTAs per SM), or 0 where it does not run (M > 16, not an
-// sm_90a build or sm_90 device, more tiles than counters).
-int64_t decode_tma_grid(int64_t m, int64_t n, bool lora = false) {
+// The copy-engine decode kernel (cuda/nvfp4_gemm_decode_tma.cu) for M <= 16, plain (lora 0), with the LoRA epilogue
+// (1) or with the LoRA shrink in its launch too (2, the linear kernel): the CTAs it requests on the current device
+// (SMs x resident CTAs per SM), or 0 where it does not run (M > 16, not an sm_90a build or sm_90 device, more tiles
+// than counters).
+int64_t decode_tma_grid(int64_t m, int64_t n, int lora = 0) {
   if (m > 16) return 0;
   const int block_m = pick_block_m(m);
-  const int per_sm = cached_ctas_per_sm<4>((block_m == 16 ? 2 : 0) + (lora ? 1 : 0), [&] {
-    return qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora ? 1 : 0);
+  const int per_sm = cached_ctas_per_sm<6>((block_m == 16 ? 3 : 0) + lora, [&] {
+    return qerl_nvfp4_gemm_decode_tma_ctas_per_sm(block_m, lora);
   });
   if (per_sm <= 0 || qerl_nvfp4_gemm_decode_tma_tiles(int(m), int(n), block_m) > kCounterCap) return 0;
   return int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * per_sm;
@@ -387,20 +388,30 @@ at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const 
                 x.device());
     bptr = b.data_ptr();
   }
-  // (its own name: the split-K path below declares with_lora in this scope)
+  // (its own name: the split-K path below declares with_lora in this scope). With lora_a (qerl::nvfp4_lora_linear,
+  // which routed here after decode_shrink_runs) the decode kernel's launch computes the shrink too.
+  const bool decode_shrink = decode_tma && lora != nullptr && lora->lora_a != nullptr;
   const bool decode_lora =
-      decode_tma && lora != nullptr && qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora);
-  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_lora) : 0; grid > 0) {
+      decode_tma && lora != nullptr &&
+      (decode_shrink || qerl_nvfp4_gemm_decode_tma_lora_supported(int(n), pick_block_m(m), lora));
+  if (const int64_t grid = decode_tma ? decode_tma_grid(m, n, decode_shrink ? 2 : (decode_lora ? 1 : 0)) : 0;
+      grid > 0) {
     const int block_m = pick_block_m(m);
-    const size_t wsf = qerl_nvfp4_gemm_decode_tma_workspace_floats(int(m), int(n), int(k), int(grid), block_m);
+    const QerlLoraEpilogue* ep = decode_lora ? lora : nullptr;
+    QCHECK(!decode_shrink || qerl_nvfp4_gemm_decode_tma_lora_counters(int(m), int(n), block_m, ep) <= kCounterCap,
+           "qerl::nvfp4_lora_linear: the decode kernel's in-launch shrink needs more counters than the ", kCounterCap,
+           " held");
+    const size_t wsf =
+        qerl_nvfp4_gemm_decode_tma_lora_workspace_floats(int(m), int(n), int(k), int(grid), block_m, ep);
     at::Tensor dws;
     if (wsf > 0) dws = at::empty({int64_t(wsf)}, x.options().dtype(at::kFloat));
     check_cuda(qerl_nvfp4_gemm_decode_tma_launch(x.data_ptr(), qw.data_ptr(), qs.data_ptr(), gs.data_ptr<float>(),
                                                  bptr, out.data_ptr(), wsf > 0 ? dws.data_ptr<float>() : nullptr,
                                                  counters_for(x.device()), int(m), int(n), int(k), int(grid), block_m,
-                                                 decode_lora ? lora : nullptr, pdl_launch,
-                                                 at::cuda::getCurrentCUDAStream()),
-               decode_lora ? "nvfp4_gemm_lora (decode TMA) launch" : "nvfp4_gemm (decode TMA) launch");
+                                                 ep, pdl_launch, at::cuda::getCurrentCUDAStream()),
+               decode_shrink ? "nvfp4_lora_linear (decode TMA) launch"
+               : decode_lora ? "nvfp4_gemm_lora (decode TMA) launch"
+                             : "nvfp4_gemm (decode TMA) launch");
     if (lora_done != nullptr) *lora_done = decode_lora;
     return out;
   }
@@ -838,12 +849,27 @@ bool splitk_lora_runs(int64_t m, int64_t n, int64_t k, const Route& r) {
          streamk_launch_grid(m, n, k, r.policy) == 0 && pick_block_m(m) <= QERL_LORA_EPILOGUE_MAX_BLOCK_M;
 }
 
+// Whether the route runs the copy-engine decode kernel, and its launch takes an in-launch shrink of `ranks` columns
+// (one m-tile, no more shrink units than its CTAs, counters to spare; cuda/nvfp4_gemm_decode_tma.cu).
+bool decode_shrink_fits(int64_t m, int64_t n, int64_t k, const Route& r, int64_t ranks) {
+  if (!r.kernel || !r.decode_tma || ranks <= 0 || ranks > 128) return false;
+  const int64_t grid = decode_tma_grid(m, n, 2);
+  if (grid <= 0 || decode_tma_grid(m, n) <= 0) return false;  // (the route's own rule: the plain kernel runs)
+  const int block_m = pick_block_m(m);
+  const int64_t counters = qerl_nvfp4_gemm_decode_tma_tiles(int(m), int(n), block_m) + 3 + (ranks + 31) / 32;
+  return counters <= kCounterCap &&
+         qerl_nvfp4_gemm_decode_tma_shrink_fits(int(m), int(n), int(k), int(grid), block_m, int(ranks)) != 0;
+}
+
 // ---- qerl::nvfp4_lora_linear: a whole LoRA linear layer, x @ W^T + bias + mask * expand(x @ lora_a^T, lora_b)
 //
-// Where the split-K kernel runs (decode M), one launch: the shrink's CTAs ride in the GEMM's grid and the expand is in
-// its epilogue (cuda/nvfp4_gemm.cu); the shrink's FP32 sum is rounded to bf16 before the expand, as the separate
-// shrink kernel stores it. Elsewhere (other kernels, larger M, operands the kernel does not take): qerl::lora_shrink
-// (registered from Python, verl_qerl/kernels/lora_shrink.py), then qerl::nvfp4_gemm_lora's path.
+// Where the split-K kernel runs (decode M), or the copy-engine decode kernel (M <= 16 where the route runs it), one
+// launch: the shrink's units ride in the GEMM's grid and the expand is in its epilogue (cuda/nvfp4_gemm.cu,
+// cuda/nvfp4_gemm_decode_tma.cu, cuda/lora_shrink_in_launch.cuh); the shrink's FP32 sum is rounded to bf16 before the
+// expand, as the separate shrink kernel stores it. Elsewhere (other kernels, larger M, operands the kernels do not
+// take): qerl::lora_shrink (registered from Python, verl_qerl/kernels/lora_shrink.py), then qerl::nvfp4_gemm_lora's
+// path; QERL_LORA_FUSED_EXPAND=expand makes vLLM's fast path take that pair everywhere (verl_qerl/vllm/
+// lora_fast_path.py).
 bool in_launch_shrink_runs(const at::Tensor& x, int64_t n, const at::Tensor& lora_a, const at::Tensor& lora_b,
                            const at::Tensor& mask, int64_t rank, at::IntArrayRef slice_bounds, const Route& r,
                            QerlLoraEpilogue* ep) {
@@ -852,6 +878,17 @@ bool in_launch_shrink_runs(const at::Tensor& x, int64_t n, const at::Tensor& lor
   const int block_m = pick_block_m(x.size(0));
   return qerl_nvfp4_gemm_lora_supported(int(n), block_m, ep) != 0 &&
          qerl_nvfp4_gemm_lora_counters(int(x.size(0)), int(n), block_m, ep) <= kCounterCap;
+}
+
+// The same for the decode kernel's linear launch.
+bool decode_shrink_runs(const at::Tensor& x, int64_t n, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                        const at::Tensor& mask, int64_t rank, at::IntArrayRef slice_bounds, const Route& r,
+                        QerlLoraEpilogue* ep) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (!decode_shrink_fits(m, n, k, r, int64_t(slice_bounds.size() - 1) * rank)) return false;
+  if (!lora_epilogue_for(lora_a, lora_b, mask, rank, slice_bounds, ep, true)) return false;
+  return qerl_nvfp4_gemm_decode_tma_shrink_supported(int(m), int(n), int(k), int(decode_tma_grid(m, n, 2)),
+                                                     pick_block_m(m), ep) != 0;
 }
 
 at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -869,15 +906,22 @@ at::Tensor lora_linear_cuda(const at::Tensor& x, const at::Tensor& qw, const at:
     QCHECK(done, "qerl::nvfp4_lora_linear: the split-K kernel did not take the in-launch shrink it was routed to");
     return out;
   }
+  if (x.size(0) > 0 && decode_shrink_runs(x, n, lora_a, lora_b, mask, rank, slice_bounds, r, &ep)) {
+    bool done = false;
+    at::Tensor out = gemm_kernel_cuda(x, qw, qs, gs, bias, n, splits, r.policy, r.wgmma, &ep, &done, true, pdl);
+    QCHECK(done, "qerl::nvfp4_lora_linear: the decode kernel did not take the in-launch shrink it was routed to");
+    return out;
+  }
   return gemm_lora_cuda(x, qw, qs, gs, bias, n, lora_shrink_op(x, lora_a), lora_b, mask, slice_bounds, mode_value,
                         splits, pdl);
 }
 
-// Whether qerl::nvfp4_lora_linear runs the shrink inside the GEMM's launch for these sizes (with operands that fit
-// it); tests and benchmarks ask (no launch).
-bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
+// Whether qerl::nvfp4_lora_linear runs the shrink inside the GEMM's launch for these sizes and `ranks` shrunk columns
+// (n_slices x rank; with operands that fit it): the split-K kernel's, or the decode kernel's; tests and benchmarks
+// ask (no launch).
+bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode, int64_t ranks) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_shrink_in_launch_runs"));
-  return splitk_lora_runs(m, n, k, r);
+  return splitk_lora_runs(m, n, k, r) || decode_shrink_fits(m, n, k, r, ranks);
 }
 
 // Whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue (the split-K kernel's, or the decode
@@ -943,7 +987,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_epilogue_runs", &lora_epilogue_runs,
         "whether qerl::nvfp4_gemm_lora adds the LoRA term in a GEMM's epilogue for (M, N, K, mode)");
   m.def("lora_shrink_in_launch_runs", &lora_shrink_in_launch_runs,
-        "whether qerl::nvfp4_lora_linear runs the LoRA shrink inside the split-K GEMM's launch for (M, N, K, mode)");
+        "whether qerl::nvfp4_lora_linear runs the LoRA shrink inside the GEMM's launch (split-K or decode_tma) for "
+        "(M, N, K, mode, ranks = n_slices x rank)",
+        pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("mode"), pybind11::arg("ranks") = 32);
   m.def("gemm_modes", &gemm_modes, "the op's modes as (name, value) pairs (cuda/gemm_modes.h)");
   m.def("streamk_grid", &streamk_grid,
         "CTAs the stream-K kernel requests for (M, N) on the current device (0: split-K runs instead)");

@@ -88,13 +88,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-// x [M, K] bf16 (row stride K, 16-byte aligned) as a map of {kBoxK x box_rows} boxes with the 128-byte swizzle.
-inline cudaError_t encode_activations(CUtensorMap* map, const void* x, int M, int K, int box_rows) {
+// x [M, K] bf16 (row stride ld elements, K when 0; 16-byte aligned) as a map of {kBoxK x box_rows} boxes with the
+// 128-byte swizzle (rows past M read as zeros). Also the decode kernel's LoRA A_cat [ranks, K] (row stride ld_a).
+inline cudaError_t encode_activations(CUtensorMap* map, const void* x, int M, int K, int box_rows, int ld = 0) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || (size_t(K) * 2) % 16 != 0) return cudaErrorInvalidValue;
+  if (ld == 0) ld = K;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || (size_t(ld) * 2) % 16 != 0 || ld < K) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {cuuint64_t(K), cuuint64_t(M)};
-  const cuuint64_t strides[1] = {cuuint64_t(K) * 2};
+  const cuuint64_t strides[1] = {cuuint64_t(ld) * 2};
   const cuuint32_t box[2] = {cuuint32_t(kBoxK), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box,

@@ -174,10 +174,11 @@ LORA_EPILOGUE_MAX_TOKENS = 8
 def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
     """On CUDA a fast-path qerl layer is one op, ``qerl::nvfp4_lora_linear``, and where the split-K kernel runs (decode
     token counts) one kernel in all, base GEMM included: the split-K GEMM with the shrink's CTAs in its grid and the
-    expand in its epilogue (no ``_lora_shrink_kernel``, no expand kernel). Where the dispatch runs another
-    GEMM the op runs the shrink (Triton up to ``TRITON_MAX_TOKENS``, cuBLAS above) and, for GEMMs without a LoRA
-    epilogue, ``_lora_expand_kernel`` after it (below ``CUBLAS_MIN_TOKENS``; from there on cuBLAS called from C++).
-    Printed: the kernels, and what vLLM's path launches for the LoRA term."""
+    expand in its epilogue (no ``_lora_shrink_kernel``, no expand kernel); likewise the copy-engine decode kernel's
+    linear kernel where the dispatch runs ``decode_tma`` and the shrink's units fit its grid. Where the dispatch runs
+    another GEMM the op runs the shrink (Triton up to ``TRITON_MAX_TOKENS``, cuBLAS above) and, for GEMMs without a
+    LoRA epilogue, ``_lora_expand_kernel`` after it (below ``CUBLAS_MIN_TOKENS``; from there on cuBLAS called from
+    C++). Printed: the kernels, and what vLLM's path launches for the LoRA term."""
     from verl_qerl.kernels.lora_expand import CUBLAS_MIN_TOKENS
     from verl_qerl.kernels.lora_shrink import TRITON_MAX_TOKENS
 
@@ -196,6 +197,10 @@ def test_lora_fast_path_kernels_per_layer_on_cuda(gpu_fast_path_engines):
         if splitk and v["tokens"] <= LORA_EPILOGUE_MAX_TOKENS:
             in_launch += 1
             assert v["kernels"] == [k for k in v["kernels"] if "nvfp4_gemm_splitk_kernel" in k] and splitk == 1, v
+            continue
+        if any("nvfp4_gemm_decode_tma_linear_kernel" in k for k in v["kernels"]):  # the decode kernel's, likewise
+            in_launch += 1
+            assert len(v["kernels"]) == 1, v
             continue
         no_triton = splitk or any("decode_tma" in k for k in v["kernels"]) or v["tokens"] >= CUBLAS_MIN_TOKENS
         assert expand == (0 if no_triton else 1), (name, v)

@@ -362,10 +362,10 @@ def linear_lora(
     ``lora_b`` or ``lora_a``).
 
     Why one op: at decode token counts the LoRA shrink and expand as kernels of their own cost about as much as the
-    GEMM's tail; on CUDA the op adds the expand in the split-K kernel's epilogue wherever that kernel runs (the same
-    ``$QERL_GEMM_KERNEL`` dispatch as :func:`linear`) and, given ``lora_a``, runs the shrink in that kernel's launch
-    too; elsewhere the shrink, the GEMM and ``qerl::lora_expand`` run apart. On the CPU (or without the extension)
-    the ops are the float32 reference.
+    GEMM's tail; on CUDA the op adds the expand in the epilogue of the split-K or decode kernel wherever one of them
+    runs (the same ``$QERL_GEMM_KERNEL`` dispatch as :func:`linear`) and, given ``lora_a``, runs the shrink in that
+    kernel's launch too; elsewhere the shrink, the GEMM and ``qerl::lora_expand`` run apart. On the CPU (or without
+    the extension) the ops are the float32 reference.
     """
     if x.dim() != 2:
         raise ValueError(f"linear_lora: x must be 2-D [M, K], got {tuple(x.shape)}")

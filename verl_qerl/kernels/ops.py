@@ -33,11 +33,14 @@ Ops (shapes: x [M, K]; weight [N, K]; N_pad = N rounded up to 128):
 * ``nvfp4_lora_linear(x, qweight, qscale, global_scale, bias, n, lora_a, lora_b, mask, slice_bounds, mode=0,
   splits=0, pdl=False) -> [M, n]``: a whole single-adapter LoRA linear layer, ``nvfp4_gemm_lora`` with ``shrunk =
   bf16(x @ lora_a^T)`` (``lora_a`` [S r, K], the slices' A concatenated). On CUDA, wherever the split-K kernel runs
-  with its LoRA epilogue (decode M), it is one kernel launch: the shrink's CTAs ride in the GEMM's grid ahead of the
-  GEMM's and the tiles' epilogues wait for their sum (cuda/nvfp4_gemm.cu), where the fast path used to run a separate
+  with its LoRA epilogue (decode M) or the copy-engine decode kernel does (``decode_tma``, up to 16 tokens, one
+  32-rank x 128-K shrink unit per CTA at most), it is one kernel launch: the shrink's units ride in the GEMM's grid
+  ahead of the GEMM's work and the tiles' epilogues wait for their sum (cuda/nvfp4_gemm.cu,
+  cuda/nvfp4_gemm_decode_tma.cu, cuda/lora_shrink_in_launch.cuh), where the fast path used to run a separate
   ``qerl::lora_shrink`` launch (2.5-5 us per decode GEMM in a CUDA graph for < 1 us of work). Elsewhere it runs
   ``qerl::lora_shrink`` and then ``nvfp4_gemm_lora``. The shrink's FP32 sum is rounded to bf16 before the expand in
-  both, as the separate shrink stores it. ``pdl``: the promise also covers ``lora_a``. Inference only.
+  both, as the separate shrink stores it (in another summation order: a shrunk value may land one bf16 ulp from the
+  separate shrink's). ``pdl``: the promise also covers ``lora_a``. Inference only.
 * ``nvfp4_dequant(packed, scale, global_scale, dtype) -> [N, K]`` (compressed-tensors layout).
 * ``nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype) -> [n, K]``.
 * ``nvfp4_repack(packed, scale) -> (qweight, qscale)``: pure torch on any device.
