@@ -10,18 +10,18 @@ adapter slot the LoRA term is simply::
 with ``A_cat`` the concatenated A matrices of all fused slices (q/k/v, gate/up), ``B_blockdiag`` the
 slices' B matrices on a block diagonal (slice i's B in slice i's output rows and its rank columns,
 zeros elsewhere) and ``mask`` 1 for tokens whose request has the adapter and 0 for those without.
-The scaling ``alpha / r`` is already folded into vLLM's stored B. For a ``qerl_nvfp4`` layer in the kernel layout
-the whole layer, base GEMM included, is one op, ``qerl::nvfp4_lora_linear`` (:mod:`verl_qerl.kernels.ops`): where the
+The scaling ``alpha / r`` is already folded into vLLM's stored B. For a ``qerl_nvfp4`` layer in the kernel layout the
+whole layer, base GEMM included, is one op, ``qerl::nvfp4_lora_linear`` (:mod:`verl_qerl.kernels.ops`): where the
 split-K kernel or ``decode_tma`` runs (up to 16 tokens) one kernel launch, the shrink's CTAs in the FP4 GEMM's grid
 and the expand, token mask and residual add in its epilogue, in FP32 before the output's one rounding; elsewhere
 ``qerl::lora_shrink`` (``x @ A_cat^T``, one Triton kernel up to ``lora_shrink.TRITON_MAX_TOKENS`` tokens and where
 ``lora_shrink.triton_wins`` up to 64, cuBLAS elsewhere; :mod:`verl_qerl.kernels.lora_shrink`) and the GEMM with the
 expand in its tiles (the register-A wgmma kernels) or followed by ``qerl::lora_expand``. Every other served layer
 (unquantized under ``all``, per-part global scales, the torch layout) runs its base GEMM and then the shrink and
-``qerl::lora_expand`` (one Triton kernel: expand, token mask and residual add; :mod:`verl_qerl.kernels.lora_expand`). ``QERL_LORA_FUSED_EXPAND=expand`` runs the
-shrink as its own op before ``qerl::nvfp4_gemm_lora``, ``=off`` keeps the separate expand everywhere (before / after
-switches for benchmarks). No per-token indexing, static shapes: it traces under torch.compile and captures into CUDA
-graphs.
+``qerl::lora_expand`` (one Triton kernel: expand, token mask and residual add; :mod:`verl_qerl.kernels.lora_expand`).
+``QERL_LORA_FUSED_EXPAND=expand`` runs the shrink as its own op before ``qerl::nvfp4_gemm_lora``, ``=off`` keeps the
+separate expand everywhere (before / after switches for benchmarks). No per-token indexing, static shapes: it traces
+under torch.compile and captures into CUDA graphs.
 
 How it plugs in (no vLLM file is edited):
 
