@@ -2,7 +2,8 @@
 # Compile-only check of the CUDA kernels (no GPU, no torch): catches a build break before it
 # reaches the GPU machine. Compiles every cuda/*.cu alone for sm_90a (Hopper, the target) and for
 # sm_80 / sm_89 (the mma.sync kernels must build there too; the wgmma kernel builds to a stub there).
-# Fails loudly: any nvcc error, any ptxas spill or stack frame in a kernel, or a missing nvcc.
+# Fails loudly: any nvcc error, any ptxas spill or stack frame in a kernel, wgmma instructions ptxas serialized,
+# or a missing nvcc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
@@ -36,6 +37,14 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
     if grep -E "[1-9][0-9]* bytes (spill stores|spill loads|stack frame)" "$log" >/dev/null; then
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}: register spills / stack frame" >&2
       grep -E "Compiling entry|bytes (spill|stack)" "$log" >&2
+      status=1
+      continue
+    fi
+    # ptxas serializes a kernel's wgmmas (an info line, C7510-C7515, not a warning) when registers run short or
+    # accumulators are defined on two paths: the kernel stays correct but loses the asynchronous tensor pipe
+    if grep -E "wgmma.mma_async instructions are serialized" "$log" >/dev/null; then
+      echo "compile_cuda.sh: FAIL: $src for ${arch##*=}: ptxas serialized wgmma instructions" >&2
+      grep -E "wgmma.mma_async instructions are serialized" "$log" >&2
       status=1
       continue
     fi
