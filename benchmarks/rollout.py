@@ -32,10 +32,11 @@ NF4 then cannot run at 32B: vLLM's bitsandbytes loader quantizes a real BF16 che
 we know of no path without one, so the row is skipped with that reason (``--bf16-checkpoint always`` where
 the disk allows).
 
-Timing, per (backend, batch B): one warm-up ``generate`` (other prompts, 8 tokens), then a prefill-only
-``generate`` (``max_tokens=1``) and the full one (``--new-tokens``). ``tok_s`` = B*new / full wall time
-(prefill included, as in the anchors of shared/design/GPU.md); ``prefill_s`` = the ``max_tokens=1`` wall
-time (prefill of B*prompt tokens plus one sampling step); ``decode_tok_s`` = B*(new-1) / (full - prefill).
+Timing, per (backend, batch B): one warm-up ``generate`` (other prompts, 8 tokens), then three prefill-only
+``generate`` calls (``max_tokens=1``) and the full one (``--new-tokens``). ``tok_s`` = B*new / full wall time
+(prefill included, as in the anchors of shared/design/GPU.md); ``prefill_s`` = the median ``max_tokens=1`` wall
+time (prefill of B*prompt tokens plus one sampling step; all three in ``prefill_s_runs``); ``decode_tok_s`` =
+B*(new-1) / (full - prefill).
 vLLM's per-request metrics are not used. Prefix caching is off so each generate really prefills.
 
 Output: a ratio table printed last and ``rollout-<gpu>.json`` in ``--out`` (default ``$OUT`` or ``.``) with

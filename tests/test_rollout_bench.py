@@ -80,6 +80,8 @@ def test_tiny_rollout_writes_rows_and_targets(tmp_path):
     assert {(r["backend"], r["batch"]) for r in res["rows"]} == {(b, n) for b in backends for n in (1, 2)}
     for r in res["rows"]:
         assert r["tok_s"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0, r
+        runs = r["prefill_s_runs"]  # the prefill timed three times, the median reported
+        assert len(runs) == 3 and all(t > 0 for t in runs) and r["prefill_s"] == sorted(runs)[1], r
         assert r["output_tokens"] == r["batch"] * 8 and r["lora"] is True
         # proof of the LoRA path: the tiny model's 8 qerl_nvfp4 linear layers on the fast path (default auto)
         assert r["lora_fast_path_layers"] == (8 if r["backend"] == "qerl_nvfp4" else 0), r
