@@ -165,3 +165,43 @@ def test_kept_candidates_touch_only_what_staging_carries(patch):
     allowed = re.compile(r"^(cuda/|verl_qerl/kernels/|benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench)\.py$|"
                          r"tests/test_[a-z_]*gpu\.py$)")
     assert [f for f in files if not allowed.match(f)] == [], f"{patch.name} touches files staging does not carry"
+
+
+PER_GPU = REPO / "benchmarks" / "gpu" / "candidates_per_gpu.sh"
+
+
+def test_per_gpu_lanes_refuse_a_folder_name_in_two_lanes(staged, tmp_path):
+    dest, _ = staged
+    folder = sorted(dest.iterdir())[0]
+    run = subprocess.run(["bash", str(PER_GPU), f"CAND_MS=64 :: {folder}", f":: {folder}"], capture_output=True,
+                         text=True, cwd=REPO, env=dict(os.environ, OUT=str(tmp_path / "out")), timeout=60)
+    assert run.returncode == 2 and f"folder name {folder.name} is in lanes 0 and 1" in run.stderr
+    bad = subprocess.run(["bash", str(PER_GPU), str(folder)], capture_output=True, text=True, cwd=REPO,
+                         env=dict(os.environ, OUT=str(tmp_path / "out")), timeout=60)
+    assert bad.returncode == 2 and "no '::'" in bad.stderr
+
+
+def test_per_gpu_lanes_run_each_lane_and_archive_them(staged, tmp_path):
+    """Without a GPU every lane stops at its build step (as candidates_check.sh does alone); the archive still holds
+    each lane's logs under g<i>/, and lanes.txt says each lane's status."""
+    import tarfile
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the lanes would build and time for real")
+    dest, _ = staged
+    a, b = sorted(dest.iterdir())
+    out = tmp_path / "out"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    run = subprocess.run(["bash", str(PER_GPU), f'CAND_MS=64 CAND_TESTS="x.py y.py" :: {a}', f":: {b}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=600,
+                         env=dict(os.environ, OUT=str(out), PATH=path, MAX_JOBS="1"))
+    assert run.returncode == 1, run.stdout + run.stderr
+    lanes = (out / "lanes.txt").read_text()
+    assert "lane 0 rc=1" in lanes and "lane 1 rc=1" in lanes
+    with tarfile.open(out / "lanes.tgz") as tar:
+        names = tar.getnames()
+        assert f"g0/{a.name}.log" in names and f"g1/{b.name}.log" in names
+        log = tar.extractfile(f"g1/{b.name}.log").read().decode()
+    assert f"[{b.name}] build rc=1" in log
