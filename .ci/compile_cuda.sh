@@ -42,9 +42,9 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
     fi
     # ptxas serializes a kernel's wgmmas (an info line, C7510-C7515, not a warning) when registers run short or
     # accumulators are defined on two paths: the kernel stays correct but loses the asynchronous tensor pipe
-    if grep -E "wgmma.mma_async instructions are serialized" "$log" >/dev/null; then
+    if grep "wgmma.mma_async instructions are serialized" "$log" >"$tmp/serialized"; then
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}: ptxas serialized wgmma instructions" >&2
-      grep -E "wgmma.mma_async instructions are serialized" "$log" >&2
+      cat "$tmp/serialized" >&2
       status=1
       continue
     fi

@@ -7,7 +7,8 @@
 # Each argument is one lane: CAND_* settings (candidates_check.sh's, may be none), `::`, then its staged folders (in order: put a
 # copy of HEAD in every lane that times against it, so each comparison runs on one GPU). Lane i runs on GPU i. A folder
 # name may appear in one lane only (each folder has its own JIT cache, /tmp/qerl-ext-<name>): copy HEAD's folder under
-# other names (cp -r .xfer-cand/<sha> .xfer-cand/head-b). Every folder is JIT-built first, all at once.
+# other names (cp -r .xfer-cand/<sha> .xfer-cand/head-b). The lanes start together and each candidates_check.sh builds
+# its folders at once, so every folder's JIT build runs concurrently.
 # Writes $OUT/lanes.tgz (lane i's files under g<i>/: candidates_check.sh's logs and JSONs) and $OUT/lanes.txt (each
 # lane's exit status and seconds): two files, however many lanes (a call returns 8). LANE_TIMEOUT (default 540 s)
 # bounds each lane, so the archive is written inside a 10-minute call.
@@ -33,18 +34,11 @@ for i in "${!lanes[@]}"; do
       exit 2
     fi
     lane_of[$name]=$i
-    folders+=("$dir")
+    folders+=("$dir")  # (counted for lanes.txt)
   done
 done
 t0=$(date +%s)
-for dir in "${folders[@]}"; do  # every folder's JIT build at once; candidates_check.sh's own build step finds the cache
-  name=$(basename "$dir")
-  ( cd "$dir" && PYTHONPATH="$PWD" TORCH_EXTENSIONS_DIR="/tmp/qerl-ext-$name" MAX_JOBS=${MAX_JOBS:-8} \
-      timeout 300 python3 -c "from verl_qerl.kernels import load_extension as l; l()" \
-      > "$WORK/prebuild-$name.log" 2>&1 ) &
-done
-wait
-echo "prebuilt ${#folders[@]} folders in $(( $(date +%s) - t0 )) s" | tee "$OUT/lanes.txt"
+echo "${#lanes[@]} lanes, ${#folders[@]} folders" > "$OUT/lanes.txt"
 for i in "${!lanes[@]}"; do
   spec=${lanes[$i]}
   (
@@ -58,7 +52,6 @@ for i in "${!lanes[@]}"; do
   ) &
 done
 wait
-cp "$WORK"/prebuild-*.log "$WORK/g0/" 2>/dev/null
 tar czf "$OUT/lanes.tgz" -C "$WORK" $(cd "$WORK" && ls -d g*)
 rm -rf "$WORK"
 cat "$OUT/lanes.txt"
