@@ -115,7 +115,12 @@ from results_format import target_status  # noqa: E402, F401 - re-exported, as P
 from rollout import BenchError, device_name, tokenizer_identity, versions, write_random_checkpoint  # noqa: E402
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
-from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
+from verl_qerl.verl.launch import (  # noqa: E402
+    cpu_platform_overrides,
+    grpo_overrides,
+    sdpa_overrides,
+    varlen_overrides,
+)
 from verl_qerl.vllm import decode_stats  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
@@ -187,12 +192,24 @@ def main_ppo_overrides(args: argparse.Namespace, variant: str, gpus: int, model:
                "reward.custom_reward_function.name=compute_score"]
     if args.tiny:  # the CPU platform of examples/tiny/grpo.sh
         ov += cpu_platform_overrides(gpus)
-    elif not _has_flash_attn():
-        ov += sdpa_overrides()
+    else:
+        ov += attention_overrides(args.attention)
     if args.enforce_eager and not args.tiny:
         ov.append("actor_rollout_ref.rollout.enforce_eager=True")
     return ov + list(args.extra)
 
+
+
+def attention_overrides(attention: str) -> list[str]:
+    """The actor's attention: ``flash`` (verl's default, needs flash-attn), ``varlen`` (packed rows on PyTorch's
+    FlashAttention-2), ``sdpa`` (padded batches); ``auto``: flash where flash-attn is installed, else varlen."""
+    if attention == "auto":
+        attention = "flash" if _has_flash_attn() else "varlen"
+    if attention == "flash":
+        if not _has_flash_attn():
+            raise StepBenchError("--attention flash: the flash-attn package is not installed (use varlen or sdpa)")
+        return []
+    return varlen_overrides() if attention == "varlen" else sdpa_overrides()
 
 
 def _has_flash_attn() -> bool:
@@ -359,6 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help=f"({g['gpu_memory_utilization']})")
     p.add_argument("--gradient-checkpointing", default="True")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in vLLM (faster start)")
+    p.add_argument("--attention", choices=("auto", "flash", "varlen", "sdpa"), default="auto",
+                   help="the actor's attention: flash-attn (verl's default), varlen (packed rows on PyTorch's "
+                        "FlashAttention-2, no flash-attn needed), sdpa (padded batches); auto: flash if installed, "
+                        "else varlen")
     p.add_argument("--tokenizer", default=None,
                    help="a tokenizer folder for the random 7b/32b/72b checkpoints (default: a tiny 512-id BPE, "
                    f"with which verl lets the model sample only 512 ids; --preset reasoning: {DEFAULT_TOKENIZER}, "

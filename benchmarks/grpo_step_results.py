@@ -132,7 +132,10 @@ def summarize_run(steps: list[dict], gpus: int, skip: int = 1) -> dict:
     out["actor_peak_allocated_gb"] = max((s.get("actor/perf/max_memory_allocated_gb") or 0.0 for s in steps),
                                          default=None)
     out["response_length_mean"] = mean("response_length/mean")
+    out["actor_mfu"] = mean("perf/mfu/actor")  # verl's own FLOP estimate over the update phase
     out["steps_measured"] = len(use)
+    # every number verl logged for the last step (perf/*, timing_per_token_ms/*, ...): the raw row behind the means
+    out["last_step_metrics"] = {k: v for k, v in steps[-1].items() if isinstance(v, (int, float))} if steps else {}
     out["curves"] = {k: [s.get(k) for s in steps] for k in
                      ("critic/score/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "qerl/aqn_sigma",
                       "timing_s/step")}

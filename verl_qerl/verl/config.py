@@ -296,6 +296,21 @@ def _set(config: Any, dotted: str, value: Any, changes: list[str]) -> None:
     changes.append(f"{dotted}={value}")
 
 
+def _check_packed_attention(config: Any) -> None:
+    """``attn_implementation=qerl_varlen`` serves packed rows only: it needs ``use_remove_padding=True``.
+
+    transformers drops the padding mask for an attention it has no mask builder for, so a padded batch would
+    otherwise reach it without its mask.
+    """
+    from .varlen_attention import QERL_VARLEN
+
+    attn = _get(config, "actor_rollout_ref.model.override_config.attn_implementation")
+    if attn == QERL_VARLEN and not _get(config, "actor_rollout_ref.model.use_remove_padding", True):
+        raise QeRLConfigError(f"actor_rollout_ref.model.override_config.attn_implementation={QERL_VARLEN} with "
+                              "actor_rollout_ref.model.use_remove_padding=False: this attention takes packed "
+                              "sequences only; set use_remove_padding=True (or use attn_implementation=sdpa)")
+
+
 def apply_qerl(config: Any) -> QeRLConfig | None:
     """Validate the ``qerl`` block against a composed verl config and fill in what the mode implies.
 
@@ -323,6 +338,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
     if _get(config, "actor_rollout_ref.model.lora.merge", False):
         raise QeRLConfigError("actor_rollout_ref.model.lora.merge=true: adapters cannot be merged into a 4-bit base; "
                               "leave it false (only LoRA tensors are synced to vLLM)")
+    _check_packed_attention(config)
     strategy = _get(config, "actor_rollout_ref.actor.strategy")
     if strategy not in ("fsdp", "fsdp2"):
         raise QeRLConfigError(f"actor_rollout_ref.actor.strategy={strategy!r}: QeRL's actor hook is for the FSDP "

