@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from verl_qerl.testing.scripts import REPO, load_script
-from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides
+from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides, varlen_overrides
 
 gs = load_script("benchmarks/grpo_step.py", "grpo_step")
 sys.path.insert(0, str(REPO / "examples" / "exploration"))
@@ -140,11 +140,21 @@ def test_both_launchers_keep_their_cpu_overrides(tmp_path):
     assert set(ov) == expected and len(ov) == len(expected)
 
 
-def test_no_flash_attn_adds_sdpa_in_both(tmp_path, monkeypatch):
+def test_no_flash_attn_picks_varlen_in_grpo_step_and_sdpa_in_run_arms(tmp_path, monkeypatch):
     monkeypatch.setattr(gs, "_has_flash_attn", lambda: False)
     args = gs.parse_args(["--variants", "lora"])
     ov = gs.main_ppo_overrides(args, "lora", 1, Path("/m"), Path("/t"), Path("/v"))
-    assert set(sdpa_overrides()) <= set(ov) and "trainer.device=cpu" not in ov
+    assert set(varlen_overrides()) <= set(ov) and not set(sdpa_overrides()) & set(ov)
+    assert "trainer.device=cpu" not in ov
+    ov = gs.main_ppo_overrides(gs.parse_args(["--variants", "lora", "--attention", "sdpa"]), "lora", 1, Path("/m"),
+                               Path("/t"), Path("/v"))
+    assert set(sdpa_overrides()) <= set(ov) and not set(varlen_overrides()) & set(ov)
+    with pytest.raises(gs.StepBenchError, match="flash-attn package is not installed"):
+        gs.main_ppo_overrides(gs.parse_args(["--variants", "lora", "--attention", "flash"]), "lora", 1, Path("/m"),
+                              Path("/t"), Path("/v"))
+    monkeypatch.setattr(gs, "_has_flash_attn", lambda: True)
+    ov = gs.main_ppo_overrides(args, "lora", 1, Path("/m"), Path("/t"), Path("/v"))
+    assert not (set(sdpa_overrides()) | set(varlen_overrides())) & set(ov)
     args = run_arms.parse_args(["--model", "m", "--data", "d", "--out", "o", "--dry-run"])
     ov = run_arms.overrides(args, "bf16", 0, tmp_path, flash_attn=False)
     assert set(sdpa_overrides()) <= set(ov) and "trainer.device=cpu" not in ov
