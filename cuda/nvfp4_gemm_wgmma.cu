@@ -23,7 +23,8 @@
 //  * Ring: STAGES slots of (weights 8 KB and scales 1 KB per 128-row tile, activations T x 256 B), all copied by
 //    the copy engine (bulk copies and TMA issued by thread 0 on the slot's mbarrier),
 //    prefetch distance STAGES - 2: a stage's second batch of wgmmas may still run while the next stage's first
-//    half is decoded (wait_group 1 after each half's commit retires the half before it); the slot refilled at
+//    half is decoded (T = 128: wait_group 1 after each half's commit retires the half before it, one set of A
+//    registers; T = 64: three sets in rotation and wait_group 2, two halves in flight); the slot refilled at
 //    iteration i was read at i - 2, whose wgmmas every warpgroup has waited for before the barrier of iteration
 //    i. The slot's mbarrier completing makes the copies visible to the decode's loads and to the wgmmas alike; no
 //    proxy fence is needed.
@@ -134,6 +135,10 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
   constexpr int WGS = C::WARPGROUPS;
   constexpr int THREADS = C::THREADS;
   constexpr int X_OFF = C::X_OFF;
+  // three A-register sets in rotation (the stage loop below) where the registers allow: not in the stream-K LoRA
+  // kernel, whose bookkeeping on top of 64 more registers made ptxas serialize its wgmmas (C7512)
+  constexpr bool kA3 = T == 64 && (kCluster || !LORA);
+  constexpr int kInFlight = kA3 ? 2 : 1;   // wgmma groups left pending after each half's commit
   constexpr int SLOT_FLOATS = T * C::TILE_ROWS;  // one partial slot: T tokens x the tile's weight rows
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
@@ -192,6 +197,9 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) acc[h][i] = 0.0f;
+    // the 64-token kernels rotate three sets of A registers (one warpgroup, two CTAs per SM: 64 more registers
+    // fit); the 128-token kernels (two warpgroups, 235-247 registers) and the 64-token stream-K LoRA kernel keep one
+    uint32_t a3[kA3 ? 3 : 1][2][4][4];
 
     // a stage's copies, all by thread 0 on the slot's mbarrier (transaction count first): per 128-row tile its
     // stage's weights (8 KB) and scales (1 KB), each one contiguous run of the repacked layout and one bulk copy, and
@@ -215,33 +223,40 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
       }
     };
 
-    auto compute_stage = [&](int buf) {
+    // One k64 half t of a stage: decode this warp's weights into `a` (the register A operand), issue its wgmmas,
+    // commit them as one group and wait until at most kInFlight groups are pending.
+    auto compute_half = [&](int buf, int t, uint32_t(&a)[2][4][4]) {
       const uint8_t* base = smem + buf * C::STAGE_BYTES;
       const uint4* wsm = reinterpret_cast<const uint4*>(base + wg * TILE_W_BYTES);
       const uint2* ssm = reinterpret_cast<const uint2*>(base + WGS * TILE_W_BYTES + wg * TILE_S_BYTES);
       const uint64_t desc0 = desc_hi | uint64_t(((smem_base + buf * C::STAGE_BYTES + X_OFF) >> 4) & 0x3FFF);
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {  // k64 half of the stage
+      for (int h = 0; h < 2; ++h) {
+        const int blk = (h * 4 + wl) * 2 + t;  // n16 block h*4 + wl, k64 tile t of this 128-row tile
+        const uint4 wv = wsm[blk * 32 + lane];
+        const uint2 sv = ssm[blk * 8 + (lane >> 2)];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[h][j]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
+      wgmma_commit();
+      // a wgmma reads its A registers until retired (PTX ISA, wgmma.mma_async): the next decode into the same
+      // registers must come after this wait has retired the group that read them (see kInFlight)
+      wgmma_wait<kInFlight>();
+    };
+
+    // T = 128: one set of A registers, reused by every half: the wait after each half's commit retires the half
+    // before it (at t = 0 the previous stage's second half) before the next decode writes the registers. (One wait
+    // per stage left the second half's wgmmas in flight through the next stage's second decode: a race.)
+    auto compute_stage = [&](int buf) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
         uint32_t a[2][4][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int blk = (h * 4 + wl) * 2 + t;  // n16 block h*4 + wl, k64 tile t of this 128-row tile
-          const uint4 wv = wsm[blk * 32 + lane];
-          const uint2 sv = ssm[blk * 8 + (lane >> 2)];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[h][j]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
-        wgmma_commit();
-        // retires the half before this one (at t = 0 the previous stage's second half) before the next decode
-        // writes A registers: a wgmma reads them until retired (PTX ISA, wgmma.mma_async), and the stage loop
-        // reuses the same registers every stage (one wait per stage left the second half's in flight through the
-        // next stage's second decode)
-        wgmma_wait<1>();
+        compute_half(buf, t, a);
       }
     };
 
@@ -357,13 +372,40 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
         }
       }
     }
-    for (int it = 0; it < count; ++it) {
+    auto stage_prologue = [&](int it) {
       const int slot = (g0 + it) % STAGES;
       __syncthreads();  // every warp has retired stage it - 2, whose slot is refilled next
       const int nxt = it + PF;
       if (nxt < count) load_stage((g0 + nxt) % STAGES, nxt);
       tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // stage it's weights, scales and activations
-      if (active) compute_stage(slot);
+      return slot;
+    };
+    if constexpr (kA3) {
+      static_assert(WGS == 1, "the rotation assumes one warpgroup (active everywhere)");
+      // T = 64: three sets of A registers in rotation, half h = 2 it + t decoding into set h % 3, so the decode of
+      // half h only needs half h - 3 retired and the wait after each commit lets two groups stay in flight
+      // (kInFlight = 2): the decode of a half overlaps the wgmmas of the two halves before it, as one set with one
+      // wait per stage did (racily) before. The loop is unrolled by three stages so that every set index is a
+      // constant (stage it % 3 == 0: sets 0, 1; == 1: 2, 0; == 2: 1, 2). Retiring stage it - 2 before the barrier
+      // of stage it still holds: after stage it - 1's second commit at most its own two halves are pending.
+      auto run_stage = [&](int it, uint32_t(&a0)[2][4][4], uint32_t(&a1)[2][4][4]) {
+        const int slot = stage_prologue(it);
+        compute_half(slot, 0, a0);
+        compute_half(slot, 1, a1);
+      };
+      int it = 0;
+      for (; it + 3 <= count; it += 3) {
+        run_stage(it, a3[0], a3[1]);
+        run_stage(it + 1, a3[2], a3[0]);
+        run_stage(it + 2, a3[1], a3[2]);
+      }
+      if (it < count) run_stage(it, a3[0], a3[1]);
+      if (it + 1 < count) run_stage(it + 1, a3[2], a3[0]);
+    } else {
+      for (int it = 0; it < count; ++it) {
+        const int slot = stage_prologue(it);
+        if (active) compute_stage(slot);
+      }
     }
     g0 += count;
     wgmma_wait<0>();
