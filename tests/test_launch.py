@@ -140,7 +140,7 @@ def test_both_launchers_keep_their_cpu_overrides(tmp_path):
     assert set(ov) == expected and len(ov) == len(expected)
 
 
-def test_no_flash_attn_picks_varlen_in_grpo_step_and_sdpa_in_run_arms(tmp_path, monkeypatch):
+def test_no_flash_attn_picks_varlen_in_both(tmp_path, monkeypatch):
     monkeypatch.setattr(gs, "_has_flash_attn", lambda: False)
     args = gs.parse_args(["--variants", "lora"])
     ov = gs.main_ppo_overrides(args, "lora", 1, Path("/m"), Path("/t"), Path("/v"))
@@ -157,8 +157,8 @@ def test_no_flash_attn_picks_varlen_in_grpo_step_and_sdpa_in_run_arms(tmp_path, 
     assert not (set(sdpa_overrides()) | set(varlen_overrides())) & set(ov)
     args = run_arms.parse_args(["--model", "m", "--data", "d", "--out", "o", "--dry-run"])
     ov = run_arms.overrides(args, "bf16", 0, tmp_path, flash_attn=False)
-    assert set(sdpa_overrides()) <= set(ov) and "trainer.device=cpu" not in ov
-    assert not set(sdpa_overrides()) & set(run_arms.overrides(args, "bf16", 0, tmp_path, flash_attn=True))
+    assert set(varlen_overrides()) <= set(ov) and "trainer.device=cpu" not in ov
+    assert not set(varlen_overrides()) & set(run_arms.overrides(args, "bf16", 0, tmp_path, flash_attn=True))
 
 
 def test_both_launchers_cpu_lists_compose_in_verls_config(tmp_path):
@@ -194,3 +194,17 @@ def test_tiny_shell_launcher_keeps_up_with_launch_py():
     assert not missing, f"examples/tiny/grpo.sh lacks {sorted(missing)} (set in verl_qerl/verl/launch.py)"
     missing = _keys(cpu_platform_overrides(1)) - shell
     assert not missing, f"examples/tiny/grpo.sh's CPU branch lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("python,has_varlen", [("false", True), ("true", False)])
+def test_launch_scripts_pick_qerl_varlen_only_without_flash_attn(python, has_varlen):
+    """examples/qerl/common.sh: a python whose `import flash_attn` fails (`false`) gets qerl_varlen, else verl's
+    default (flash_attention_2) stays."""
+    import subprocess
+
+    script = (f'source "{REPO}/examples/qerl/common.sh"; PYTHON={python} qerl_base_args 7B lora; '
+              'printf "%s\\n" "${QERL_ARGS[@]}"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert ("+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen" in out) is has_varlen
+    assert ("actor_rollout_ref.model.use_remove_padding=True" in out) is has_varlen
+    assert "+qerl=bf16" in out

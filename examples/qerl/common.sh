@@ -59,4 +59,9 @@ qerl_base_args() {  # SIZE VARIANT -> QERL_ARGS shared by GRPO and DAPO runs
   )
   # shellcheck disable=SC2206
   QERL_ARGS+=($vargs)
+  if ! "${PYTHON:-python3}" -c "import flash_attn" 2>/dev/null; then
+    # verl's actor expects flash-attn; without it: packed rows on PyTorch's FlashAttention-2 (verl-qerl's qerl_varlen)
+    QERL_ARGS+=(+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen
+                actor_rollout_ref.model.use_remove_padding=True)
+  fi
 }

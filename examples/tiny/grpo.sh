@@ -33,8 +33,10 @@ if [ "$DEVICE" = cpu ]; then
     ray_kwargs.ray_init.num_cpus=32 +ray_kwargs.ray_init.num_gpus=1 trainer.device=cpu
   )
 elif ! "$PY" -c "import flash_attn" 2>/dev/null; then
-  # verl defaults to flash_attention_2 with padding removal; without flash-attn use SDPA on padded batches
-  DEV_ARGS=(+actor_rollout_ref.model.override_config.attn_implementation=sdpa actor_rollout_ref.model.use_remove_padding=False)
+  # verl defaults to flash_attention_2 with padding removal; without flash-attn: packed rows on PyTorch's
+  # FlashAttention-2 (verl-qerl's qerl_varlen)
+  DEV_ARGS=(+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen
+            actor_rollout_ref.model.use_remove_padding=True)
 fi
 start=$(date +%s)
 set +e
