@@ -257,9 +257,19 @@ class GpuMemorySampler:
 
 
 
+def cpu_share(index: int, count: int, cpus: list[int] | None = None) -> list[int]:
+    """Run ``index`` of ``count`` concurrent runs: its contiguous share of the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if not 0 <= index < count or len(cpus) < count:
+        raise StepBenchError(f"--cpu-split: {count} runs cannot share {len(cpus)} CPUs (run {index})")
+    per = len(cpus) // count
+    return cpus[index * per:(index + 1) * per]
+
+
 def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int], inputs: tuple[Path, Path, Path],
-            work: Path) -> dict:
-    """Launch one ``main_ppo`` run, wait (bounded), and summarize it."""
+            work: Path, cpus: list[int] | None = None) -> dict:
+    """Launch one ``main_ppo`` run, wait (bounded), and summarize it. ``cpus``: the run and every process it
+    starts (Ray, vLLM, the actor) are pinned to them, and torch's thread pools sized to them."""
     name = f"{variant}-{gpus}gpu"
     run_dir = work / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -278,13 +288,17 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
         env.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VLLM_CPU_KVCACHE_SPACE": "1"})
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
+    if cpus:
+        env["OMP_NUM_THREADS"] = str(len(cpus))
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ov]
-    print(f"[grpo_step] {name}: GPUs {gpu_ids} -> {log}", flush=True)
+    print(f"[grpo_step] {name}: GPUs {gpu_ids}{f', CPUs {cpus[0]}-{cpus[-1]}' if cpus else ''} -> {log}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as fh, GpuMemorySampler(gpu_ids) as mem:
         fh.write("$ " + shlex.join(cmd) + "\n")
         fh.flush()
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # inherited by everything it starts
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=pin)
         try:
             rc: int | str = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -293,7 +307,7 @@ def run_one(args: argparse.Namespace, variant: str, gpus: int, gpu_ids: list[int
             kill_process_trees([proc], grace_s=3.0)
     wall = time.perf_counter() - t0
     steps = read_metrics(metrics)
-    row = {"variant": variant, "qerl": VARIANTS[variant], "gpus": gpus, "gpu_ids": gpu_ids, "rc": rc,
+    row = {"variant": variant, "qerl": VARIANTS[variant], "gpus": gpus, "gpu_ids": gpu_ids, "cpus": cpus, "rc": rc,
            "wall_s": wall, "steps_logged": len(steps), "gpu_peak_used_mib": {str(k): v for k, v in mem.peak.items()},
            "overrides": ov, "log": str(log)}
     if mem.peak:
@@ -359,6 +373,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrent", action="store_true",
                    help="run at once: the variants one GPU each; with --compare gpus the 1-GPU run shares GPU 0 "
                         "with the N-GPU run (learning parity only: no time target)")
+    p.add_argument("--cpu-split", action="store_true",
+                   help="with --concurrent: pin each run (and all it starts) to its own equal share of the CPUs, "
+                        "so that host-bound parts of one run's decode loop do not compete with the other's")
     p.add_argument("--steps", type=int, default=None,
                    help=f"GRPO steps per run (the first is dropped from means; default {g['steps']})")
     p.add_argument("--batch", type=int, default=None, help=f"prompts per step (data.train_batch_size; {g['batch']})")
@@ -410,6 +427,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.merge_only and not args.baseline:
         p.error("--merge-only needs the --baseline files to merge")
+    if args.cpu_split and not args.concurrent:
+        p.error("--cpu-split splits the CPUs between concurrent runs: it needs --concurrent")
     preset = PRESETS.get(args.preset, {})
     for key, default in GENERIC.items():
         if getattr(args, key) is None:
@@ -448,8 +467,9 @@ def execute(args: argparse.Namespace, todo: list[tuple[str, int]], inputs: tuple
     if concurrent and plan:
         from concurrent.futures import ThreadPoolExecutor
 
+        shares = [cpu_share(i, len(plan)) if args.cpu_split else None for i in range(len(plan))]
         with ThreadPoolExecutor(len(plan)) as pool:
-            ran = list(pool.map(lambda job: run_one(args, *job, inputs, work), plan))
+            ran = list(pool.map(lambda job, cpus: run_one(args, *job, inputs, work, cpus), plan, shares))
     else:
         ran = [run_one(args, *job, inputs, work) for job in plan]
     return dict(zip(todo, ran, strict=True))

@@ -486,3 +486,18 @@ def test_fast_path_records_reach_the_row_and_a_missed_fast_path_is_flagged(tmp_p
     assert "note: old" in lines[1]
     assert gs.fast_path_warnings([{"variant": "qerl", "qerl": "nvfp4", "lora_fast_path_layers": []}])[0].startswith(
         "[grpo_step] WARNING: qerl")
+
+
+def test_cpu_split_gives_each_concurrent_run_its_own_cpus(monkeypatch, tmp_path):
+    assert gs.cpu_share(0, 2, list(range(32))) == list(range(16))
+    assert gs.cpu_share(1, 2, [5, 1, 3, 7, 9]) == [5, 7]  # sorted, equal shares, the remainder unused
+    with pytest.raises(gs.StepBenchError, match="cannot share 1 CPUs"):
+        gs.cpu_share(1, 2, [0])
+    with pytest.raises(SystemExit):
+        gs.parse_args(["--cpu-split"])  # without --concurrent
+    args = gs.parse_args(["--variants", "qerl,lora", "--concurrent", "--cpu-split"])
+    seen = []
+    monkeypatch.setattr(gs, "run_one", lambda a, v, g, ids, inputs, work, cpus=None: seen.append((v, ids, cpus)) or {})
+    monkeypatch.setattr(gs.os, "sched_getaffinity", lambda pid: set(range(8)))
+    gs.execute(args, [("qerl", 1), ("lora", 1)], None, tmp_path)
+    assert sorted(seen) == [("lora", [1], [4, 5, 6, 7]), ("qerl", [0], [0, 1, 2, 3])]
