@@ -230,6 +230,26 @@ def test_quantize_model_in_chunks_gives_the_unchunked_buffers(tiny_bf16, nvfp4_f
         assert chunked[k].dtype == v.dtype and torch.equal(chunked[k], v), k
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_quantize_model_on_a_compute_device_gives_the_same_bytes_on_the_layers_device(tiny_bf16, nvfp4_fp32,
+                                                                                     monkeypatch, device):
+    """What verl's actor hook does (its model is on the CPU, the worker has a GPU): the dense weights quantized on
+    ``compute_device``, the NVFP4 buffers back on the CPU, byte for byte those of quantizing on the CPU."""
+    from verl_qerl.modeling import model_conversion, quantize_model
+
+    seen = []
+    original = model_conversion.quantize_rows
+    monkeypatch.setattr(model_conversion, "quantize_rows",
+                        lambda w, *a, **k: seen.append(w.device.type) or original(w, *a, **k))
+    got = quantize_model(_hf(tiny_bf16), "nvfp4", compute_device=device).state_dict()
+    assert len(seen) == 14 and set(seen) == {device}
+    expected = nvfp4_fp32.state_dict()
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k].device.type == "cpu" and got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
 def test_checkpoint_and_in_memory_quantization_give_identical_buffers(tiny_bf16, tiny_nvfp4, nvfp4_fp32):
     from verl_qerl.modeling import load_nvfp4_model, quantize_model
 

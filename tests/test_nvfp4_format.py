@@ -321,3 +321,22 @@ def test_bf16_rule_does_not_depend_on_how_a_device_divides():
     assert torch.equal(divided, multiplied)
     # the same holds for the global scale's two bf16 roundings (1 / amax is correctly rounded in fp32 on both)
     assert torch.equal((1.0 / a).to(torch.bfloat16), torch.reciprocal(a.to(torch.bfloat16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rule", sorted(SCALE_RULES))
+def test_quantize_on_the_gpu_gives_the_cpu_bytes(rule):
+    """verl's actor quantizes on its GPU, `qerl-quantize` on the CPU, vLLM at load on its GPU: one format, so the
+    same torch ops must give the same bytes on both devices (ties, all-zero blocks, subnormal-sized blocks)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 512, generator=g) * torch.logspace(-6, 2, 300)[:, None]
+    w[0, :16] = 0.0                                                  # an all-zero block
+    w[1, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)  # E2M1 ties at a block max of 6
+    w[2] = w[2].to(torch.bfloat16).float()
+    for weight in (w, w.to(torch.bfloat16)):
+        cpu = quantize(weight, rule=rule)
+        gpu = quantize(weight.cuda(), rule=rule)
+        assert torch.equal(gpu.packed.cpu(), cpu.packed)
+        assert torch.equal(gpu.scale.cpu().view(torch.uint8), cpu.scale.view(torch.uint8))
+        assert torch.equal(gpu.global_scale.cpu(), cpu.global_scale)

@@ -122,6 +122,7 @@ def quantize_model(
     strict_arch: bool = True,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
     scale_rule: str = DEFAULT_SCALE_RULE,
+    compute_device: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace the Linear layers of ``model`` in place by the ``mode``'s frozen base layers.
 
@@ -133,7 +134,10 @@ def quantize_model(
     parameters are filled from the checkpoint too). ``device``/``dtype``: where the new layers
     live and their compute dtype (default: those of the replaced layer; CPU for meta layers).
     ``scale_rule``: how NVFP4 scales are computed when quantizing dense weights (see
-    ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). Returns ``model``.
+    ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). ``compute_device``: where dense
+    weights are quantized (e.g. the GPU of a verl worker whose model is still on the CPU: the same torch ops give
+    the same bits, in seconds instead of minutes); the results go back to each layer's device (nvfp4 from dense
+    weights only: nf4 and NVFP4 checkpoints ignore it). Returns ``model``.
     """
     if mode not in MODES:
         raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
@@ -167,7 +171,7 @@ def quantize_model(
     if reader is not None and reader.format != FORMAT_BF16:
         _load_nvfp4_layers(model, reader, ignore, targets, device, dtype, wrap, before_replacing)
     else:
-        _quantize_layers(model, names, reader, device, dtype, wrap, before_replacing, scale_rule)
+        _quantize_layers(model, names, reader, device, dtype, wrap, before_replacing, scale_rule, compute_device)
     if reader is not None:
         fill_meta_from_checkpoint(model, reader, device=device, dtype=dtype)
     return model
@@ -198,8 +202,10 @@ def _quantize_layers(
     wrap: Callable[[Iterable, int, str], Iterable],
     before_replacing: Callable[[Collection[str]], None],
     scale_rule: str,
+    compute_device: torch.device | str | None = None,
 ) -> None:
-    """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights.
+    """Quantize group by group from the model's (or a BF16 checkpoint's) dense weights (on ``compute_device`` when
+    given, the results moved back to each weight's device).
 
     Two passes, so that nothing is replaced until every layer is known to convert: the first
     checks each group (meta placement, checkpoint shapes, biases) and computes its shared global
@@ -218,8 +224,11 @@ def _quantize_layers(
             dense.append(group)
     scales: dict[str, torch.Tensor] = {}
     biases: dict[str, nn.Parameter | None] = {}
+    def on_compute(w: torch.Tensor) -> torch.Tensor:
+        return w if compute_device is None else w.to(compute_device)
+
     for group in wrap(dense, len(dense), "check NVFP4 layers"):
-        weights = [_dense_weight(model, n, reader, device) for n in group]
+        weights = [on_compute(_dense_weight(model, n, reader, device)) for n in group]
         try:
             scales[group[0]] = fused_global_scale(weights, [f"{n}.weight" for n in group], scale_rule)
         except NVFP4FormatError as exc:
@@ -234,12 +243,14 @@ def _quantize_layers(
         for n in group:
             m = model.get_submodule(n)
             w = _dense_weight(model, n, reader, device)
-            q = quantize_rows(w, scales[group[0]], name=f"{n}.weight", scale_rule=scale_rule)
+            wc = on_compute(w)
+            q = quantize_rows(wc, scales[group[0]].to(wc.device), name=f"{n}.weight", scale_rule=scale_rule)
+            q = q.to(w.device)
             bias = biases[n]
             new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
                                          device=w.device)
             _set_module(model, n, new)
-            del w, q
+            del w, wc, q
 
 
 def _dense_weight(
