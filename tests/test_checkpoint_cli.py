@@ -560,3 +560,23 @@ def test_sigterm_while_dst_is_swapped_waits_for_the_swap(tiny_bf16, tmp_path):
     # the swap finished before the signal was acted on: DST is the complete new output, the old one is gone
     assert [p.name for p in tmp_path.iterdir()] == ["dst"]
     assert CheckpointReader(dst).format == FORMAT_CT and not (dst / "old.txt").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_device_option_writes_the_same_bytes(tiny_bf16, tiny_nvfp4, tmp_path, device):
+    """``--device``: weights quantized there, the files byte-identical to the default CPU run's."""
+    res = run_cli(str(tiny_bf16), str(tmp_path / "q"), "--device", device)
+    assert res.returncode == 0, res.stderr[-2000:]
+    want, got = _all_tensors(tiny_nvfp4), _all_tensors(tmp_path / "q")
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k].view(torch.uint8) if got[k].dtype.itemsize == 1 else got[k],
+                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v), k
+
+
+def test_a_device_that_cannot_hold_tensors_is_named_before_anything_is_written(tiny_bf16, tmp_path):
+    res = run_cli(str(tiny_bf16), str(tmp_path / "q"), "--device", "nonsense:7")
+    assert res.returncode == 2 and "device='nonsense:7'" in res.stderr and "Traceback" not in res.stderr, \
+        res.stderr[-2000:]
+    assert not (tmp_path / "q").exists()

@@ -188,14 +188,22 @@ def quantize_checkpoint(
     force: bool = False,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
     scale_rule: str = DEFAULT_SCALE_RULE,
+    device: str | torch.device = "cpu",
 ) -> ConversionReport:
     """Write an NVFP4A16 compressed-tensors checkpoint of the BF16 checkpoint at ``src`` to ``dst``.
 
     ``ignore``: extra module patterns (exact names, dotted suffixes or ``re:<regex>``) kept in BF16,
     on top of :data:`DEFAULT_IGNORE`. ``progress(iterable, total, desc)`` wraps the loops (tqdm).
     ``scale_rule``: how scales are computed (``verl_qerl.nvfp4.SCALE_RULES``); recorded in config.json.
+    ``device``: where the weights are quantized (e.g. ``cuda``: the same bytes, minutes faster at 7B); the
+    files are written from the CPU.
     """
     check_scale_rule(scale_rule, "scale_rule")
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise CheckpointError(f"device={str(device)!r}: cannot place tensors there ({exc})") from exc
     src, shown = Path(src), Path(dst)
     wrap = progress or (lambda it, total, desc: it)
     ignore = check_patterns(ignore, "ignore")
@@ -226,7 +234,7 @@ def quantize_checkpoint(
         # Pass 1: per-group global scale, from the largest amax of the group's parts.
         group_amax: dict[str, torch.Tensor] = {}
         for module in wrap(targets, len(targets), "scan amax"):
-            amax = checked_amax(reader.get(f"{module}.weight"), f"{module}.weight")
+            amax = checked_amax(reader.get(f"{module}.weight").to(device), f"{module}.weight").cpu()
             key = fused_group(module)
             group_amax[key] = amax if key not in group_amax else torch.maximum(group_amax[key], amax)
         group_scale = {key: global_scale_from_amax(amax, scale_rule) for key, amax in group_amax.items()}
@@ -240,7 +248,8 @@ def quantize_checkpoint(
                 report.bytes_in += tensor.numel() * tensor.element_size()
                 module = name.removesuffix(".weight")
                 if name.endswith(".weight") and module in target_set:
-                    q = quantize(tensor, group_scale[fused_group(module)], name=name, rule=scale_rule)
+                    q = quantize(tensor.to(device), group_scale[fused_group(module)], name=name,
+                                 rule=scale_rule).to("cpu")
                     out.update(ct_tensors(module, q))
                     report.quantized.append(module)
                 else:

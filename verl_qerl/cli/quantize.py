@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                         "bit-exact with llm-compressor 0.14.0.1 / compressed-tensors 0.19.0; fp32: scales in "
                         "float32, bit-exact with compressed-tensors' functions on the float32 weight (0.17.0), "
                         "this tool's output before the bf16 rule. Codes are round-to-nearest-even under both.")
+    parser.add_argument("--device", default="cpu",
+                        help="where the weights are quantized: cpu (default) or a GPU such as cuda / cuda:1 "
+                        "(the same bytes; a 7B checkpoint in seconds instead of minutes). Files are written from "
+                        "the CPU either way.")
     args = parser.parse_args(argv)
 
     from .. import checkpoint_conversion
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         report = checkpoint_conversion.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force,
-                                                           progress=progress, scale_rule=args.scale_rule)
+                                                           progress=progress, scale_rule=args.scale_rule,
+                                                           device=args.device)
     except (FileExistsError, ValueError) as err:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2
