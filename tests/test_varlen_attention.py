@@ -157,3 +157,38 @@ def test_verls_engine_packed_path_equals_its_padded_path():
     assert outs[True][0].shape == (sum(lengths),)
     for a, b in zip(outs[True], outs[False]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("signature", ["2.10", "2.12"])
+def test_the_varlen_call_adapts_to_torch_s_signature(monkeypatch, signature):
+    """torch 2.10's varlen_attn takes ``is_causal`` and no GQA flag; 2.12's ``window_size=(-1, 0)`` and
+    ``enable_gqa``: each gets the causal, GQA-correct call (a stand-in records it and computes the reference)."""
+    calls = []
+
+    def reference(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        calls.append(kw)
+        return va._sdpa_per_sequence(q, k, v, cu_q, kw.get("scale", q.shape[-1] ** -0.5))
+
+    if signature == "2.10":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert is_causal and key.shape[1] == query.shape[1]  # no GQA flag: K/V come repeated
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False):
+            assert window_size == (-1, 0) and enable_gqa
+            return reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                             window_size=window_size, enable_gqa=enable_gqa)
+
+    import inspect
+
+    monkeypatch.setattr(va, "_varlen_attn", lambda: (fake, frozenset(inspect.signature(fake).parameters)))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = va._torch_varlen(q, k, v, cu, 5, 8 ** -0.5)
+    torch.testing.assert_close(out, va._sdpa_per_sequence(q, k, v, cu, 8 ** -0.5))
+    assert len(calls) == 1
+    if signature == "2.10":
+        with pytest.raises(va.VarlenAttentionError, match="no scale argument"):
+            va._torch_varlen(q, k, v, cu, 5, 0.5)

@@ -17,8 +17,10 @@ PyTorch SDPA per sequence, which is also the reference the GPU path is tested ag
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,12 +94,18 @@ def _sdpa_per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
     return torch.cat(outs, dim=0)
 
 
+@functools.cache
+def _varlen_attn() -> tuple[Callable, frozenset[str]]:
+    """PyTorch's varlen attention and the names of its parameters (its signature changed across torch 2.10-2.13)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
                   scale: float) -> torch.Tensor:
     """``torch.nn.attention.varlen.varlen_attn``, causal, across the signatures of torch 2.10-2.13."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
+    varlen_attn, params = _varlen_attn()
     kwargs: dict = {}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
