@@ -224,6 +224,7 @@ def _quantize_layers(
             dense.append(group)
     scales: dict[str, torch.Tensor] = {}
     biases: dict[str, nn.Parameter | None] = {}
+
     def on_compute(w: torch.Tensor) -> torch.Tensor:
         return w if compute_device is None else w.to(compute_device)
 
