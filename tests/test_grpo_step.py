@@ -102,7 +102,8 @@ def fake_runs(monkeypatch, tmp_path):
     """main() without main_ppo: run_one records its calls and returns a fake row."""
     calls: list[tuple] = []
 
-    def run_one(args, variant, gpus, gpu_ids, inputs, work):
+    def run_one(args, variant, gpus, gpu_ids, inputs, work, cpus=None):
+        assert cpus is None or args.cpu_split  # CPUs are pinned only on request
         calls.append((variant, gpus, gpu_ids))
         return _row(variant, gpus, 3.0 if variant == "qerl" else 4.0)
 
