@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import platform
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from results_format import report_and_write  # noqa: E402 - benchmarks/: this script's own folder
+from machine_check import median_cuda_ms  # noqa: E402 - benchmarks/: this script's own folder
+from results_format import report_and_write  # noqa: E402
 
 from verl_qerl.verl.logprobs import token_logprobs  # noqa: E402
 from verl_qerl.verl.varlen_attention import varlen_attention_forward  # noqa: E402
@@ -36,18 +36,7 @@ LENGTHS = (2176, 2131, 2100, 2155)
 
 def _timed(fn, repeats: int) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` runs after two warm-ups."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_cuda_ms(fn, repeats, warmup=2)
 
 
 def logprob_rows(vocab: int, repeats: int) -> list[dict]:

@@ -34,6 +34,24 @@ def _cpu_ms() -> float:
     return statistics.median(times)
 
 
+def median_cuda_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls, each between two CUDA events, after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(reps):
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e))
+    return statistics.median(out)
+
+
 def _gpu() -> dict:
     import torch
 
@@ -44,22 +62,8 @@ def _gpu() -> dict:
     x = torch.empty(256 * 2**20, device="cuda", dtype=torch.float32)
     y = torch.empty_like(x)
 
-    def timed(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        out = []
-        for _ in range(reps):
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            out.append(s.elapsed_time(e))
-        return statistics.median(out)
-
-    gemm_ms = timed(lambda: a @ b, 20)
-    copy_ms = timed(lambda: y.copy_(x), 20)
+    gemm_ms = median_cuda_ms(lambda: a @ b, 20)
+    copy_ms = median_cuda_ms(lambda: y.copy_(x), 20)
     return {"gemm_bf16_tflops": 2 * 8192**3 / (gemm_ms * 1e-3) / 1e12,
             "copy_tbps": 2 * x.numel() * 4 / (copy_ms * 1e-3) / 1e12}
 
