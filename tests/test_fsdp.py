@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_qerl.testing.gloo_workers import end_worker, worker_failure
 from verl_qerl.testing.procs import free_port
 from verl_qerl.testing.tiny import lora_nvfp4_model
 
@@ -97,7 +98,7 @@ def _worker(rank: int, path: str, port: int, out_dir: str) -> None:
             result["fsdp1_error"] = f"{type(exc).__name__}: {exc}"
     finally:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+    end_worker()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def fsdp_results(tiny_nvfp4, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     proc = subprocess.run([sys.executable, __file__, str(tiny_nvfp4), str(free_port()), str(out)],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, worker_failure(proc, out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from verl_qerl.testing.gloo_workers import end_worker, worker_failure
 from verl_qerl.testing.procs import free_port
 from verl_qerl.testing.scripts import load_script
 from verl_qerl.testing.tiny import (
@@ -248,7 +249,7 @@ def _worker(rank: int, world: int, path: str, port: int, out_dir: str) -> None:
         result["continued_losses"] = cont
     finally:
         (out / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+    end_worker()
 
 
 def _verl_engine(path: str, world: int, shard_base: bool):
@@ -321,7 +322,7 @@ def _verl_worker(rank: int, world: int, path: str, port: int, out_dir: str) -> N
         result["n_grads"] = len(runs[True][1])
     finally:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+    end_worker()
 
 
 def _plain_name(name: str) -> str:
@@ -333,7 +334,7 @@ def _run(tiny_nvfp4, tmp_path_factory, world: int, mode: str = "fsdp2") -> list[
     out = tmp_path_factory.mktemp(f"fsdp_sharded_{mode}_{world}")
     proc = subprocess.run([sys.executable, __file__, mode, str(world), str(tiny_nvfp4), str(free_port()), str(out)],
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, worker_failure(proc, out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
