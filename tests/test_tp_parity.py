@@ -23,22 +23,28 @@ def tpp():
     return load_script("benchmarks/tp_parity.py", "tp_parity_bench")
 
 
+@pytest.fixture(scope="module")
+def cmp():
+    """The comparison half (benchmarks/tp_parity_compare.py), as tp_parity.py imports it."""
+    return load_script("benchmarks/tp_parity_compare.py", "tp_parity_compare")
+
+
 def _lp(logprob: float, rank: int) -> SimpleNamespace:
     return SimpleNamespace(logprob=logprob, rank=rank)
 
 
-def test_token_records_margin_is_the_gap_to_the_best_other_token(tpp):
+def test_token_records_margin_is_the_gap_to_the_best_other_token(cmp):
     steps = [
         {5: _lp(-1.0, 1), 7: _lp(-1.5, 2)},               # argmax: margin = gap to the runner-up
         {5: _lp(-2.0, 3), 1: _lp(-1.0, 1), 2: _lp(-1.2, 2)},  # not the argmax: negative margin
         {5: _lp(-0.5, 1)},                                 # nothing else seen
     ]
-    recs = tpp.token_records([5, 5, 5], steps)
+    recs = cmp.token_records([5, 5, 5], steps)
     assert recs[0] == [-1.0, 1, 0.5]
     assert recs[1] == [-2.0, 3, -1.0]
     assert recs[2][:2] == [-0.5, 1] and math.isinf(recs[2][2])
-    assert tpp.first_divergence([1, 2, 3], [1, 2, 4]) == 2
-    assert tpp.first_divergence([1, 2], [1, 2]) == 2
+    assert cmp.first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert cmp.first_divergence([1, 2], [1, 2]) == 2
 
 
 def _row(kind: str, tp: int, prompt: list[int], completion: list[int], tf: list[list[float]],
@@ -56,7 +62,7 @@ def _row(kind: str, tp: int, prompt: list[int], completion: list[int], tf: list[
                                     "m.embed": {"method": "Unquantized"}}}] * ranks}
 
 
-def test_compare_separates_near_tie_flips_from_real_ones(tpp):
+def test_compare_separates_near_tie_flips_from_real_ones(cmp):
     prompt = [1, 2, 3]
     completion = [4, 5, 6, 7]
     # TP=1: positions 1..6; completion tokens are records 2..5; margins: big, near-tie (0.01), big, big
@@ -66,7 +72,7 @@ def test_compare_separates_near_tie_flips_from_real_ones(tpp):
     tf2 = [[-1.001, 1, 1.0], [-1.0, 1, 1.0], [-1.005, 1, 0.5], [-1.0, 2, -0.01], [-1.0, 1, 0.5], [-1.03, 2, -0.1]]
     tp2 = _row("bf16", 2, prompt, [4, 9, 6, 8], tf2, decode_lp=[-1.002, -1.0, -1.0, -1.0], checksum="n1", ranks=2)
     tp2["seqs"] = tp1["seqs"]  # TP=2 scores TP=1's sequences
-    c = tpp.compare(tp1, tp2)
+    c = cmp.compare(tp1, tp2)
     assert c["logprob"]["completion"]["max"] == pytest.approx(0.03)
     assert c["logprob"]["prompt"]["max"] == pytest.approx(0.001)
     assert c["logprob_aqn"]["completion"]["max"] == pytest.approx(0.03)
@@ -79,7 +85,7 @@ def test_compare_separates_near_tie_flips_from_real_ones(tpp):
     assert c["tp1_decode_vs_teacher_forced"]["max"] == 0.0
     assert c["aqn_logprob_shift_tp1"]["max"] == pytest.approx(0.1)
     assert c["aqn"]["equal"] is True  # same noisy checksum on TP=1 and both TP=2 ranks, restored to clean
-    targets = {t["name"]: t for t in tpp.make_targets({"bf16": c}, ["bf16"])}
+    targets = {t["name"]: t for t in cmp.make_targets({"bf16": c}, ["bf16"])}
     assert targets["tp2_vs_tp1_logprob_max_abs_diff[bf16-ckpt]"]["measured"] == pytest.approx(0.03)
     assert targets["greedy_token_match_fraction[bf16-ckpt]"]["target"] == 0.25
     assert targets["argmax_flips_outside_near_ties[bf16-ckpt]"]["measured"] == 1
@@ -87,16 +93,16 @@ def test_compare_separates_near_tie_flips_from_real_ones(tpp):
     assert targets["layers_tp2_consistent_with_tp1[bf16-ckpt]"]["measured"] == 0
 
 
-def test_layer_and_aqn_consistency(tpp):
+def test_layer_and_aqn_consistency(cmp):
     tp1 = {"layers": {"m.qkv_proj": {"global_scale": [2.0], "shape": [64, 32]},
                       "m.down_proj": {"global_scale": [3.0], "shape": [32, 64]}, "m.lm_head": {"method": "U"}}}
     good = {"layers": {"m.qkv_proj": {"global_scale": [2.0], "shape": [32, 32]},
                        "m.down_proj": {"global_scale": [3.0], "shape": [32, 32]}}}
     bad = {"layers": {"m.qkv_proj": {"global_scale": [2.5], "shape": [32, 32]},
                       "m.down_proj": {"global_scale": [3.0], "shape": [16, 64]}}}
-    assert tpp.layer_consistency([tp1], [good, good]) | {"mismatches": []} == {
+    assert cmp.layer_consistency([tp1], [good, good]) | {"mismatches": []} == {
         "layers": 2, "consistent": 2, "fraction": 1.0, "mismatches": []}
-    res = tpp.layer_consistency([tp1], [good, bad])
+    res = cmp.layer_consistency([tp1], [good, bad])
     assert res["consistent"] == 0 and {m["layer"] for m in res["mismatches"]} == {"m.qkv_proj", "m.down_proj"}
 
     def aqn(clean: str, noisy: list[str], restored: str) -> dict:
@@ -104,15 +110,15 @@ def test_layer_and_aqn_consistency(tpp):
                                           "apply": [{"checksum": c} for c in noisy],
                                           "restore": [{"checksum": restored}] * len(noisy)}}
 
-    assert tpp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "n"], "c"))["equal"] is True
-    assert tpp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "m"], "c"))["equal"] is False  # ranks differ
-    assert tpp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["m", "m"], "c"))["equal"] is False  # TP=1 differs
-    assert tpp.aqn_consistency(aqn("c", ["c"], "c"), aqn("c", ["c", "c"], "c"))["equal"] is False  # no noise landed
-    assert tpp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "n"], "x"))["equal"] is False  # not restored
+    assert cmp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "n"], "c"))["equal"] is True
+    assert cmp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "m"], "c"))["equal"] is False  # ranks differ
+    assert cmp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["m", "m"], "c"))["equal"] is False  # TP=1 differs
+    assert cmp.aqn_consistency(aqn("c", ["c"], "c"), aqn("c", ["c", "c"], "c"))["equal"] is False  # no noise landed
+    assert cmp.aqn_consistency(aqn("c", ["n"], "c"), aqn("c", ["n", "n"], "x"))["equal"] is False  # not restored
 
 
-def test_targets_format_and_missing_kinds(tpp):
-    targets = tpp.make_targets({}, ["bf16", "nvfp4"], {"nvfp4": "nvfp4-ckpt TP=2 failed: rc=1"})
+def test_targets_format_and_missing_kinds(cmp):
+    targets = cmp.make_targets({}, ["bf16", "nvfp4"], {"nvfp4": "nvfp4-ckpt TP=2 failed: rc=1"})
     assert all(set(t) >= {"name", "measured", "op", "target"} for t in targets)
     assert all(t["op"] in ("<=", ">=") and isinstance(t["target"], float) for t in targets)
     assert all(t["measured"] is None and t["note"] for t in targets)
@@ -124,7 +130,7 @@ def test_targets_format_and_missing_kinds(tpp):
     assert any("failed: rc=1" in t["note"] for t in targets if "nvfp4" in t["name"])
 
 
-def test_control_scales_ours_and_has_no_targets_of_its_own(tpp):
+def test_control_scales_ours_and_has_no_targets_of_its_own(cmp):
     """The stock-vLLM BF16 control (kind 'plain') turns each kind's TP diff into a ratio to vLLM's own."""
     def comp(max_diff: float) -> dict:
         return {"logprob": {"completion": {"max": max_diff}}, "logprob_aqn": {"completion": {"max": max_diff}},
@@ -132,13 +138,13 @@ def test_control_scales_ours_and_has_no_targets_of_its_own(tpp):
                 "greedy_tokens": 4, "first_divergence": [4], "argmax_flips_outside_near_ties": 0,
                 "teacher_forced_argmax_flips": 0, "layers": {"fraction": 1.0}, "aqn": {"equal": True}}
 
-    targets = tpp.make_targets({"nvfp4": comp(0.3), "plain": comp(0.25)}, ["nvfp4", "plain"])
+    targets = cmp.make_targets({"nvfp4": comp(0.3), "plain": comp(0.25)}, ["nvfp4", "plain"])
     names = [t["name"] for t in targets]
     assert not any("control" in n and "over_control" not in n for n in names)  # no own targets for the control
     ratio = {t["name"]: t for t in targets}["tp2_vs_tp1_logprob_max_abs_diff_over_control[nvfp4-ckpt]"]
     assert ratio["measured"] == pytest.approx(1.2) and ratio["op"] == "<=" and ratio["target"] == 1.5
     # without the control's comparison, no ratio target (rather than a wrong one)
-    assert not any("over_control" in t["name"] for t in tpp.make_targets({"nvfp4": comp(0.3)}, ["nvfp4", "plain"]))
+    assert not any("over_control" in t["name"] for t in cmp.make_targets({"nvfp4": comp(0.3)}, ["nvfp4", "plain"]))
 
 
 def _run(args: list[str], timeout: float, **env) -> subprocess.CompletedProcess:
