@@ -273,25 +273,70 @@ def sources_at(rev: str, sources: list[Path], dest: Path) -> list[Path]:
     return [dest / s.resolve().relative_to(REPO) for s in sources]
 
 
+def _every_warp(k: Kernel) -> int | None:
+    """Main-loop instructions on every warp's path (the copy-issuing thread's branch left out), or None."""
+    main = k.main_loop()
+    return None if main is None else main.size - k.producer_only(main)
+
+
+def _changed_row(k: Kernel, o: Kernel) -> dict:
+    a, b = [i.text() for i in k.instructions], [i.text() for i in o.instructions]
+    if a == b and (k.registers, k.spill_bytes) == (o.registers, o.spill_bytes):
+        return {"kernel": k.name, "status": "identical", "instructions": len(a)}
+    first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {"kernel": k.name, "status": "changed", "instructions": len(a), "before": len(b),
+            "registers": k.registers, "registers_before": o.registers, "spill_bytes": k.spill_bytes,
+            "spill_bytes_before": o.spill_bytes, "main_loop_every_warp": _every_warp(k),
+            "main_loop_every_warp_before": _every_warp(o), "first_difference": first,
+            "now": a[first] if first < len(a) else None, "was": b[first] if first < len(b) else None}
+
+
+def _template_name(name: str) -> str:
+    """A demangled kernel name without its parameter list (``ns::f<64, true>(int, float)`` -> ``ns::f<64, true>``;
+    the list is the parenthesis group that ends the name, not ``(anonymous namespace)``)."""
+    if not name.endswith(")"):
+        return name
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            return name[:i]
+    return name
+
+
 def compare(new: list[Kernel], old: list[Kernel]) -> list[dict]:
-    """Per kernel: identical, changed (first differing instruction), added or removed. Kernels are matched by their
-    demangled names: a mangled name in an anonymous namespace carries a hash of the source's path, which differs
-    between the working tree and the revision's copy."""
+    """Per kernel: identical, changed (first differing instruction, registers, spills, main-loop size), added or
+    removed. Kernels are matched by their demangled names: a mangled name in an anonymous namespace carries a hash of
+    the source's path, which differs between the working tree and the revision's copy. What is left is matched by
+    name without the parameter list where that is unique on both sides, so a kernel whose arguments changed (a new
+    parameter type) is compared too, with ``signature_before``."""
     old_by = {k.name: k for k in old}
-    rows = []
+    rows: list[dict] = []
+    unmatched = []
     for k in new:
         o = old_by.pop(k.name, None)
         if o is None:
+            unmatched.append(k)
+        else:
+            rows.append(_changed_row(k, o))
+    left_by: dict[str, list[Kernel]] = {}
+    for o in old_by.values():
+        left_by.setdefault(_template_name(o.name), []).append(o)
+    new_count: dict[str, int] = {}
+    for k in unmatched:
+        new_count[_template_name(k.name)] = new_count.get(_template_name(k.name), 0) + 1
+    for k in unmatched:
+        base = _template_name(k.name)
+        olds = left_by.get(base, [])
+        if len(olds) == 1 and new_count[base] == 1:
+            o = olds.pop()
+            del old_by[o.name]
+            row = _changed_row(k, o)
+            row["status"], row["signature_before"] = "changed", o.name
+            row.setdefault("before", len(o.instructions))
+            rows.append(row)
+        else:
             rows.append({"kernel": k.name, "status": "added"})
-            continue
-        a, b = [i.text() for i in k.instructions], [i.text() for i in o.instructions]
-        if a == b and (k.registers, k.spill_bytes) == (o.registers, o.spill_bytes):
-            rows.append({"kernel": k.name, "status": "identical", "instructions": len(a)})
-            continue
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        rows.append({"kernel": k.name, "status": "changed", "instructions": len(a), "before": len(b),
-                     "registers": k.registers, "registers_before": o.registers, "first_difference": first,
-                     "now": a[first] if first < len(a) else None, "was": b[first] if first < len(b) else None})
     rows += [{"kernel": o.name, "status": "removed"} for o in old_by.values()]
     return rows
 
@@ -354,8 +399,12 @@ def main(argv: list[str] | None = None) -> int:
             line = f"  {row['status']:9} {row['kernel']}"
             if row["status"] == "changed":
                 line += (f" ({row['before']} -> {row['instructions']} instructions, registers "
-                         f"{row['registers_before']} -> {row['registers']}; first difference at "
-                         f"#{row['first_difference']}: {row['was']!r} -> {row['now']!r})")
+                         f"{row['registers_before']} -> {row['registers']}, spilled {row['spill_bytes_before']} -> "
+                         f"{row['spill_bytes']} B, main loop on every warp's path {row['main_loop_every_warp_before']}"
+                         f" -> {row['main_loop_every_warp']}; first difference at #{row['first_difference']}: "
+                         f"{row['was']!r} -> {row['now']!r})")
+                if "signature_before" in row:
+                    line += f"\n            (parameters changed; was {row['signature_before']})"
             print(line)
         if args.expect_identical and any(r["status"] != "identical" for r in comparison):
             status = 1

@@ -107,6 +107,25 @@ def test_compare_tells_identical_from_changed(sc, tmp_path):
     assert sorted(r["status"] for r in sc.compare(renamed, base)) == ["added", "removed"]
 
 
+def test_compare_matches_a_kernel_whose_parameters_changed(sc, tmp_path):
+    """A new parameter type (a kernel taking a struct of two tensor maps instead of one) is still the same kernel:
+    compared by its name without the parameter list, with the old signature and the main loop's size on both sides."""
+    base = sc.census(_write(tmp_path, "a.cu", FMA_LOOP))
+    retyped = sc.census(_write(tmp_path, "e.cu", FMA_LOOP.replace("int n)", "long long n)")))
+    (row,) = sc.compare(retyped, base)
+    assert row["status"] == "changed", row
+    assert row["signature_before"] == base[0].name != row["kernel"]
+    assert row["main_loop_every_warp_before"] == base[0].main_loop().size
+    assert isinstance(row["main_loop_every_warp"], int) and row["spill_bytes"] == 0
+    # two overloads left on one side are ambiguous: reported as added / removed, not guessed
+    both = _write(tmp_path, "f.cu", FMA_LOOP.replace("int n)", "long long n)")
+                  + FMA_LOOP.replace("int n)", "short n)"))
+    statuses = sorted(r["status"] for r in sc.compare(sc.census(both), base))
+    assert statuses == ["added", "added", "removed"], statuses
+    assert sc._template_name("void ns::(anonymous namespace)::k<64, true>(ns::Maps, int (*)(int))") == \
+        "void ns::(anonymous namespace)::k<64, true>"
+
+
 def test_against_a_revision_of_the_repository(sc, tmp_path):
     """The real sources at HEAD against the working tree: the dequant kernels compile to the same stream unless
     the working tree changed them (then the test says which)."""
