@@ -82,6 +82,41 @@ def test_check_refuses_unstaged_folders_and_stops_at_the_build_without_a_gpu(sta
     assert "NOT loaded" in log and not (out_dir / f"{folder.name}-kernel.json").exists()
 
 
+def test_check_skips_the_tests_of_the_folders_named_in_cand_skip_tests(staged, tmp_path):
+    """CAND_SKIP_TESTS (the HEAD copies) goes from the build straight to timing; other folders still run their tests.
+    A stand-in ``python3`` first on PATH records what it was asked to run: the build check and the table succeed,
+    pytest only leaves a mark."""
+    dest, _ = staged
+    folder = sorted(dest.iterdir())[0]
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+prev=""
+for a in "$@"; do
+  if [ "$prev" = "--out" ]; then mkdir -p "$(dirname "$a")"; echo '{{}}' > "$a"; fi
+  prev=$a
+done
+exit 0
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CAND_TESTS="tests/test_x.py")
+    for skip in (folder.name, ""):
+        out_dir = tmp_path / f"out-{bool(skip)}"
+        calls.write_text("")
+        run = subprocess.run(["bash", str(CHECK), str(folder)], capture_output=True, text=True, cwd=REPO,
+                             env=dict(env, OUT=str(out_dir), CAND_SKIP_TESTS=f"other,{skip}"), timeout=120)
+        log = (out_dir / f"{folder.name}.log").read_text()
+        assert run.returncode == 0, log + run.stderr
+        asked = calls.read_text()
+        assert "benchmarks/kernel.py" in asked and (out_dir / f"{folder.name}-kernel.json").exists()
+        if skip:
+            assert "pytest" not in asked and "tests skipped (CAND_SKIP_TESTS)" in log
+        else:
+            assert "tests/test_kernels_gpu.py -k wgmma" in asked and "tests/test_x.py" in asked
+
+
 def test_decode_skeleton_edits_match_the_kernel(tmp_path: Path) -> None:
     """benchmarks/gpu/decode_skeleton.sh edits the decode kernel with sed; a pattern that no longer matches would time
     the full kernel as a "skeleton" without a word. Each of its three edits, applied to a copy of the kernel as the

@@ -13,6 +13,8 @@
 # second test step (e.g. tests/test_lora_fused_gpu.py), after the wgmma tests. CAND_LORA_MS: also time
 # benchmarks/lora_gemm_bench.py at these token counts (<name>-lora-gemm.json; a third file per candidate).
 # CAND_PDL=1: the table with kernel.py --pdl (`ours` as programmatic dependent launches, `ours_nopdl` beside it).
+# CAND_SKIP_TESTS: a comma list of candidate names that go from the build straight to timing (the HEAD copies:
+# their GPU tests ran when they landed; ~1-2 min saved per copy).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -ge 1 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidates_check.sh FOLDER [FOLDER ...]" >&2; exit 2; }
@@ -41,9 +43,12 @@ for dir in "$@"; do
     source "$ROOT/benchmarks/gpu/steps.sh"
     export LOG
     step build 150 bash -c 'python3 -c "$QERL_BUILD_CHECK_PY" >> "$LOG" 2>&1' || exit 1
-    step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
+    skip_tests=0
+    [[ ",${CAND_SKIP_TESTS:-}," == *",$name,"* ]] && skip_tests=1
+    [ "$skip_tests" = 1 ] && echo "[candidates_check] $name: tests skipped (CAND_SKIP_TESTS)" >> "$LOG"
+    [ "$skip_tests" = 1 ] || step wgmma_tests 200 bash -c "python3 -m pytest -x -q -p no:cacheprovider tests/test_kernels_gpu.py -k wgmma \
       >> '$LOG' 2>&1" || { tail -30 "$LOG"; exit 1; }
-    if [ -n "${CAND_TESTS:-}" ]; then
+    if [ -n "${CAND_TESTS:-}" ] && [ "$skip_tests" = 0 ]; then
       step more_tests 300 bash -c "python3 -m pytest -x -q -p no:cacheprovider $CAND_TESTS >> '$LOG' 2>&1" \
         || { tail -30 "$LOG"; exit 1; }
     fi
