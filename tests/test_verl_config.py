@@ -417,9 +417,35 @@ def test_scale_rule_reaches_vllm_only_where_vllm_quantizes(tiny_nvfp4):
     qerl = apply_qerl(cfg)
     assert qerl.scale_rule == "fp32" and cfg.actor_rollout_ref.model.lora.qerl.scale_rule == "fp32"
     assert OmegaConf.to_container(OmegaConf.select(cfg, HF_OVERRIDES)) == {
-        "quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}}
+        "quantization_config": {"quant_method": "qerl_nvfp4", "scale_rule": "fp32", "ignore": ["lm_head"]}}
     # an NVFP4 model.path is read as it is by both sides: no override (it would replace its quantization_config)
     cfg = composed("+qerl=nvfp4", "qerl.scale_rule=fp32", f"actor_rollout_ref.model.path={tiny_nvfp4}")
+    apply_qerl(cfg)
+    assert OmegaConf.select(cfg, HF_OVERRIDES) is None
+
+
+def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_nvfp4):
+    """qerl.ignore decides which layers the actor keeps in BF16; vLLM's quantize-at-load must keep the same ones (it
+    read only its own default, lm_head, before: the README's qerl.ignore=[lm_head,down_proj] trained BF16 down_proj
+    layers while the rollout sampled from NVFP4 ones)."""
+    from omegaconf import OmegaConf
+
+    from verl_qerl.vllm.config import QeRLNvFp4Config
+
+    for ignore, want in (("[lm_head,down_proj]", ["lm_head", "down_proj"]), ("[]", [])):
+        cfg = composed("+qerl=nvfp4", f"qerl.ignore={ignore}")
+        assert list(apply_qerl(cfg).ignore) == want
+        quant = OmegaConf.to_container(OmegaConf.select(cfg, HF_OVERRIDES))["quantization_config"]
+        assert quant == {"quant_method": "qerl_nvfp4", "scale_rule": "bf16", "ignore": want}
+        assert QeRLNvFp4Config.from_config(quant).ignore == want  # what vLLM's qerl_nvfp4 reads from it
+    # a user's own override that disagrees is refused, naming both
+    cfg = composed("+qerl=nvfp4", "qerl.ignore=[lm_head,down_proj]",
+                   f"+{HF_OVERRIDES}.quantization_config.quant_method=qerl_nvfp4")
+    with pytest.raises(QeRLConfigError, match=r"conflicts with qerl.scale_rule=bf16 / qerl.ignore=\['lm_head', "
+                                              r"'down_proj'\]"):
+        apply_qerl(cfg)
+    # NVFP4 model.path: both sides read its bytes and its own ignore list
+    cfg = composed("+qerl=nvfp4", "qerl.ignore=[lm_head,down_proj]", f"actor_rollout_ref.model.path={tiny_nvfp4}")
     apply_qerl(cfg)
     assert OmegaConf.select(cfg, HF_OVERRIDES) is None
 

@@ -27,8 +27,9 @@ Where the nvfp4 base weights come from (no BF16 copy of the Linear weights in th
   twin the same way; vLLM reads the BF16 ``model.path`` and quantizes it at load (same numbers).
 * BF16 ``model.path`` alone: verl loads it, the actor quantizes its Linear layers in place.
 
-Wherever BF16 weights are quantized (the actor in place, vLLM at load), ``scale_rule`` says how, and
-both sides use it; a non-default rule reaches vLLM through ``engine_kwargs.vllm.hf_overrides``. An
+Wherever BF16 weights are quantized (the actor in place, vLLM at load), ``scale_rule`` says how and
+``ignore`` which layers stay BF16, and both sides use them; non-default values reach vLLM through
+``engine_kwargs.vllm.hf_overrides``. An
 NVFP4 twin must have been made from ``model.path`` with that rule (recorded in its config.json by
 ``qerl-quantize``, otherwise checked on one layer), or the actor and vLLM would hold different weights.
 """
@@ -269,22 +270,30 @@ def _check_twin_scale_rule(config: Any, qerl: QeRLConfig) -> None:
                    "weights, vLLM its own quantization of model.path", twin, path)
 
 
-def _vllm_scale_rule(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
-    """Give vLLM's quantize-at-load the actor's scale rule (only needed when it is not the default)."""
+def _vllm_quantize_at_load(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
+    """Give vLLM's quantize-at-load the actor's scale rule and ignore list (passed only where not the default).
+
+    Without the ignore list vLLM would quantize the layers ``qerl.ignore`` keeps in BF16 on the actor (or keep
+    ``lm_head`` in BF16 where ``qerl.ignore=[]`` quantizes it), and the rollout would sample from other weights than
+    the ones trained, without an error anywhere.
+    """
     path_format = checkpoint_format(_get(config, "actor_rollout_ref.model.path"))
     if qerl.mode != "nvfp4" or path_format not in (None, FORMAT_BF16):
         return  # a quantized model.path: vLLM and the actor both read its bytes
     key = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
     overrides = dict(_plain(_get(config, key, {})) or {})
     have = overrides.get("quantization_config")
-    want = {"quant_method": VLLM_QUANTIZATION["nvfp4"], "scale_rule": qerl.scale_rule}
+    want = {"quant_method": VLLM_QUANTIZATION["nvfp4"], "scale_rule": qerl.scale_rule, "ignore": list(qerl.ignore)}
     if have is not None:
         have = dict(_plain(have))
-        if {**have, "scale_rule": have.get("scale_rule", DEFAULT_SCALE_RULE)} != want:
-            raise QeRLConfigError(f"{key}.quantization_config={have} conflicts with qerl.scale_rule={qerl.scale_rule} "
-                                  f"(which needs {want}); leave it unset")
+        filled = {**have, "scale_rule": have.get("scale_rule", DEFAULT_SCALE_RULE),
+                  "ignore": list(have.get("ignore", DEFAULT_IGNORE) or [])}
+        if filled != want:
+            raise QeRLConfigError(f"{key}.quantization_config={have} conflicts with qerl.scale_rule="
+                                  f"{qerl.scale_rule} / qerl.ignore={list(qerl.ignore)} (which need {want}); "
+                                  "leave it unset")
         return
-    if qerl.scale_rule != DEFAULT_SCALE_RULE:
+    if qerl.scale_rule != DEFAULT_SCALE_RULE or tuple(qerl.ignore) != tuple(DEFAULT_IGNORE):
         _set(config, key, {**overrides, "quantization_config": want}, changes)
 
 
@@ -365,7 +374,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
                               f"with qerl.mode={qerl.mode} (which needs {want_quant!r})")
     if want_quant and have_quant is None:
         _set(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.quantization", want_quant, changes)
-    _vllm_scale_rule(config, qerl, changes)
+    _vllm_quantize_at_load(config, qerl, changes)
     rollout_quant = _get(config, "actor_rollout_ref.rollout.quantization")
     if rollout_quant is not None:
         raise QeRLConfigError(f"actor_rollout_ref.rollout.quantization={rollout_quant!r}: leave it null; QeRL "
