@@ -379,6 +379,25 @@ def test_force_never_replaces_a_folder_holding_the_source(tiny_bf16, tmp_path):
         assert _tree(tmp_path) == before, dst
 
 
+def test_force_never_replaces_the_target_of_a_linked_source_file(tiny_bf16, tmp_path):
+    """A source whose shard is a symlink into another folder (a Hugging Face cache: snapshots/<rev>/x ->
+    blobs/<hash>): replacing that folder with --force would delete the source's weights through the link."""
+    raw, src = tmp_path / "blobs" / "raw", tmp_path / "snapshot"
+    shutil.copytree(tiny_bf16, src)
+    raw.mkdir(parents=True)
+    for shard in sorted(src.glob("*.safetensors")):
+        shard.rename(raw / shard.name)
+        shard.symlink_to(raw / shard.name)
+    before = _tree(tmp_path)
+    res = run_cli(str(src), str(raw), "--force")
+    assert res.returncode == 2, (res.stdout, res.stderr[-2000:])
+    assert "the target of the source's link" in res.stderr and "Traceback" not in res.stderr
+    assert _tree(tmp_path) == before
+    with pytest.raises(DestinationError, match="replacing it would delete it"):
+        quantize_checkpoint(src, tmp_path / "blobs", force=True)  # a folder above the link's target too
+    assert quantize_checkpoint(src, tmp_path / "out").quantized  # the linked source itself converts as usual
+
+
 def test_force_never_replaces_a_file(tiny_bf16, tmp_path):
     dst = tmp_path / "out"
     dst.write_text("mine")

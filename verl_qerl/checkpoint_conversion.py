@@ -20,7 +20,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,11 +78,33 @@ def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
-def check_destination(src: Path, dst: Path, force: bool) -> Path:
+def check_output_folder(dst: Path, tool: str, keep: Mapping[str, Path] | None = None) -> Path:
+    """Refuse a DST that cannot be a folder, or whose replacement would delete what ``keep`` names
+    ({description: path}: the source checkpoint, the installed packages a GGUF is read from); return its real
+    path. Paths are compared after resolving symlinks, so a link to a kept folder's parent is refused like the
+    parent itself. Says nothing about a non-empty DST (the callers word that themselves)."""
+    real_dst = dst.resolve()
+    for what, path in (keep or {}).items():
+        real = Path(path).resolve()
+        if real_dst == real or _is_within(real, real_dst):
+            raise DestinationError(f"{dst}: contains {what} {path}; replacing it would delete it (choose a new or "
+                                   "empty folder)")
+    if real_dst.exists() and not real_dst.is_dir():
+        raise DestinationError(f"{dst}: exists and is not a folder; {tool} writes a folder (remove the file or "
+                               "choose another name)")
+    existing = next(p for p in real_dst.parents if p.exists())
+    if not existing.is_dir():
+        raise DestinationError(f"{dst}: cannot write there: {existing} is not a folder")
+    return real_dst
+
+
+def check_destination(src: Path, dst: Path, force: bool, sources: Iterable[Path] = ()) -> Path:
     """Refuse a DST whose replacement would lose data or that cannot be a folder; return its real path.
 
     Paths are compared after resolving symlinks, so a link to SRC's parent is refused like the
-    parent itself. A non-empty DST needs ``force`` (``FileExistsError`` otherwise).
+    parent itself; ``sources``: SRC's files, each resolved too (a shard that is a symlink into DST, as in a
+    Hugging Face cache's snapshot -> blobs layout, would be deleted with DST). A non-empty DST needs ``force``
+    (``FileExistsError`` otherwise).
     """
     real_src, real_dst = src.resolve(), dst.resolve()
     if real_dst == real_src:
@@ -92,12 +114,8 @@ def check_destination(src: Path, dst: Path, force: bool) -> Path:
                                "(choose a new or empty folder)")
     if _is_within(real_dst, real_src):
         raise DestinationError(f"{dst}: is inside the source {src}; choose a folder outside it")
-    if real_dst.exists() and not real_dst.is_dir():
-        raise DestinationError(f"{dst}: exists and is not a folder; qerl-quantize writes a folder (remove the "
-                               "file or choose another name)")
-    existing = next(p for p in real_dst.parents if p.exists())
-    if not existing.is_dir():
-        raise DestinationError(f"{dst}: cannot write there: {existing} is not a folder")
+    check_output_folder(dst, "qerl-quantize", {f"the target of the source's link {f}:": f.resolve()
+                                               for f in sources if f.is_symlink()})
     if real_dst.is_dir() and any(real_dst.iterdir()) and not force:
         raise FileExistsError(f"{dst}: exists and is not empty (pass --force to replace it)")
     return real_dst
@@ -210,7 +228,7 @@ def quantize_checkpoint(
     reader = CheckpointReader(src)  # config.json and shard headers only
     if reader.format != FORMAT_BF16:
         raise CheckpointError(f"{src}: is already quantized ({reader.format}); nothing to convert")
-    dst = check_destination(src, shown, force)
+    dst = check_destination(src, shown, force, sources=sorted(src.iterdir()))
     declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
     where = f"{src / 'config.json'}: quantization_config"
     declared_ignore = None if declared_ignore is None else check_patterns(declared_ignore, f"{where}.ignore")
