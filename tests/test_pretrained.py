@@ -290,3 +290,91 @@ def test_tokenizer_only_names_missing_packages_and_needs_out(fake_model, fake_si
     with pytest.raises(SystemExit):
         main(["tiny-test", "--tokenizer-only"])
     assert "--tokenizer-only needs --out" in capsys.readouterr().err
+
+
+def test_destinations_that_would_lose_data_are_refused_before_any_work(fake_model, fake_site, tmp_path, capsys,
+                                                                       monkeypatch):
+    """--force replaces a folder; it must not replace a file, the installed packages the GGUF is read from, or the
+    shell's working directory, and a symlinked destination is followed (the link stays a link)."""
+    from verl_qerl.cli.pretrained import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    site_files = sorted(p.relative_to(fake_site) for p in fake_site.rglob("*"))
+    cases = [(notes, "is not a folder"), (notes / "sub", "is not a folder"),
+             (fake_site, "contains the installed package file"), (tmp_path, "contains the installed package file")]
+    for out, why in cases:
+        assert main(["tiny-test", "--out", str(out), "--force", "--no-progress"]) == 2, out
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err, err
+    assert notes.read_text() == "mine" and sorted(p.relative_to(fake_site) for p in fake_site.rglob("*")) == site_files
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # refused before any staging folder
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert main(["tiny-test", "--out", ".", "--no-progress"]) == 2
+    assert "current working directory" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "old.txt").write_text("previous")
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    assert main(["tiny-test", "--out", str(link), "--force", "--no-progress"]) == 0
+    assert link.is_symlink() and pretrained.is_prepared(link, fake_model) and not (mine / "old.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if ".old-" in p.name or ".partial-" in p.name]
+
+
+_PAUSING_PRETRAINED = r"""
+import json, sys, time
+from pathlib import Path
+from verl_qerl import pretrained
+from verl_qerl.cli.pretrained import main
+spec, marker = json.loads(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, spec["site"])
+parts = tuple(pretrained.GGUFPart(*p) for p in spec["parts"])
+pretrained.MODELS["tiny-test"] = pretrained.PretrainedModel(parts=parts, **spec["model"])
+def pausing_convert(gguf_file, out_dir, **kwargs):
+    (out_dir / "model.safetensors").write_bytes(b"half")
+    marker.write_text(str(out_dir))
+    time.sleep(60)
+pretrained.convert_gguf = pausing_convert
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_sigterm_mid_conversion_leaves_no_staging_folder(fake_model, fake_site, tmp_path):
+    """SIGTERM (kill, a scheduler, a container stop) removes the staging folder with its joined GGUF and BF16 weights
+    (~1.5 GB for the Qwen model) and says so, as Ctrl-C does; the destination keeps what it had."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "old.txt").write_text("previous")
+    spec = {"site": str(fake_site), "parts": [[p.distribution, p.version, p.path, p.size] for p in fake_model.parts],
+            "model": {k: getattr(fake_model, k) for k in ("key", "title", "sha256", "architecture", "general_name",
+                                                         "gguf_name")}}
+    marker = tmp_path.parent / f"{tmp_path.name}-converting"
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_PRETRAINED, json.dumps(spec), str(marker), "tiny-test",
+                             "--out", str(out), "--force", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the conversion never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ".partial-" in marker.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (proc.returncode, err[-2000:])
+    assert (out / "old.txt").read_text() == "previous" and [p.name for p in out.iterdir()] == ["old.txt"]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]

@@ -84,6 +84,10 @@ def check_output_folder(dst: Path, tool: str, keep: Mapping[str, Path] | None = 
     path. Paths are compared after resolving symlinks, so a link to a kept folder's parent is refused like the
     parent itself. Says nothing about a non-empty DST (the callers word that themselves)."""
     real_dst = dst.resolve()
+    cwd = Path.cwd().resolve()
+    if real_dst == cwd or _is_within(cwd, real_dst):
+        raise DestinationError(f"{dst}: is or holds the current working directory, which {tool} would replace under "
+                               f"the shell's feet; run it from elsewhere or name another folder")
     for what, path in (keep or {}).items():
         real = Path(path).resolve()
         if real_dst == real or _is_within(real, real_dst):
@@ -121,9 +125,10 @@ def check_destination(src: Path, dst: Path, force: bool, sources: Iterable[Path]
     return real_dst
 
 
-def _make_temp_folder(dst: Path, shown: Path) -> tuple[Path, list[Path]]:
-    """DST's missing parents and the hidden temporary folder beside DST, created before any weight is
-    read (the one test of writability that also holds for root). Returns the folder and the parents made."""
+def make_temp_folder(dst: Path, shown: Path, tag: str = "tmp") -> tuple[Path, list[Path]]:
+    """DST's missing parents and the hidden temporary folder beside DST (``.<name>.<tag>-*``), created before any
+    weight is read (the one test of writability that also holds for root). Returns the folder and the parents
+    made (:func:`remove_made` takes them back on failure)."""
     made: list[Path] = []
     try:
         for parent in reversed(dst.parents):
@@ -132,9 +137,9 @@ def _make_temp_folder(dst: Path, shown: Path) -> tuple[Path, list[Path]]:
                 parent.mkdir()
                 made.append(parent)
         where = dst.parent
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{tag}-", dir=dst.parent))
     except OSError as err:
-        _remove_made(made)
+        remove_made(made)
         raise DestinationError(f"{shown}: cannot write into {where}: {err.strerror or err}") from err
     umask = os.umask(0)
     os.umask(umask)
@@ -142,7 +147,7 @@ def _make_temp_folder(dst: Path, shown: Path) -> tuple[Path, list[Path]]:
     return tmp, made
 
 
-def _remove_made(made: list[Path]) -> None:
+def remove_made(made: list[Path]) -> None:
     for parent in reversed(made):
         with contextlib.suppress(OSError):
             parent.rmdir()
@@ -243,7 +248,7 @@ def quantize_checkpoint(
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
 
-    tmp, made = _make_temp_folder(dst, shown)
+    tmp, made = make_temp_folder(dst, shown)
     umask = os.umask(0)
     os.umask(umask)
     report = ConversionReport(src=src, dst=shown)
@@ -294,6 +299,6 @@ def quantize_checkpoint(
         replace_dir(tmp, dst, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_made(made)
+        remove_made(made)
         raise
     return report

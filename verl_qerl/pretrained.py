@@ -30,13 +30,12 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_conversion import replace_dir
+from .checkpoint_conversion import check_output_folder, make_temp_folder, remove_made, replace_dir
 
 #: Marker file written last into a finished folder; its JSON names the source it was made from.
 DONE_MARKER = "DONE"
@@ -320,15 +319,17 @@ def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
     model's checked GGUF and returns the marker's extra fields; the marker is written last and the stage is
     swapped into place (:func:`verl_qerl.checkpoint_conversion.replace_dir`) only when complete, so ``out`` never
     holds a half-written folder. A non-empty ``out`` without a marker is refused unless ``force``."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out}: exists and is not a finished {what} of {model.title} "
+    parts = locate_parts(model)  # a missing package is reported before anything is written
+    # a folder (resolved: `.`, a symlink) that is not a file, not under a file, and does not hold the installed
+    # packages the GGUF is read from (replacing it would delete them)
+    shown, out = out, check_output_folder(out, "qerl-pretrained",
+                                          {f"the installed package file {p.name} at": p for p in parts})
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{shown}: exists and is not a finished {what} of {model.title} "
                               f"(no matching {DONE_MARKER} marker); pass --force to replace it")
-    locate_parts(model)  # a missing package is reported before anything is written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)
+    stage, made = make_temp_folder(out, shown, tag="partial")
     try:
         t0 = time.perf_counter()
         source_dir = stage / ".source"
@@ -347,6 +348,7 @@ def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
         replace_dir(stage, out, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        remove_made(made)
         raise
     return out
 

@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+from .stopping import Terminated, sigterm_raises, stopped_exit
+
 
 def main(argv: list[str] | None = None) -> int:
     from .. import pretrained
+    from ..checkpoint_conversion import DestinationError
 
     models = "\n".join(f"  {m.key}: {m.title}, from {', '.join(p.distribution for p in m.parts)}"
                        for m in pretrained.MODELS.values())
@@ -43,10 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     cached = done(Path(out), model)
     write = pretrained.extract_tokenizer if args.tokenizer_only else pretrained.prepare
     try:
-        folder = write(args.model, out, force=args.force, progress=not args.no_progress)
-    except (pretrained.PretrainedNotInstalled, pretrained.PretrainedIntegrityError, FileExistsError) as err:
+        with sigterm_raises():
+            folder = write(args.model, out, force=args.force, progress=not args.no_progress)
+    except (pretrained.PretrainedNotInstalled, pretrained.PretrainedIntegrityError, FileExistsError,
+            DestinationError) as err:
         print(f"qerl-pretrained: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # e.g. the disk filled up while writing: the staging folder is already removed
+        print(f"qerl-pretrained: error: {err}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Terminated) as err:
+        return stopped_exit("qerl-pretrained", err)
     what = "tokenizer" if args.tokenizer_only else "converted"
     how = f"{what}: already there" if cached else f"{what} in {time.perf_counter() - t0:.1f} s"
     print(f"qerl-pretrained: {model.title} -> {folder} ({how})", file=sys.stderr)

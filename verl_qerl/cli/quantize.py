@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 
 from tqdm import tqdm
 
 from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised like KeyboardInterrupt so that the temporary output folder is removed on the way out."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signum)
+from .stopping import Terminated, sigterm_raises, stopped_exit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        report = checkpoint_conversion.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force,
-                                                           progress=progress, scale_rule=args.scale_rule,
-                                                           device=args.device)
+        with sigterm_raises():
+            report = checkpoint_conversion.quantize_checkpoint(args.src, args.dst, ignore=ignore, force=args.force,
+                                                               progress=progress, scale_rule=args.scale_rule,
+                                                               device=args.device)
     except (FileExistsError, ValueError) as err:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 2
@@ -73,12 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl-quantize: error: {err}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as err:
-        signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
-        print(f"qerl-quantize: stopped by {signal.Signals(signum).name}; no partial output left behind",
-              file=sys.stderr)
-        return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        return stopped_exit("qerl-quantize", err)
     dt = time.perf_counter() - t0
     ratio = report.bytes_out / max(report.bytes_in, 1)
     print(f"qerl-quantize: wrote {report.dst}: {len(report.quantized)} Linear layers in NVFP4, "
