@@ -506,6 +506,21 @@ def test_bad_ignore_regex_is_named(tiny_bf16, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ignore_patterns_that_match_nothing_or_split_a_fused_layer_are_refused(tiny_bf16, tmp_path):
+    """A misspelled --ignore quantized the layers it meant without a word; q_proj alone wrote a checkpoint that vLLM
+    refused at load (q/k/v are one fused layer there). Both are refused before anything is written."""
+    for args, why in ((["--ignore", "donw_proj"], "'donw_proj' matches no Linear layer of the model"),
+                      (["--ignore", "q_proj"], "keeps model.layers.0.self_attn.q_proj in BF16 but not "
+                                               "model.layers.0.self_attn.k_proj: q_proj/k_proj/v_proj are one fused"),
+                      (["--ignore", "re:.*layers\\.1\\.mlp\\.up_proj"], "gate_proj/up_proj are one fused layer")):
+        res = run_cli(str(tiny_bf16), str(tmp_path / "dst"), *args)
+        assert res.returncode == 2, (args, res.stderr[-2000:])
+        assert why in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert list(tmp_path.iterdir()) == []
+    report = quantize_checkpoint(tiny_bf16, tmp_path / "dst", ignore=["q_proj", "k_proj", "v_proj"])
+    assert report.quantized and not any(m.endswith(("q_proj", "k_proj", "v_proj")) for m in report.quantized)
+
+
 _PAUSING_CLI = r"""
 import shutil, sys, time
 from pathlib import Path

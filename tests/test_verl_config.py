@@ -325,6 +325,31 @@ def test_fsdp_engine_hook_makes_nvfp4_layers_with_lora(tiny_bf16):
     assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
 
 
+def test_ignore_patterns_are_checked_against_the_model(tiny_bf16):
+    """A qerl.ignore pattern that keeps no layer (a misspelling) or splits a fused q/k/v or gate/up layer is refused:
+    at the driver where model.path's config.json is local, else by the actor hook on the built model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    path = f"actor_rollout_ref.model.path={tiny_bf16}"
+    with pytest.raises(QeRLConfigError, match=r"qerl.ignore: 'donw_proj' matches no Linear layer of the model"):
+        apply_qerl(composed("+qerl=nvfp4", path, "qerl.ignore=[lm_head,donw_proj]"))
+    with pytest.raises(QeRLConfigError, match=r"qerl.ignore: keeps .*gate_proj in BF16 but not .*up_proj"):
+        apply_qerl(composed("+qerl=nvfp4", path, "qerl.ignore=[lm_head,gate_proj]"))
+    assert apply_qerl(composed("+qerl=nvfp4", path, "qerl.ignore=[lm_head,down_proj]")).ignore == ("lm_head",
+                                                                                                 "down_proj")
+    # a model.path the driver cannot read (hub id): the actor hook refuses it on the model it built
+    cfg = composed("+qerl=nvfp4", "actor_rollout_ref.model.lora_rank=8", "qerl.ignore=[lm_head,donw_proj]")
+    apply_qerl(cfg)
+    m = cfg.actor_rollout_ref.model
+    engine = SimpleNamespace(model_config=SimpleNamespace(
+        lora=dict(m.lora), lora_rank=8, lora_alpha=16, target_modules=list(m.target_modules), target_parameters=None,
+        exclude_modules=None, lora_adapter_path=None, use_shm=False))
+    with pytest.raises(QeRLConfigError, match="'donw_proj' matches no Linear layer"):
+        FSDPEngine._build_lora_module(engine, AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("group", ["bf16", "nf4"])
 def test_nvfp4_model_path_is_refused_for_modes_that_train_from_bf16(group, tiny_nvfp4):
     cfg = composed(f"+qerl={group}", f"actor_rollout_ref.model.path={tiny_nvfp4}")

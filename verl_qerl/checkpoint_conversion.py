@@ -33,6 +33,7 @@ from .nvfp4.checkpoint import (
     SCALE_RULE_KEY,
     CheckpointError,
     CheckpointReader,
+    check_ignore,
     check_patterns,
     ct_quantization_config,
     ct_tensors,
@@ -240,6 +241,7 @@ def quantize_checkpoint(
     declared_targets = None if declared_targets is None else check_patterns(declared_targets, f"{where}.targets")
     patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ()), *ignore]))
     linear = linear_module_names(reader.config)
+    check_ignore(linear, patterns, "ignore", must_match=ignore)
     wanted = [m for m in linear if not matches_pattern(m, patterns)
               and (declared_targets is None or matches_pattern(m, declared_targets))]
     targets = [m for m in wanted if f"{m}.weight" in reader]

@@ -36,6 +36,7 @@ from ..nvfp4.checkpoint import (
     CheckpointError,
     CheckpointReader,
     PatternError,
+    check_ignore,
     check_patterns,
     matches_pattern,
     validate_nvfp4,
@@ -80,6 +81,11 @@ def _select_targets(model: nn.Module, ignore: Iterable[str], targets: Iterable[s
     """Names of the modules to convert, in model order; errors name any unsupported module."""
     ignore = list(ignore)
     modules = dict(model.named_modules())
+    linear = [n for n, m in modules.items() if isinstance(m, (nn.Linear, NVFP4Linear))]
+    try:  # a fused group (q/k/v, gate/up) is all NVFP4 or all BF16, as vLLM serves it
+        check_ignore(linear, ignore, "ignore")
+    except PatternError as err:
+        raise ModelConversionError(f"quantize_model: {err}") from err
     if targets is None:
         names = [n for n, m in modules.items() if isinstance(m, nn.Linear) and not matches_pattern(n, ignore)]
     else:

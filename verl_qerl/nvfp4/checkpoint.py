@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .arch import DEFAULT_IGNORE
+from .arch import DEFAULT_IGNORE, fused_group
 from .format import BLOCK_SIZE, CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, SCALE_DTYPE
 from .quant_config import (
     CT_FORMAT,
@@ -129,6 +129,34 @@ def check_patterns(patterns: Iterable[Any], option: str) -> list[str]:
                 raise PatternError(f"{option}: {pat!r} is not a valid regular expression ({err})") from err
         out.append(pat)
     return out
+
+
+def check_ignore(linear: Sequence[str], patterns: Iterable[str], option: str,
+                 must_match: Iterable[str] = ()) -> None:
+    """The ignore list ``patterns`` against the model's Linear layers ``linear``: each of ``must_match`` (the
+    user's own patterns) keeps at least one layer in BF16, and no fused group (q/k/v, gate/up: one GEMM and one
+    global scale in vLLM) is split between BF16 and NVFP4. Otherwise a :class:`PatternError` naming ``option``.
+
+    Why: a misspelled pattern (``donw_proj``) matched nothing and left those layers quantized without a word, and
+    ``q_proj`` alone wrote a checkpoint vLLM then refused (its fused layer must be all quantized or all not).
+    """
+    patterns, names = list(patterns), list(linear)
+    for pat in must_match:
+        if not any(matches_pattern(n, [pat]) for n in names):
+            leaves = sorted({n.rpartition(".")[2] for n in names})
+            raise PatternError(f"{option}: {pat!r} matches no Linear layer of the model (its layers: "
+                               f"{', '.join(leaves)}; exact names such as {names[0]!r}, dotted suffixes or "
+                               "'re:<regex>'); a misspelled pattern would leave the layers it meant quantized")
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(fused_group(n), []).append(n)
+    for key, members in groups.items():
+        kept = [m for m in members if matches_pattern(m, patterns)]
+        if kept and len(kept) < len(members):
+            rest = [m for m in members if m not in kept]
+            leaves = "/".join(m.rpartition(".")[2] for m in members)
+            raise PatternError(f"{option}: keeps {kept[0]} in BF16 but not {rest[0]}: {leaves} are one fused layer "
+                               f"({key}) in vLLM and share one global scale; ignore all of them or none")
 
 
 def detect_format(config: dict, folder: Path | None = None) -> str:

@@ -270,6 +270,42 @@ def _check_twin_scale_rule(config: Any, qerl: QeRLConfig) -> None:
                    "weights, vLLM its own quantization of model.path", twin, path)
 
 
+def check_ignore_matches(linear: list[str], qerl: QeRLConfig) -> None:
+    """Each ``qerl.ignore`` pattern beyond the default keeps a Linear layer of the model in BF16 (a misspelling
+    would leave them quantized, silently), and no fused group is split; otherwise a :class:`QeRLConfigError`."""
+    from ..nvfp4.checkpoint import PatternError, check_ignore
+
+    try:
+        check_ignore(linear, qerl.ignore, "qerl.ignore", must_match=[p for p in qerl.ignore if p not in DEFAULT_IGNORE])
+    except PatternError as err:
+        raise QeRLConfigError(str(err)) from err
+
+
+def _check_ignore_against_model_path(config: Any, qerl: QeRLConfig) -> None:
+    """:func:`check_ignore_matches` on ``model.path``'s architecture where its config.json is local (a hub id or
+    a remote path: the actor hook checks on the built model)."""
+    from pathlib import Path
+
+    from ..nvfp4.checkpoint import read_config_json
+
+    path = _get(config, "actor_rollout_ref.model.path")
+    if qerl.mode != "nvfp4" or tuple(qerl.ignore) == tuple(DEFAULT_IGNORE) or not path:
+        return
+    cfg_file = Path(str(path)).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        return
+    from ..checkpoint_conversion import linear_module_names
+
+    model_config = read_config_json(cfg_file)
+    for key in ("quantization_config", "compression_config"):
+        model_config.pop(key, None)
+    try:
+        linear = linear_module_names(model_config)
+    except ValueError:
+        return  # an architecture the actor hook refuses with its own message
+    check_ignore_matches(linear, qerl)
+
+
 def _vllm_quantize_at_load(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
     """Give vLLM's quantize-at-load the actor's scale rule and ignore list (passed only where not the default).
 
@@ -337,6 +373,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
         )
     _check_run_length(config, qerl)
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
+    _check_ignore_against_model_path(config, qerl)
     if qerl.mode == "nvfp4":
         _check_twin_scale_rule(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")

@@ -139,6 +139,9 @@ def convert_for_lora(module, model_config):
 
     import torch
 
+    from .config import check_ignore_matches
+
+    check_ignore_matches([n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)], qerl)
     # verl builds the actor on the CPU; quantizing 7B of weights there took ~280 s of a GRPO run's start-up (the
     # same torch ops on the worker's GPU give the same bits in seconds; NOTES "Sixteenth round")
     on = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
