@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -521,6 +523,56 @@ def test_ignore_patterns_that_match_nothing_or_split_a_fused_layer_are_refused(t
     assert report.quantized and not any(m.endswith(("q_proj", "k_proj", "v_proj")) for m in report.quantized)
 
 
+def test_a_stale_shard_index_is_named(tiny_bf16, tmp_path):
+    """An index that disagrees with the shards' headers (a tensor moved, one left out) is refused naming the index,
+    not read as a damaged shard or lost: before, one case was an AssertionError, the other advised re-downloading an
+    intact shard."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from verl_qerl.nvfp4.checkpoint import CheckpointError, CheckpointReader
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    tensors = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, part in half.items():
+        save_file({n: tensors[n] for n in part}, src / shard, metadata={"format": "pt"})
+    good = {n: shard for shard, part in half.items() for n in part}
+    index = src / "model.safetensors.index.json"
+
+    def write_index(weight_map: dict) -> None:
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    write_index(good)
+    assert sorted(CheckpointReader(src).names()) == names
+    moved = names[0]
+    write_index({**good, moved: "model-00002-of-00002.safetensors"})
+    with pytest.raises(CheckpointError, match=rf"lists '{re.escape(moved)}' in 'model-00002-of-00002.safetensors', "
+                                              r"but it is in 'model-00001-of-00002.safetensors': the index is stale"):
+        CheckpointReader(src)
+    write_index({n: s for n, s in good.items() if n != moved})
+    res = run_cli(str(src), str(tmp_path / "dst"))
+    assert res.returncode == 2 and "does not list 1 tensor(s)" in res.stderr and "Traceback" not in res.stderr, \
+        res.stderr[-2000:]
+
+
+def test_a_full_disk_is_an_error_line_and_leaves_nothing(tiny_bf16, tmp_path):
+    """A write error inside safetensors (its own error type, not OSError) reaches the CLI as an error line naming
+    the file, and the temporary folder is removed (ulimit -f stands in for a full disk)."""
+    dst = tmp_path / "dst"
+    cmd = f"ulimit -f 20; exec {shlex.quote(sys.executable)} -m verl_qerl.cli.quantize {shlex.quote(str(tiny_bf16))} " \
+          f"{shlex.quote(str(dst))}"
+    res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    assert "qerl-quantize: error:" in res.stderr and "cannot write" in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 _PAUSING_CLI = r"""
 import shutil, sys, time
 from pathlib import Path
@@ -528,7 +580,7 @@ import verl_qerl.checkpoint_conversion as conversion
 from verl_qerl.cli.quantize import main
 
 where, marker = sys.argv[1], Path(sys.argv[2])
-write_shard, remove_tree = conversion.save_file, shutil.rmtree
+write_shard, remove_tree = conversion.write_safetensors, shutil.rmtree
 
 def save_file_then_wait(tensors, path, *args, **kwargs):
     write_shard(tensors, path, *args, **kwargs)  # the temp folder now holds a written shard
@@ -542,7 +594,7 @@ def rmtree_after_a_pause(path, *args, **kwargs):
     return remove_tree(path, *args, **kwargs)
 
 if where == "write":
-    conversion.save_file = save_file_then_wait
+    conversion.write_safetensors = save_file_then_wait
 else:
     shutil.rmtree = rmtree_after_a_pause
 sys.exit(main(sys.argv[3:]))

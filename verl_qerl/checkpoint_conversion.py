@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from .nvfp4.arch import DEFAULT_IGNORE, SUPPORTED_MODEL_TYPES, fused_group
 from .nvfp4.checkpoint import (
@@ -38,6 +37,7 @@ from .nvfp4.checkpoint import (
     ct_quantization_config,
     ct_tensors,
     matches_pattern,
+    write_safetensors,
 )
 from .nvfp4.quant_config import quantize_at_load_layers
 from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
@@ -280,12 +280,13 @@ def quantize_checkpoint(
                 else:
                     out[name] = tensor.contiguous()
                     report.kept.append(name)
-            save_file(out, tmp / shard, metadata={"format": "pt"})
+            write_safetensors(out, tmp / shard)
             os.chmod(tmp / shard, 0o666 & ~umask)
             report.bytes_out += sum(t.numel() * t.element_size() for t in out.values())
             weight_map.update({n: shard for n in out})
             del out
-        assert len(report.quantized) + len(report.kept) == total
+        if len(report.quantized) + len(report.kept) != total:  # (the reader checked the index against the shards)
+            raise CheckpointError(f"{src}: read {len(report.quantized) + len(report.kept)} tensors of {total} listed")
         if len(reader.shards) > 1:
             index = {"metadata": {"total_size": report.bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

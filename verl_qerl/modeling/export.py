@@ -18,11 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from ..nvfp4 import DEFAULT_SCALE_RULE, check_scale_rule, fused_global_scale
 from ..nvfp4.arch import DEFAULT_IGNORE, fused_group
-from ..nvfp4.checkpoint import SCALE_RULE_KEY, ct_quantization_config, ct_tensors, matches_pattern
+from ..nvfp4.checkpoint import (
+    SCALE_RULE_KEY,
+    ct_quantization_config,
+    ct_tensors,
+    matches_pattern,
+    write_safetensors,
+)
 from .linear import NVFP4Linear, quantize_rows
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -104,7 +109,7 @@ class _ShardWriter:
         if not self.current:
             return
         tmp = f"shard-{len(self.files):05d}.tmp.safetensors"
-        save_file(self.current, self.out / tmp, metadata={"format": "pt"})
+        write_safetensors(self.current, self.out / tmp)
         self.files.append((tmp, list(self.current)))
         self.current, self.size = {}, 0
 

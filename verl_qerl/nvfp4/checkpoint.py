@@ -190,6 +190,17 @@ def open_shard(path: Path) -> Iterator[Any]:
                               "incomplete: copy or download it again") from err
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` (format ``pt``) whose write errors (a full disk, a file-size limit) are
+    :class:`OSError` naming the file, as any other write error: safetensors raises its own error type."""
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as err:
+        raise OSError(f"{path}: cannot write ({err})") from err
+
+
 def recorded_scale_rule(config: dict) -> str | None:
     """The scale rule a checkpoint's config.json says it was quantized with, or None (not recorded)."""
     rule = config.get(SCALE_RULE_KEY)
@@ -256,6 +267,22 @@ class CheckpointReader:
             for shard in sorted(set(weight_map.values())):
                 if not (self.folder / shard).is_file():
                     raise CheckpointError(f"{index}: names shard {shard!r}, which is missing")
+            # the index against the shards' own headers: a stale index (a shard rewritten, a tensor moved) would
+            # otherwise read as a damaged shard, or lose tensors the index does not list
+            held: dict[str, str] = {}
+            for shard in sorted(set(weight_map.values())):
+                with open_shard(self.folder / shard) as f:
+                    held.update(dict.fromkeys(f.keys(), shard))
+            for name, shard in sorted(weight_map.items()):
+                if held.get(name) != shard:
+                    where = f"is in {held[name]!r}" if name in held else "is in no shard"
+                    raise CheckpointError(f"{index}: lists {name!r} in {shard!r}, but it {where}: the index is stale "
+                                          "(rewrite it from the shards, or remove it if there is one shard)")
+            unlisted = sorted(set(held) - set(weight_map))
+            if unlisted:
+                raise CheckpointError(f"{index}: does not list {len(unlisted)} tensor(s) its shards hold (e.g. "
+                                      f"{unlisted[0]!r} in {held[unlisted[0]]!r}): the index is stale (rewrite it "
+                                      "from the shards)")
             return dict(weight_map)
         shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
         if not shards:
