@@ -122,6 +122,8 @@ def test_no_block_changes_nothing():
         (["qerl.aqn.apply_to=both"], r"qerl.aqn: apply_to: 'both' is not supported: AQN perturbs the rollout"),
         (["qerl.ignore=['lm_head','re:((']"], r"qerl.ignore: 're:\(\(' is not a valid regular expression"),
         (["qerl.ignore=[3]"], r"qerl.ignore: 3 is not a module name pattern"),
+        (["qerl.ignore=5"], r"qerl.ignore=5: expected a list of module name patterns"),
+        (["qerl.aqn=true"], r"qerl.aqn=True: expected a block of AQN settings"),
         (["actor_rollout_ref.model.lora_rank=abc"], r"actor_rollout_ref.model.lora_rank='abc': must be an integer"),
         (["actor_rollout_ref.model.lora_rank=8.5"], r"actor_rollout_ref.model.lora_rank=8.5: must be an integer"),
         (["qerl.aqn.sigma_end=0.02"], r"qerl.aqn: sigma_end: 0.02 is above sigma_start=0.01"),
@@ -323,6 +325,11 @@ def test_fsdp_engine_hook_makes_nvfp4_layers_with_lora(tiny_bf16):
     plain = SimpleNamespace(model_config=SimpleNamespace(**{**vars(model_config), "lora": {}}))
     dense = FSDPEngine._build_lora_module(plain, AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32))
     assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
+
+
+def test_a_qerl_value_that_is_not_a_block_is_named():
+    with pytest.raises(QeRLConfigError, match=r"qerl='nvfp4': expected a block of settings"):
+        QeRLConfig.from_dict("nvfp4")
 
 
 def test_ignore_patterns_are_checked_against_the_model(tiny_bf16):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,12 +110,17 @@ class QeRLConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QeRLConfig:
+        if not isinstance(values, Mapping):
+            raise QeRLConfigError(f"qerl={values!r}: expected a block of settings (e.g. +qerl=nvfp4 picks the "
+                                  "nvfp4 group; single keys as qerl.mode=nvfp4)")
         values = dict(values)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise QeRLConfigError(f"qerl.{unknown[0]}: unknown key; known keys are {sorted(known)}")
         aqn = values.pop("aqn", None) or {}
+        if not isinstance(aqn, (Mapping, AQNConfig)):
+            raise QeRLConfigError(f"qerl.aqn={aqn!r}: expected a block of AQN settings (e.g. qerl.aqn.enable=true)")
         try:
             aqn_cfg = aqn if isinstance(aqn, AQNConfig) else AQNConfig.from_dict(dict(aqn))
         except ValueError as err:
@@ -123,6 +128,9 @@ class QeRLConfig:
         ignore = values.pop("ignore", DEFAULT_IGNORE) or ()
         if isinstance(ignore, str):
             ignore = [ignore]
+        if not isinstance(ignore, Sequence):  # (a list, a tuple, OmegaConf's ListConfig)
+            raise QeRLConfigError(f"qerl.ignore={ignore!r}: expected a list of module name patterns (e.g. "
+                                  "qerl.ignore=[lm_head,down_proj])")
         return cls(aqn=aqn_cfg, ignore=tuple(ignore), **values)
 
     def to_dict(self) -> dict[str, Any]:
