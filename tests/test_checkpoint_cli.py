@@ -523,6 +523,30 @@ def test_ignore_patterns_that_match_nothing_or_split_a_fused_layer_are_refused(t
     assert report.quantized and not any(m.endswith(("q_proj", "k_proj", "v_proj")) for m in report.quantized)
 
 
+def test_a_missing_source_or_a_file_as_source_is_named(tiny_bf16, tmp_path):
+    res = run_cli(str(tmp_path / "nope"), str(tmp_path / "dst"))
+    assert res.returncode == 2 and "nope: no such folder" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli(str(tiny_bf16 / "config.json"), str(tmp_path / "dst"))
+    assert res.returncode == 2 and "config.json: not a directory" in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_weight_whose_shape_disagrees_with_config_json_is_refused(tiny_bf16, tmp_path):
+    """Before, a transposed (or wrong-size) Linear weight was quantized and written; the error came only at load."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = tensors[name].t().contiguous()
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    res = run_cli(str(src), str(tmp_path / "dst"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"tensor {name} is {list(tensors[name].shape)} but config.json's architecture has" in res.stderr
+    assert not (tmp_path / "dst").exists()
+
+
 def test_a_stale_shard_index_is_named(tiny_bf16, tmp_path):
     """An index that disagrees with the shards' headers (a tensor moved, one left out) is refused naming the index,
     not read as a damaged shard or lost: before, one case was an AssertionError, the other advised re-downloading an

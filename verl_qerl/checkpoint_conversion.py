@@ -47,6 +47,12 @@ WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.ind
 
 def linear_module_names(config: dict) -> list[str]:
     """Names of the nn.Linear modules of the architecture in ``config`` (built on the meta device)."""
+    return list(linear_module_shapes(config))
+
+
+def linear_module_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """{name: (out_features, in_features)} of the nn.Linear modules of the architecture in ``config``, in model
+    order (built on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type = config.get("model_type")
@@ -56,7 +62,8 @@ def linear_module_names(config: dict) -> list[str]:
     hf_config = AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)]
+    return {name: (mod.out_features, mod.in_features) for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear)}
 
 
 @dataclass
@@ -240,7 +247,8 @@ def quantize_checkpoint(
     declared_ignore = None if declared_ignore is None else check_patterns(declared_ignore, f"{where}.ignore")
     declared_targets = None if declared_targets is None else check_patterns(declared_targets, f"{where}.targets")
     patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ()), *ignore]))
-    linear = linear_module_names(reader.config)
+    shapes = linear_module_shapes(reader.config)
+    linear = list(shapes)
     check_ignore(linear, patterns, "ignore", must_match=ignore)
     wanted = [m for m in linear if not matches_pattern(m, patterns)
               and (declared_targets is None or matches_pattern(m, declared_targets))]
@@ -249,6 +257,12 @@ def quantize_checkpoint(
     if missing and not reader.config.get("tie_word_embeddings"):
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
+    for m in targets:  # headers only: a weight the architecture would not load is refused before any is read
+        got = tuple(reader.metadata(f"{m}.weight")[1])
+        if got != shapes[m]:
+            raise CheckpointError(f"{src}: tensor {m}.weight is {list(got)} but config.json's architecture has "
+                                  f"{list(shapes[m])} (out_features, in_features): a config.json of another model "
+                                  "size, or a transposed weight?")
 
     tmp, made = make_temp_folder(dst, shown)
     umask = os.umask(0)

@@ -245,8 +245,11 @@ class CheckpointReader:
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
+        if not self.folder.exists():
+            raise CheckpointError(f"{self.folder}: no such folder")
         if not self.folder.is_dir():
-            raise CheckpointError(f"{self.folder}: not a directory")
+            raise CheckpointError(f"{self.folder}: not a directory (a checkpoint is a folder with config.json and "
+                                  "*.safetensors)")
         cfg_path = self.folder / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{cfg_path}: missing (not a Hugging Face checkpoint folder)")
