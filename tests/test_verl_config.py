@@ -327,6 +327,18 @@ def test_fsdp_engine_hook_makes_nvfp4_layers_with_lora(tiny_bf16):
     assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
 
 
+def test_a_quantized_checkpoint_that_is_not_a_folder_is_refused_at_the_driver(tiny_bf16, tmp_path, caplog):
+    path = f"actor_rollout_ref.model.path={tiny_bf16}"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    for bad in (notes, tmp_path):  # a file; a folder without config.json
+        with pytest.raises(QeRLConfigError, match=rf"qerl.quantized_checkpoint='{bad}': not a checkpoint folder"):
+            apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={bad}"))
+    with caplog.at_level("WARNING"):
+        apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={tmp_path / 'elsewhere'}"))
+    assert "does not exist on the driver" in caplog.text
+
+
 def test_a_qerl_value_that_is_not_a_block_is_named():
     with pytest.raises(QeRLConfigError, match=r"qerl='nvfp4': expected a block of settings"):
         QeRLConfig.from_dict("nvfp4")

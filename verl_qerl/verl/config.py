@@ -250,6 +250,25 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
             f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
             f"{stages} steps, lower qerl.aqn.num_stages (>= {min_stages(qerl.aqn.noise_from_start)}), or turn AQN off "
             "(qerl.aqn.enable=false)")
+def _check_twin_folder(qerl: QeRLConfig) -> None:
+    """``qerl.quantized_checkpoint`` as the driver sees it: a folder with a config.json, or refused now rather than
+    when the training workers start (minutes later); a path the driver does not see at all (a worker-only disk) is
+    only warned about."""
+    from pathlib import Path
+
+    twin = qerl.quantized_checkpoint
+    if not twin:
+        return
+    folder = Path(str(twin)).expanduser()
+    if not folder.exists():
+        logger.warning("[verl-qerl] qerl.quantized_checkpoint=%s does not exist on the driver; the actor workers "
+                       "must find it there (a local folder of an NVFP4 checkpoint, e.g. from qerl-quantize)", twin)
+        return
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise QeRLConfigError(f"qerl.quantized_checkpoint={str(twin)!r}: not a checkpoint folder (a folder with "
+                              "config.json and *.safetensors, e.g. what qerl-quantize writes)")
+
+
 def _check_twin_scale_rule(config: Any, qerl: QeRLConfig) -> None:
     """A BF16 ``model.path``'s NVFP4 twin must be what vLLM makes of ``model.path`` under ``qerl.scale_rule``."""
     from pathlib import Path
@@ -383,6 +402,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
     _check_ignore_against_model_path(config, qerl)
     if qerl.mode == "nvfp4":
+        _check_twin_folder(qerl)
         _check_twin_scale_rule(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
     if rollout != "vllm":
