@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -627,20 +626,9 @@ sys.exit(main(sys.argv[3:]))
 
 def _sigterm_at(where: str, marker: Path, *args: str) -> tuple[int, str]:
     """Run the CLI, send SIGTERM once it reaches ``where`` (the marker appears); its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_CLI, where, str(marker), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, f"the CLI never reached {where}"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, err
+    from verl_qerl.testing.procs import signal_at_marker
+
+    return signal_at_marker([sys.executable, "-c", _PAUSING_CLI, where, str(marker), *args], marker)
 
 
 @pytest.mark.parametrize("force", [False, True])

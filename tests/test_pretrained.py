@@ -350,8 +350,8 @@ def test_sigterm_mid_conversion_leaves_no_staging_folder(fake_model, fake_site, 
     (~1.5 GB for the Qwen model) and says so, as Ctrl-C does; the destination keeps what it had."""
     import json
     import signal
-    import subprocess
-    import time
+
+    from verl_qerl.testing.procs import signal_at_marker
 
     out = tmp_path / "hf"
     out.mkdir()
@@ -360,21 +360,9 @@ def test_sigterm_mid_conversion_leaves_no_staging_folder(fake_model, fake_site, 
             "model": {k: getattr(fake_model, k) for k in ("key", "title", "sha256", "architecture", "general_name",
                                                          "gguf_name")}}
     marker = tmp_path.parent / f"{tmp_path.name}-converting"
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSING_PRETRAINED, json.dumps(spec), str(marker), "tiny-test",
-                             "--out", str(out), "--force", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the conversion never started"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rc, err = signal_at_marker([sys.executable, "-c", _PAUSING_PRETRAINED, json.dumps(spec), str(marker),
+                                "tiny-test", "--out", str(out), "--force", "--no-progress"], marker)
     assert ".partial-" in marker.read_text()
-    assert proc.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (proc.returncode, err[-2000:])
+    assert rc == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, (rc, err[-2000:])
     assert (out / "old.txt").read_text() == "previous" and [p.name for p in out.iterdir()] == ["old.txt"]
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]

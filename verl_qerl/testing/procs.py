@@ -20,8 +20,10 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
-__all__ = ["descendants", "is_alive", "kill_marked", "kill_process_trees", "marked_processes"]
+__all__ = ["descendants", "free_port", "is_alive", "kill_marked", "kill_process_trees", "marked_processes",
+           "signal_at_marker"]
 
 
 def _proc_table() -> dict[int, tuple[str, int, int]]:
@@ -212,3 +214,22 @@ if __name__ == "__main__":  # python -m verl_qerl.testing.procs kill-marked NAME
         sys.exit("usage: python -m verl_qerl.testing.procs kill-marked NAME VALUE (VALUE non-empty)")
     stopped = kill_marked(sys.argv[2], sys.argv[3])
     print(f"[procs] stopped {len(stopped)} process(es) marked {sys.argv[2]}={sys.argv[3]}")
+
+
+def signal_at_marker(cmd: list[str], marker: Path, signum: int = signal.SIGTERM,
+                     start_timeout: float = 240.0) -> tuple[int, str]:
+    """Run ``cmd``, send it ``signum`` once it has created ``marker`` (the point a test stops it at); its exit status
+    and stderr. A process that exits, or never gets there within ``start_timeout`` s, fails the calling test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"{cmd[:3]} never created {marker}"
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
