@@ -208,3 +208,54 @@ def test_launch_scripts_pick_qerl_varlen_only_without_flash_attn(python, has_var
     assert ("+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen" in out) is has_varlen
     assert ("actor_rollout_ref.model.use_remove_padding=True" in out) is has_varlen
     assert "+qerl=bf16" in out
+
+
+@pytest.mark.parametrize("variant", ["nvfp4", "nvfp4_noaqn", "bf16"])
+def test_tiny_grpo_script_composes_for_every_variant(variant, tmp_path):
+    """examples/tiny/grpo.sh passed qerl.aqn.num_stages=3 to every variant, and the bf16 / nvfp4_noaqn groups have
+    no such key: hydra refused both runs the README advertises. A stand-in python records what the script
+    launches; its main_ppo overrides must compose in verl's config and pass the plugin's check."""
+    import os
+    import shlex
+    import subprocess
+
+    from hydra import compose, initialize_config_module
+
+    from verl_qerl.verl.config import apply_qerl
+
+    calls, fake = tmp_path / "calls.txt", tmp_path / "python"
+    fake.write_text(f"#!/usr/bin/env bash\nfor a in \"$@\"; do printf '%q ' \"$a\"; done >> {calls}\n"
+                    f"echo >> {calls}\nexit 0\n")
+    fake.chmod(0o755)
+    work = tmp_path / "w"
+    work.mkdir()
+    env = dict(os.environ, PYTHON=str(fake), WORKDIR=str(work), QERL_DEVICE="gpu", RAY_TMPDIR=str(tmp_path / "ray"))
+    res = subprocess.run(["bash", str(REPO / "examples" / "tiny" / "grpo.sh"), variant], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    launch = [shlex.split(line) for line in calls.read_text().splitlines() if "verl.trainer.main_ppo" in line]
+    assert len(launch) == 1
+    overrides = launch[0][launch[0].index("verl.trainer.main_ppo") + 1:]
+    assert f"+qerl={variant}" in overrides
+    assert ("qerl.aqn.num_stages=3" in overrides) == (variant == "nvfp4")
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    assert apply_qerl(cfg).mode == ("bf16" if variant == "bf16" else "nvfp4")
+
+
+@pytest.mark.parametrize("script", ["gsm8k_grpo.sh", "bigmath_dapo.sh"])
+def test_paper_scripts_launch_the_python_they_checked_flash_attn_in(script, tmp_path):
+    """common.sh decides the attention by `${PYTHON:-python3} -c "import flash_attn"`; the scripts then ran plain
+    python3, so with PYTHON set the choice was made for another interpreter than the one launched."""
+    import os
+    import subprocess
+
+    calls, fake = tmp_path / "calls.txt", tmp_path / "python"
+    fake.write_text(f"#!/usr/bin/env bash\necho \"$*\" >> {calls}\nexit 1\n")  # `import flash_attn` fails here
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake), DATA_DIR=str(tmp_path), MODEL_PATH=str(tmp_path / "m"))
+    res = subprocess.run(["bash", str(REPO / "examples" / "qerl" / script), "7B", "qerl"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    launched = [line for line in calls.read_text().splitlines() if "verl.trainer.main_ppo" in line]
+    assert res.returncode == 1 and len(launched) == 1, (res.returncode, res.stderr[-2000:])
+    assert "attn_implementation=qerl_varlen" in launched[0]  # the launched interpreter got its own choice

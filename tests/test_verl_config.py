@@ -123,6 +123,9 @@ def test_no_block_changes_nothing():
         (["qerl.ignore=['lm_head','re:((']"], r"qerl.ignore: 're:\(\(' is not a valid regular expression"),
         (["qerl.ignore=[3]"], r"qerl.ignore: 3 is not a module name pattern"),
         (["qerl.ignore=5"], r"qerl.ignore=5: expected a list of module name patterns"),
+        (["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.lora.rank=32"],
+         r"actor_rollout_ref.model.lora.rank=32 but actor_rollout_ref.model.lora_rank=0: verl's FSDP engine reads "
+         r"lora_rank only"),
         (["qerl.aqn=true"], r"qerl.aqn=True: expected a block of AQN settings"),
         (["actor_rollout_ref.model.lora_rank=abc"], r"actor_rollout_ref.model.lora_rank='abc': must be an integer"),
         (["actor_rollout_ref.model.lora_rank=8.5"], r"actor_rollout_ref.model.lora_rank=8.5: must be an integer"),
@@ -160,6 +163,19 @@ def test_a_run_shorter_than_the_stages_warns_when_the_trainer_knows_its_length(c
     with caplog.at_level("WARNING", logger="verl_qerl"):
         AQNDriver(qerl, 10, lambda: [])
     assert not [r for r in caplog.records if "num_stages" in r.getMessage()]
+
+
+def test_aqn_total_steps_spans_the_schedule_and_noise_needs_a_server():
+    """qerl.aqn.total_steps was validated and then ignored (the trainer's length always won); and with no rollout
+    server the driver logged sigma > 0 although the noise reached nothing."""
+    from verl_qerl.verl.trainer import AQNDriver
+
+    qerl = apply_qerl(composed("+qerl=nvfp4", "+qerl.aqn.total_steps=100"))
+    driver = AQNDriver(qerl, 600, lambda: [])
+    assert driver.total_steps == 100 and driver.sigma(150) == qerl.aqn.sigma_end  # past the user's 100 steps
+    assert AQNDriver(apply_qerl(composed("+qerl=nvfp4")), 600, lambda: []).total_steps == 600
+    with pytest.raises(RuntimeError, match="AQN qerl_aqn_apply: the trainer has no vLLM rollout server"):
+        driver.apply(50)
 
 
 def test_a_bad_config_json_at_model_path_is_named(tmp_path):
@@ -337,6 +353,13 @@ def test_a_quantized_checkpoint_that_is_not_a_folder_is_refused_at_the_driver(ti
     with caplog.at_level("WARNING"):
         apply_qerl(composed("+qerl=nvfp4", path, f"qerl.quantized_checkpoint={tmp_path / 'elsewhere'}"))
     assert "does not exist on the driver" in caplog.text
+
+
+@pytest.mark.parametrize("ignore", ["[lm_head,down_proj]", "[]"])
+def test_nf4_refuses_an_ignore_list_vllm_would_not_follow(ignore):
+    with pytest.raises(QeRLConfigError, match=r"with qerl.mode=nf4: vLLM's bitsandbytes keeps only its own default"):
+        apply_qerl(composed("+qerl=nf4", f"qerl.ignore={ignore}"))
+    assert apply_qerl(composed("+qerl=nf4")).ignore == ("lm_head",)
 
 
 def test_a_qerl_value_that_is_not_a_block_is_named():

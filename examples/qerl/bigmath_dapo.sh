@@ -12,7 +12,7 @@ SIZE=${1:?SIZE (3B|7B|14B|32B)}; VARIANT=${2:?VARIANT (qerl|nvfp4|lora|qlora)}; 
 DATA=${DATA_DIR:-$HOME/data}
 MAXLEN=${MAX_RESPONSE:-8192}
 qerl_base_args "$SIZE" "$VARIANT"
-exec python3 -m verl.trainer.main_ppo \
+exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   algorithm.use_kl_in_reward=False \
   actor_rollout_ref.actor.use_kl_loss=False \

@@ -38,10 +38,13 @@ elif ! "$PY" -c "import flash_attn" 2>/dev/null; then
   DEV_ARGS=(+actor_rollout_ref.model.override_config.attn_implementation=qerl_varlen
             actor_rollout_ref.model.use_remove_padding=True)
 fi
+# AQN over the run's few steps: 3 stages (the nvfp4 group's 10 would not fit); the bf16 / nvfp4_noaqn groups have
+# AQN off and no such key
+AQN_ARGS=(); [ "$VARIANT" = nvfp4 ] && AQN_ARGS=(qerl.aqn.num_stages=3)
 start=$(date +%s)
 set +e
 timeout ${TIMEOUT:-900} "$PY" -m verl.trainer.main_ppo \
-  +qerl="$VARIANT" qerl.aqn.num_stages=3 \
+  +qerl="$VARIANT" "${AQN_ARGS[@]}" \
   algorithm.adv_estimator=grpo \
   data.train_files="$W/data/train.parquet" data.val_files="$W/data/test.parquet" \
   data.train_batch_size=4 data.max_prompt_length=96 data.max_response_length=24 data.dataloader_num_workers=0 \

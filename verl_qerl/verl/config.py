@@ -220,18 +220,23 @@ def nvfp4_base_source(path: Any, qerl: QeRLConfig) -> str | None:
 
 
 def _lora_rank(config: Any) -> int:
-    """The LoRA rank (``model.lora.rank`` where set, else ``model.lora_rank``); an error naming the key
-    for anything but a whole number."""
-    key = "actor_rollout_ref.model.lora.rank"
-    value = _get(config, key, 0)
-    if not value:
-        key = "actor_rollout_ref.model.lora_rank"
+    """The LoRA rank verl's FSDP engine uses: ``model.lora_rank`` (it decides LoRA by ``lora_rank > 0`` alone); an
+    error naming the key for anything but a whole number, and for a ``model.lora.rank`` (the Megatron engine's key)
+    that disagrees with it: the FSDP actor would then train without LoRA (and without NVFP4) while vLLM serves one."""
+    def as_int(key: str) -> int:
         value = _get(config, key, 0)
-    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise QeRLConfigError(f"{key}={value!r}: must be an integer (the LoRA rank; the paper uses 32)")
-    return value
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise QeRLConfigError(f"{key}={value!r}: must be an integer (the LoRA rank; the paper uses 32)")
+        return value
+
+    rank, megatron = as_int("actor_rollout_ref.model.lora_rank"), as_int("actor_rollout_ref.model.lora.rank")
+    if megatron and megatron != rank:
+        raise QeRLConfigError(f"actor_rollout_ref.model.lora.rank={megatron} but actor_rollout_ref.model.lora_rank="
+                              f"{rank}: verl's FSDP engine reads lora_rank only; set lora_rank={megatron} (and "
+                              "leave lora.rank unset or equal)")
+    return rank
 
 
 def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
@@ -398,6 +403,10 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
             f"actor_rollout_ref.model.lora_rank={rank} with qerl.mode={qerl.mode}: QeRL trains LoRA adapters on a "
             "frozen base, so set a rank > 0 (the paper uses 32)"
         )
+    if qerl.mode == "nf4" and tuple(qerl.ignore) != tuple(DEFAULT_IGNORE):
+        raise QeRLConfigError(f"qerl.ignore={list(qerl.ignore)} with qerl.mode=nf4: vLLM's bitsandbytes keeps only its "
+                              f"own default ({list(DEFAULT_IGNORE)}) dense, so the rollout would sample from other "
+                              "weights than the actor trains; leave qerl.ignore at its default with nf4")
     _check_run_length(config, qerl)
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
     _check_ignore_against_model_path(config, qerl)

@@ -70,8 +70,10 @@ def grpo_overrides(*, qerl: str, model: str | os.PathLike, train_files: str | os
                    max_model_len: int | None = None, logger: str = FILE_LOGGER) -> list[str]:
     """The GRPO core of a ``main_ppo`` run with the verl-qerl group ``+qerl=<qerl>`` and a LoRA actor.
 
-    ``seed`` sets the prompt order (``data.seed``), the mini-batch order (``actor.data_loader_seed``), the
-    actor's LoRA init (``actor.fsdp_config.seed``) and vLLM sampling (``rollout.seed``). ``micro_batch_size``
+    ``seed`` sets the prompt order (``data.seed``), the mini-batch order (``actor.data_loader_seed``) and vLLM
+    sampling (``rollout.seed``), and is passed as ``actor.fsdp_config.seed``, which verl 0.9.1's FSDP engine reads
+    only under ``full_determinism=True`` (off here: it forces deterministic kernels): so the LoRA A init is *not*
+    seeded, and runs of one seed differ in it. ``micro_batch_size``
     is the per-GPU micro batch of the actor update and of both log-prob passes. ``max_model_len`` defaults to
     prompt + response length; a caller may leave room for a chat template. ``shuffle`` is ``data.shuffle``
     (verl's default is True; a timing benchmark turns it off). ``logger`` is written as given (hydra reads

@@ -30,7 +30,8 @@ class AQNDriver:
     def __init__(self, qerl: QeRLConfig, total_steps: int, servers_fn) -> None:
         self.qerl = qerl
         self.cfg = qerl.aqn
-        self.total_steps = int(total_steps)
+        # qerl.aqn.total_steps, where the user set it, spans the schedule; else the trainer's run length
+        self.total_steps = int(self.cfg.total_steps if self.cfg.total_steps is not None else total_steps)
         self._servers_fn = servers_fn
         self.current: tuple[int, float] | None = None
         self._ready = False
@@ -51,6 +52,10 @@ class AQNDriver:
         import ray
 
         servers = self._servers_fn()
+        if not servers:
+            raise RuntimeError(f"[verl-qerl] AQN {method}: the trainer has no vLLM rollout server (its "
+                               "llm_server_manager.rollout_replicas is empty or missing), so the noise would reach "
+                               "no rollout; is the rollout a vLLM server of this verl version?")
         if not self._ready:  # pick the targeted norms and snapshot their clean values, once
             setup = {"seed": int(self.cfg.seed), "targets": list(self.cfg.targets),
                      "include_final_norm": bool(self.cfg.include_final_norm), "rounding": self.cfg.rounding}
