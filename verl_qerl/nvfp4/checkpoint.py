@@ -144,9 +144,10 @@ def check_ignore(linear: Sequence[str], patterns: Iterable[str], option: str,
     for pat in must_match:
         if not any(matches_pattern(n, [pat]) for n in names):
             leaves = sorted({n.rpartition(".")[2] for n in names})
+            example = f"exact names such as {names[0]!r}, " if names else ""
             raise PatternError(f"{option}: {pat!r} matches no Linear layer of the model (its layers: "
-                               f"{', '.join(leaves)}; exact names such as {names[0]!r}, dotted suffixes or "
-                               "'re:<regex>'); a misspelled pattern would leave the layers it meant quantized")
+                               f"{', '.join(leaves) or 'none'}; {example}dotted suffixes or 're:<regex>'); a "
+                               "misspelled pattern would leave the layers it meant quantized")
     groups: dict[str, list[str]] = {}
     for n in names:
         groups.setdefault(fused_group(n), []).append(n)

@@ -255,6 +255,8 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
             f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
             f"{stages} steps, lower qerl.aqn.num_stages (>= {min_stages(qerl.aqn.noise_from_start)}), or turn AQN off "
             "(qerl.aqn.enable=false)")
+
+
 def _check_twin_folder(qerl: QeRLConfig) -> None:
     """``qerl.quantized_checkpoint`` as the driver sees it: a folder with a config.json, or refused now rather than
     when the training workers start (minutes later); a path the driver does not see at all (a worker-only disk) is
