@@ -11,8 +11,9 @@
 //    64 g + 63 (warp w of it decodes n16 block 4 g + w) and issues one m64n256k16 wgmma per k16 step: 128 FP32
 //    accumulators per thread.
 //  * Ring of 3 stage slots, all copies by the copy engine, issued by thread 0 on the slot's mbarrier: per slot the
-//    stage's 256 tokens x 128 K of activations as two TMA boxes of 64 K (32 KB each, wgmma's 128-byte-swizzled
-//    K-major layout, SBO = 1024 B), and the stage's weights (8 KB) and scales (1 KB) of the 128-row tile, each one
+//    stage's 256 tokens x 128 K of activations as two k64 halves (32 KB each, wgmma's 128-byte-swizzled K-major
+//    layout, SBO = 1024 B): one 256-token TMA box each, or for a last tile of <= 192 tokens only the 64-token boxes
+//    holding a token < M (8 KB each), and the stage's weights (8 KB) and scales (1 KB) of the 128-row tile, each one
 //    contiguous run of the repacked layout: one bulk copy each. So the warps issue no copies and compute no copy
 //    addresses; they wait on the slot's barrier, decode and issue wgmmas. The A registers of consecutive k64 halves
 //    alternate, and `wgmma.wait_group 1` after each half's commit retires the half before it, so a half's wgmmas run
@@ -40,6 +41,8 @@ constexpr int WD_ROWS = QERL_GEMM_BN;         // weight rows per tile: one 128-r
 constexpr int WD_THREADS = 256;               // 2 warpgroups
 constexpr int WD_HALF_K = 64;                 // K per wgmma batch (one TMA box of activations)
 constexpr int WD_X_HALF_BYTES = WD_T * WD_HALF_K * 2;           // 32 KB of activations per k64 half
+constexpr int WD_BOX_ROWS = 64;                                 // token rows per TMA box: 4 boxes per k64 half
+constexpr int WD_BOX_BYTES = WD_BOX_ROWS * WD_HALF_K * 2;       // 8 KB, a multiple of the swizzle's 1024 B
 constexpr int WD_W_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 512;  // the stage's weights: 8 KB
 constexpr int WD_S_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 64;   // its scales: 1 KB
 constexpr int WD_W_OFF = 2 * WD_X_HALF_BYTES;                   // in a slot: activations, weights, scales
@@ -50,6 +53,8 @@ constexpr int WD_SMEM_BYTES = WD_SLOTS * WD_SLOT_BYTES + 1024;  // + the 1024-by
 static_assert(QERL_GEMM_BK == 2 * WD_HALF_K, "a stage is two k64 halves");
 static_assert(WD_SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
 static_assert(WD_SLOT_BYTES % 1024 == 0 && WD_X_HALF_BYTES % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
+static_assert(WD_X_HALF_BYTES == (WD_T / WD_BOX_ROWS) * WD_BOX_BYTES && WD_BOX_BYTES % 1024 == 0,
+              "a k64 half is whole boxes, each starting a swizzle period (the boxes tile it as one box would)");
 
 #ifdef QERL_WGMMA_DEVICE
 // D[64 x 256] += A[64 x 16] (registers, bf16) x B[16 x 256] (shared memory, bf16, K-major), FP32 accumulators.
@@ -170,9 +175,11 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
 // kCluster = false: persistent stream-K over all SMs (units_per_cta: the range length). kCluster = true: one tile per
 // cluster of s CTAs (launched with a cluster dimension), CTA rank r running stages [r * units_per_cta, (r + 1) *
 // units_per_cta) of it, the sums reduced on chip (cluster_splitk::reduce_store): no workspace, no counters. kLora: the
-// tile starts from its LoRA term (wide_lora_start; `lora` normalized by lora_valid), else `lora` is unused.
+// tile starts from its LoRA term (wide_lora_start; `lora` normalized by lora_valid), else `lora` is unused. x_map's
+// boxes are whole tiles (256 rows), x_part's 64 rows: a last tile of at most 192 rows.
 template <bool kCluster, bool kLora>
-__device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const uint4* __restrict__ qw,
+__device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtensorMap& x_part,
+                                          const uint4* __restrict__ qw,
                                           const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                           const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                           float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
@@ -203,6 +210,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const uint4*
 
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, WD_SLOTS, &x_map);
+  if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_part)) : "memory");
   int g0 = 0;  // stages this CTA ran before the current segment: slot of stage s = (g0 + s) % SLOTS, and its
                // barrier's phase parity = ((g0 + s) / SLOTS) % 2
 
@@ -234,9 +242,23 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const uint4*
       const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
       const uint32_t bar = bar0 + 8 * slot;
       const int k0 = (kb + st) * QERL_GEMM_BK;
-      tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
-      tma::load_2d(base, &x_map, bar, k0, m0);
-      tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
+      if (M - m0 > WD_T - WD_BOX_ROWS) {  // one 256-row box per k64 half: a full tile, or one needing all 4 boxes
+        tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
+        tma::load_2d(base, &x_map, bar, k0, m0);
+        tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
+      } else {
+        // the last tile, at most 192 rows: only the 64-row boxes with a token row < M (zero-filling rows past M
+        // costs the copy engine more than loading real rows: NOTES lead 6; four part boxes fill as much as the whole
+        // box and cost 3 % more: NOTES "Eighteenth round"). The slot rows of the boxes not asked for keep stale
+        // values, which reach only the accumulators of tokens >= M, never stored.
+        const int boxes = (M - m0 + WD_BOX_ROWS - 1) / WD_BOX_ROWS;
+        tma::mbar_expect_tx(bar, 2 * boxes * WD_BOX_BYTES + WD_W_BYTES + WD_S_BYTES);
+        for (int b = 0; b < boxes; ++b) {
+          tma::load_2d(base + b * WD_BOX_BYTES, &x_part, bar, k0, m0 + b * WD_BOX_ROWS);
+          tma::load_2d(base + WD_X_HALF_BYTES + b * WD_BOX_BYTES, &x_part, bar, k0 + WD_HALF_K,
+                       m0 + b * WD_BOX_ROWS);
+        }
+      }
       tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
       tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
     };
@@ -310,9 +332,10 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                 int units_per_cta) {
+                                 int units_per_cta, const __grid_constant__ CUtensorMap x_part) {
 #ifdef QERL_WGMMA_DEVICE
-  wide_body<kCluster, false>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, nullptr);
+  wide_body<kCluster, false>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
+                             nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
 #endif
@@ -326,9 +349,11 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                       const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                       float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                      int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora) {
+                                      int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora,
+                                      const __grid_constant__ CUtensorMap x_part) {
 #ifdef QERL_WGMMA_DEVICE
-  wide_body<kCluster, true>(x_map, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta, &lora);
+  wide_body<kCluster, true>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
+                            &lora);
 #else
   __trap();
 #endif
@@ -341,12 +366,18 @@ using WideLoraLauncher =
 using ClusterLoraLauncher =
     tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
 
+// x's map of 64-row boxes, for the last tile when M is not a multiple of 256 (the launchers encode the whole-tile one)
+cudaError_t encode_part(CUtensorMap* x_part, const void* x, int M, int K) {
+  return tma::encode_activations(x_part, x, M, K, WD_BOX_ROWS);
+}
+
 // `lora` (normalized) launches the LoRA kernel, NULL the plain one.
 cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscale, const float* gscale,
                            const void* bias, void* out, int M, int N, int K, int s, int per,
                            const QerlLoraEpilogue* lora, cudaStream_t stream) {
-  CUtensorMap x_map;
+  CUtensorMap x_map, x_part;
   cudaError_t e = tma::encode_activations(&x_map, x, M, K, WD_T);
+  if (e == cudaSuccess) e = encode_part(&x_part, x, M, K);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr;
@@ -357,9 +388,9 @@ cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscal
   auto* o = static_cast<__nv_bfloat16*>(out);
   if (lora != nullptr)
     return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_lora_kernel<true>, x_map, w, sc, gscale, b, o,
-                              static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora);
+                              static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora, x_part);
   return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, w, sc, gscale, b, o,
-                            static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per);
+                            static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, x_part);
 }
 
 }  // namespace
@@ -393,11 +424,14 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, con
     if (e != cudaSuccess) return e;
     return qerl::launch_cluster(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, lora, stream);
   }
+  CUtensorMap x_part;
+  const cudaError_t e = qerl::encode_part(&x_part, x, M, K);
+  if (e != cudaSuccess) return e;
   if (lora != nullptr)
     return qerl::WideLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream, false, *lora);
+                                          grid, stream, false, *lora, x_part);
   return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                    stream);
+                                    stream, false, x_part);
 }
 
 extern "C" int qerl_nvfp4_gemm_wgmma_wide_lora_available() {

@@ -244,8 +244,10 @@ def wgmma_wide_min_m(m: int):  # noqa: ANN201
         ext.set_wgmma_wide_min_m(prev)
 
 
-#: M values every wgmma test covers: both sides of the 64 / 128 / 256-token tile boundaries, tails, a large M
-WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 255, 256, 300, 1000, 4096)
+#: M values every wgmma test covers: both sides of the 64 / 128 / 256-token tile boundaries, tails, a large M; the
+#: wide kernel's last tile as 1, 2 and 3 of its 64-token part boxes (129, 384, 192) and both sides of the 192-token
+#: edge where it loads the whole 256-token box again (192 / 193, 448 / 449, 255)
+WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 192, 193, 255, 256, 300, 384, 448, 449, 1000, 4096)
 
 
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128", "wgmma_rs_streamk"])

@@ -34,9 +34,10 @@ SHAPES = [(512, 1024, [0, 512], 32), (1024, 1024, [0, 512, 1024], 32), (768, 204
 #: (mode, splits): auto dispatch; the split-K kernel with one split (every CTA runs the epilogue) and with 4 (the
 #: last CTA of each tile runs it, after the deterministic partial sum)
 MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0)]
-#: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 256, 300: other block sizes (the register-A wgmma
-#: kernel's 64-, 128- and 256-token tiles), and the fallback where auto picks another kernel
-TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 129, 256, 300]
+#: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 160, 200, 256, 300: other block sizes (the
+#: register-A wgmma kernel's 64-, 128- and 256-token tiles; the last 256-token tile as part boxes at 129 / 160 / 300,
+#: as one whole box at 200), and the fallback where auto picks another kernel
+TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 129, 160, 200, 256, 300]
 
 
 @pytest.fixture(scope="module", autouse=True)
