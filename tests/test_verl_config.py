@@ -363,8 +363,11 @@ def test_nf4_refuses_an_ignore_list_vllm_would_not_follow(ignore):
 
 
 def test_a_qerl_value_that_is_not_a_block_is_named():
-    with pytest.raises(QeRLConfigError, match=r"qerl='nvfp4': expected a block of settings"):
+    # a group's name as a string: hydra did not find the group (the plugin scan missed it)
+    with pytest.raises(QeRLConfigError, match=r"qerl='nvfp4': hydra did not find verl-qerl's `qerl` config group"):
         QeRLConfig.from_dict("nvfp4")
+    with pytest.raises(QeRLConfigError, match=r"qerl='fp4': expected a block of settings"):
+        QeRLConfig.from_dict("fp4")
 
 
 def test_ignore_patterns_are_checked_against_the_model(tiny_bf16):

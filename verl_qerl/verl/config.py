@@ -63,6 +63,8 @@ def _default_target_modules() -> list[str]:
 
 TRAINER_MODE = "qerl_sync"
 VLLM_QUANTIZATION = {"nvfp4": METHOD_NAME, "nf4": "bitsandbytes", "bf16": None}
+#: The ``qerl`` config group's options (verl_qerl/verl/hydra/qerl/*.yaml).
+CONFIG_GROUPS = ("nvfp4", "nvfp4_noaqn", "bf16", "nf4")
 
 #: Where the engine and the vLLM servers find the block.
 CARRIER_PATH = ("actor_rollout_ref", "model", "lora", "qerl")
@@ -111,6 +113,13 @@ class QeRLConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QeRLConfig:
         if not isinstance(values, Mapping):
+            if isinstance(values, str) and values in CONFIG_GROUPS:
+                raise QeRLConfigError(
+                    f"qerl={values!r}: hydra did not find verl-qerl's `qerl` config group, so +qerl={values} set a "
+                    "string instead of the group's settings. The group is added by hydra_plugins/verl_qerl (found by "
+                    "hydra's plugin scan) and by the verl plugin where it is loaded before hydra composes; check "
+                    "that `pip show verl-qerl` lists this environment and that the driver logs '[verl-qerl ...] "
+                    "plugin active'")
             raise QeRLConfigError(f"qerl={values!r}: expected a block of settings (e.g. +qerl=nvfp4 picks the "
                                   "nvfp4 group; single keys as qerl.mode=nvfp4)")
         values = dict(values)

@@ -277,11 +277,22 @@ def _install_no_flash_attn_paths(module: ModuleType) -> None:
         module.logprobs_from_logits = verl_logprobs_from_logits
 
 
+def _register_hydra_search_path(module: ModuleType) -> None:
+    """Register the search-path plugin that adds the ``qerl`` config group with hydra by hand as well: hydra finds it
+    by scanning the ``hydra_plugins`` namespace package, which setuptools' editable installs (``pip install -e``,
+    setuptools >= 64) hide from that scan outside the repository folder (hydra issue #2359), and ``+qerl=nvfp4``
+    would then set the string ``qerl: nvfp4`` instead of the group."""
+    from hydra_plugins.verl_qerl.verl_qerl_searchpath import VerlQeRLSearchPathPlugin
+
+    module.Plugins.instance().register(VerlQeRLSearchPathPlugin)
+
+
 def install_hooks() -> list[str]:
     """Install the post-import hooks; returns a short description of each."""
     when_imported("verl.utils.config", _patch_validate_config)
     when_imported("verl.trainer.ppo.v1.trainer_sync", _register_trainer)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
     when_imported("verl.workers.engine.fsdp.transformer_impl", _install_no_flash_attn_paths)
-    return ["qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook", "FSDP NVFP4 model build",
-            "FSDP2 NVFP4 base sharding", "no-flash-attn attention and log-probs"]
+    when_imported("hydra.core.plugins", _register_hydra_search_path)
+    return ["qerl config group", "qerl config check", "trainer mode qerl_sync", "FSDP LoRA hook",
+            "FSDP NVFP4 model build", "FSDP2 NVFP4 base sharding", "no-flash-attn attention and log-probs"]
