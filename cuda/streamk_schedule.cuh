@@ -222,6 +222,32 @@ struct CtaRange {
   }
   __device__ __forceinline__ int after(const Segment& s) const { return s.tile * stages + s.ke; }
 
+  // K-aligned order (kernels whose activations can outgrow L2): a range that starts inside a tile and runs on into
+  // the next runs that first tile's tail last. Every CTA then meets stage k of its tiles at the same time (its first
+  // whole tile or head starts at k = 0), up to one shift of (-units_per_cta mod stages) for the tails, so the CTAs
+  // that read one activation slice read it together, not ~stages / tiles-per-token-tile stages apart (a 39 MB
+  // activation set then streams from DRAM once or twice instead of once per N tile: NOTES "Eighteenth round").
+  // The partial slots, the fix-up and its sum order depend on the tile, not on when a segment runs.
+  //   for (int u = range.aligned_begin(); u >= 0; u = range.aligned_next(u_after)) { seg = segment_at(u); ... }
+  __device__ __forceinline__ int aligned_begin() const {
+    if (begin >= end) return -1;  // (no launch makes an empty range; kept safe)
+    const int next_tile = (begin / stages + 1) * stages;
+    return begin % stages != 0 && next_tile < end ? next_tile : begin;
+  }
+  // The unit after a segment that ended at `u_after` (after(segment)) in the aligned order; -1: the range is done.
+  __device__ __forceinline__ int aligned_next(int u_after) const {
+    const int first = aligned_begin();
+    if (u_after == end) return first != begin ? begin : -1;  // the postponed tail, or done
+    return u_after == first ? -1 : u_after;                   // the postponed tail ended where the rest began
+  }
+  // The first unit / the unit after a segment ending at `u_after`, in the aligned order or in unit order; -1: done.
+  __device__ __forceinline__ int first_unit(bool k_aligned) const {
+    return k_aligned ? aligned_begin() : (begin < end ? begin : -1);
+  }
+  __device__ __forceinline__ int next_unit(int u_after, bool k_aligned) const {
+    return k_aligned ? aligned_next(u_after) : (u_after < end ? u_after : -1);
+  }
+
   __device__ __forceinline__ int first_cta(int tile) const { return (tile * stages) / units_per_cta; }
   __device__ __forceinline__ int last_cta(int tile) const { return (tile * stages + stages - 1) / units_per_cta; }
   // The tile of unit `begin`: the only tile whose partial goes to slot 0 of this CTA.
