@@ -502,12 +502,16 @@ def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_nvfp4):
 
     from verl_qerl.vllm.config import QeRLNvFp4Config
 
-    for ignore, want in (("[lm_head,down_proj]", ["lm_head", "down_proj"]), ("[]", [])):
+    for ignore, want in (("[lm_head,down_proj]", ["lm_head", "down_proj"]), ("[lm_head,o_proj]", ["lm_head", "o_proj"])):
         cfg = composed("+qerl=nvfp4", f"qerl.ignore={ignore}")
         assert list(apply_qerl(cfg).ignore) == want
         quant = OmegaConf.to_container(OmegaConf.select(cfg, HF_OVERRIDES))["quantization_config"]
         assert quant == {"quant_method": "qerl_nvfp4", "scale_rule": "bf16", "ignore": want}
         assert QeRLNvFp4Config.from_config(quant).ignore == want  # what vLLM's qerl_nvfp4 reads from it
+    # a list without lm_head is refused: vLLM's LM head is never quantized, the actor's would be
+    for ignore in ("[]", "[down_proj]"):
+        with pytest.raises(QeRLConfigError, match=r"leaves out lm_head: the actor would train on an NVFP4 LM head"):
+            apply_qerl(composed("+qerl=nvfp4", f"qerl.ignore={ignore}"))
     # a user's own override that disagrees is refused, naming both
     cfg = composed("+qerl=nvfp4", "qerl.ignore=[lm_head,down_proj]",
                    f"+{HF_OVERRIDES}.quantization_config.quant_method=qerl_nvfp4")

@@ -254,7 +254,9 @@ def quantize_checkpoint(
               and (declared_targets is None or matches_pattern(m, declared_targets))]
     targets = [m for m in wanted if f"{m}.weight" in reader]
     missing = [m for m in wanted if f"{m}.weight" not in reader]
-    if missing and not reader.config.get("tie_word_embeddings"):
+    # (a tied lm_head has no weight of its own, but lm_head is always in the ignore list, so it is never `wanted`: a
+    # tie_word_embeddings checkpoint gets no exemption here, or a bare-decoder save would convert with 0 layers)
+    if missing:
         raise CheckpointError(f"{src}: Linear weight(s) missing from the checkpoint: "
                               f"{', '.join(m + '.weight' for m in missing[:5])}")
     for m in targets:  # headers only: a weight the architecture would not load is refused before any is read

@@ -283,6 +283,15 @@ def dequantize_repacked(
     return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
 
 
+def _check_n(kernel_weight: RepackedWeight, n: int, caller: str) -> None:
+    """``n`` (the weight's N) must fit the kernel layout's padded rows: N is padded up to a multiple of
+    ``layout.N_PAD``, so an ``n`` past the padding, or one padding block short, is another weight's N."""
+    rows = kernel_weight.qweight.shape[0] * layout.N_PAD  # [N_pad / N_PAD, K / 128, 8192] (layout.repack)
+    if not rows - layout.N_PAD < n <= rows:
+        raise ValueError(f"{caller}: n={n} does not fit kernel_weight, whose layout holds N in "
+                         f"({rows - layout.N_PAD}, {rows}] (N padded to a multiple of {layout.N_PAD})")
+
+
 def linear(
     x: torch.Tensor,
     packed: torch.Tensor | None,
@@ -312,12 +321,16 @@ def linear(
     ``packed``/``scale`` may be None when ``kernel_weight`` is given (then ``n`` = N is needed if
     ``packed`` is None, since the kernel layout pads N).
     """
+    if not x.is_floating_point():
+        raise TypeError(f"linear: x must be a floating-point tensor (bf16, fp16 or fp32), got {x.dtype}")
     if packed is not None:
         n_out = packed.shape[0]
     elif n is not None:
         n_out = n
     else:
         raise ValueError("linear: give packed (or n together with kernel_weight)")
+    if kernel_weight is not None:
+        _check_n(kernel_weight, n_out, "linear")
     k = x.shape[-1]
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
@@ -371,6 +384,7 @@ def linear_lora(
         raise ValueError(f"linear_lora: x must be 2-D [M, K], got {tuple(x.shape)}")
     if (shrunk is None) == (lora_a is None):
         raise ValueError("linear_lora: pass exactly one of shrunk (the shrink's output) and lora_a (the A matrices)")
+    _check_n(kernel_weight, n, "linear_lora")
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     mode = 0

@@ -77,13 +77,15 @@ def _check_model(model: nn.Module, strict_arch: bool) -> None:
                                    "another architecture whose Linear layers are plain torch.nn.Linear)")
 
 
-def _select_targets(model: nn.Module, ignore: Iterable[str], targets: Iterable[str] | None) -> list[str]:
-    """Names of the modules to convert, in model order; errors name any unsupported module."""
+def _select_targets(model: nn.Module, ignore: Iterable[str], targets: Iterable[str] | None,
+                    must_match: Iterable[str] = ()) -> list[str]:
+    """Names of the modules to convert, in model order; errors name any unsupported module and any pattern of
+    ``must_match`` (the caller's own ignore patterns) that keeps no Linear layer (a misspelling)."""
     ignore = list(ignore)
     modules = dict(model.named_modules())
     linear = [n for n, m in modules.items() if isinstance(m, (nn.Linear, NVFP4Linear))]
     try:  # a fused group (q/k/v, gate/up) is all NVFP4 or all BF16, as vLLM serves it
-        check_ignore(linear, ignore, "ignore")
+        check_ignore(linear, ignore, "ignore", must_match=must_match)
     except PatternError as err:
         raise ModelConversionError(f"quantize_model: {err}") from err
     if targets is None:
@@ -129,6 +131,7 @@ def quantize_model(
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
     scale_rule: str = DEFAULT_SCALE_RULE,
     compute_device: torch.device | str | None = None,
+    ignore_must_match: bool = True,
 ) -> nn.Module:
     """Replace the Linear layers of ``model`` in place by the ``mode``'s frozen base layers.
 
@@ -143,7 +146,9 @@ def quantize_model(
     ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). ``compute_device``: where dense
     weights are quantized (e.g. the GPU of a verl worker whose model is still on the CPU: the same torch ops give
     the same bits, in seconds instead of minutes); the results go back to each layer's device (nvfp4 from dense
-    weights only: nf4 and NVFP4 checkpoints ignore it). Returns ``model``.
+    weights only: nf4 and NVFP4 checkpoints ignore it). ``ignore_must_match``: each ``ignore`` pattern beyond the
+    default must keep a Linear layer (a misspelled ``donw_proj`` is refused, not silently quantized); False for
+    patterns a checkpoint declared. Returns ``model``.
     """
     if mode not in MODES:
         raise ModelConversionError(f"quantize_model: mode={mode!r}; expected one of {MODES}")
@@ -158,7 +163,8 @@ def quantize_model(
         if checkpoint is not None:
             raise ModelConversionError("quantize_model: mode='bf16' takes no checkpoint (load it with transformers)")
         return model
-    names = _select_targets(model, ignore, targets)
+    must_match = [p for p in ignore if p not in DEFAULT_IGNORE] if ignore_must_match else []
+    names = _select_targets(model, ignore, targets, must_match)
     if mode == "nf4":
         if checkpoint is not None:
             raise ModelConversionError("quantize_model: mode='nf4' quantizes the model's own weights; no checkpoint")
@@ -490,8 +496,11 @@ def load_nvfp4_model(
 
     reader = CheckpointReader(path)
     declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
+    user_ignore = ignore is not None
     if ignore is None:
-        ignore = DEFAULT_IGNORE if declared_ignore is None else declared_ignore
+        # the declared list adds to the default, as qerl-quantize reads it and as vLLM behaves (its LM head is never
+        # a quantized Linear): a declared ["down_proj"] must not quantize lm_head here alone
+        ignore = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ())]))
     config = dict(reader.config)
     for key in ("quantization_config", "compression_config", SCALE_RULE_KEY):
         config.pop(key, None)
@@ -505,7 +514,7 @@ def load_nvfp4_model(
     if scale_rule is None:
         scale_rule = str((reader.quant_config or {}).get("scale_rule", DEFAULT_SCALE_RULE))
     quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets,
-                   scale_rule=scale_rule)
+                   scale_rule=scale_rule, ignore_must_match=user_ignore)
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
         from transformers import GenerationConfig

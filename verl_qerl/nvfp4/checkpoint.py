@@ -261,6 +261,21 @@ class CheckpointReader:
             raise CheckpointError(f"{self.folder}: {err}") from err
         self.format = detect_format(self.config, self.folder)
         self._where = self._index()
+        if self.format == FORMAT_BF16:
+            self._refuse_undeclared_nvfp4()
+
+    def _refuse_undeclared_nvfp4(self) -> None:
+        """A folder with NVFP4 tensors whose config declares no NVFP4 format (e.g. ``save_pretrained`` of a model
+        after ``quantize_model``: uint8 ``weight_packed`` but no quantization_config) would read as a BF16 model
+        with missing Linear weights; transformers would even load it with random ones. Say what it is."""
+        nvfp4_only = tuple(f".{LAYOUT_TENSOR_NAMES[fmt][i]}" for fmt, i in ((FORMAT_CT, 0), (FORMAT_CT, 2),
+                                                                              (FORMAT_MODELOPT, 2)))
+        stray = sorted(n for n in self._where if n.endswith(nvfp4_only))
+        if stray:
+            raise CheckpointError(
+                f"{self.folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but config.json declares no NVFP4 "
+                "quantization_config (saved with save_pretrained after quantize_model?); write NVFP4 checkpoints "
+                "with verl_qerl.modeling.export_merged(..., dtype='nvfp4') or qerl-quantize")
 
     def _index(self) -> dict[str, str]:
         index = self.folder / "model.safetensors.index.json"
@@ -411,6 +426,11 @@ def validate_nvfp4(
         group = k // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else "?"
         raise NVFP4FormatError(f"{module}.weight_scale: shape {tuple(scale.shape)} does not fit packed weight "
                                f"[{n}, {k}/2] with block size {BLOCK_SIZE} (implied group size {group})")
+    # E4M3 has no inf: 0x7F / 0xFF are NaN (meta tensors: shapes only)
+    nan_blocks = 0 if scale.is_meta else int(((scale.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if nan_blocks:
+        raise NVFP4FormatError(f"{module}.weight_scale: {nan_blocks} block scale(s) are NaN (E4M3 0x7F / 0xFF); a "
+                               "damaged or wrongly converted checkpoint")
     if global_scale.numel() != 1:
         raise NVFP4FormatError(f"{module}: global scale must hold one value, got shape {tuple(global_scale.shape)}")
     g = float(global_scale.reshape(()))

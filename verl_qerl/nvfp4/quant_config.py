@@ -183,8 +183,15 @@ def quantize_at_load_layers(cfg: Mapping[str, Any] | None) -> tuple[list[str] | 
     where it declares none); ``targets`` None also when it names the class ``Linear`` (every layer)."""
     if not cfg or str(cfg.get("quant_method", "")).lower() != QERL_QUANT_METHOD:
         return None, None
-    ignore = cfg.get("ignore")
-    targets = cfg.get("targets")
+    ignore = _pattern_list(cfg.get("ignore"))
+    targets = _pattern_list(cfg.get("targets"))
     if targets is not None and (not targets or "Linear" in targets):
         targets = None
-    return (None if ignore is None else list(ignore)), (None if targets is None else list(targets))
+    return ignore, targets
+
+
+def _pattern_list(value: Any) -> list[str] | None:
+    """A config's pattern list; a single string is one pattern (``list("down_proj")`` would be its characters)."""
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else list(value)

@@ -46,7 +46,7 @@ from ..aqn import AQNConfig, short_run
 from ..aqn.schedule import min_stages
 from ..modeling.model_conversion import MODES
 from ..nvfp4.arch import DEFAULT_IGNORE
-from ..nvfp4.checkpoint import PatternError, check_patterns
+from ..nvfp4.checkpoint import PatternError, check_patterns, matches_pattern
 from ..nvfp4.quant_config import FORMAT_BF16
 from ..nvfp4.quantize import DEFAULT_SCALE_RULE, SCALE_RULES
 from ..vllm import METHOD_NAME, VERL_WORKER_EXTENSION
@@ -418,6 +418,10 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
         raise QeRLConfigError(f"qerl.ignore={list(qerl.ignore)} with qerl.mode=nf4: vLLM's bitsandbytes keeps only its "
                               f"own default ({list(DEFAULT_IGNORE)}) dense, so the rollout would sample from other "
                               "weights than the actor trains; leave qerl.ignore at its default with nf4")
+    if qerl.mode == "nvfp4" and not matches_pattern("lm_head", qerl.ignore):
+        raise QeRLConfigError(f"qerl.ignore={list(qerl.ignore)} leaves out lm_head: the actor would train on an NVFP4 "
+                              "LM head while vLLM's LM head is never a quantized layer (it samples from the BF16 "
+                              "one); keep lm_head in qerl.ignore, e.g. qerl.ignore=[lm_head,down_proj]")
     _check_run_length(config, qerl)
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
     _check_ignore_against_model_path(config, qerl)

@@ -115,7 +115,22 @@ def get_lora_model(
         if config.target_modules == "all-linear" or config.target_modules is None:
             config.target_modules = set(resolve_target_modules(model, config.target_modules))
         register_nvfp4_lora(config)
+    _refuse_frozen_modules_to_save(model, config)
     return get_peft_model(model, config, adapter_name=adapter_name)
+
+
+def _refuse_frozen_modules_to_save(model: nn.Module, config: LoraConfig) -> None:
+    """peft's ``modules_to_save`` trains a full copy of a module; an NVFP4 layer's copy has no trainable parameter
+    (uint8 buffers; at most its bias), so the user would train nothing there without a word: refuse it by name."""
+    from ..linear import NVFP4Linear
+
+    wanted = config.modules_to_save or []
+    hits = [name for name, module in model.named_modules() if isinstance(module, NVFP4Linear)
+            and any(name == w or name.endswith("." + w) for w in wanted)]
+    if hits:
+        raise ValueError(f"get_lora_model: modules_to_save {list(wanted)} names NVFP4 layer(s) {hits[:3]}: their 4-bit "
+                         "base is frozen, so a trainable copy would train nothing; train them through LoRA "
+                         "(target_modules) or keep them in BF16 (quantize_model(ignore=...))")
 
 
 def load_lora_adapter(
