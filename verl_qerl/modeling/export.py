@@ -6,6 +6,13 @@ get a merged model: ``dtype="bf16"`` writes a plain BF16 checkpoint (transformer
 as ``qerl-quantize``) and writes the compressed-tensors NVFP4A16 layout that vLLM's stock loader and
 ``verl_qerl.nvfp4.checkpoint.CheckpointReader`` read. The merge is computed in float32, one fused
 group at a time, and shards are flushed as they fill, so memory stays near the output model.
+
+What is written is what the in-memory model computes: each layer's forward as peft runs it (the active
+adapters' ``scaling * B@A`` and ``scaling * lora_B.bias``, nothing more where ``merge_adapter()`` already
+put them into the base), and a peft ``modules_to_save`` module as its active copy under the plain name.
+Everything is checked before any weight is written, written into a hidden folder beside ``out_dir`` and
+renamed into place only when complete (as ``qerl-quantize`` does), so a failed or killed export never
+leaves a half-written ``out_dir``.
 """
 
 from __future__ import annotations
@@ -19,10 +26,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..checkpoint_conversion import check_output_folder, make_temp_folder, remove_made, replace_dir
 from ..nvfp4 import DEFAULT_SCALE_RULE, check_scale_rule, fused_global_scale
 from ..nvfp4.arch import DEFAULT_IGNORE, fused_group
 from ..nvfp4.checkpoint import (
     SCALE_RULE_KEY,
+    check_ignore,
+    check_patterns,
     ct_quantization_config,
     ct_tensors,
     matches_pattern,
@@ -37,31 +47,103 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 
+#: A ``tokenizer`` folder must hold one of these (else it is not a tokenizer folder, and nothing would be copied).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 
 def _base_model(model: nn.Module) -> nn.Module:
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
 
 
-def _merged_weights(base: nn.Module) -> dict[str, nn.Module]:
+# ------------------------------------------------------------------------------------------------
+# peft modules_to_save: which copy the forward runs, and the names it is exported under
+
+
+def _saved_copy(wrapper: nn.Module) -> str:
+    """The child of a peft ``ModulesToSaveWrapper`` its forward runs: ``modules_to_save.<adapter>`` (the trained
+    copy of the active adapter) or ``original_module`` (adapters disabled, or none of them saves this module)."""
+    active = list(wrapper.active_adapters)
+    if wrapper.disable_adapters or not active or any(a not in wrapper.modules_to_save for a in active):
+        return "original_module"
+    return f"modules_to_save.{active[0]}"
+
+
+def _routes(base: nn.Module) -> dict[str, str]:
+    """{name of a peft ModulesToSaveWrapper: the child exported in its place}, innermost first.
+
+    Why: the wrapper holds the frozen original and one trained copy per adapter; a loader knows neither
+    ``lm_head.original_module.weight`` nor ``lm_head.modules_to_save.default.weight``, only ``lm_head.weight``."""
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    routes = {}
+    for name, module in base.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            routes[name] = _saved_copy(module)
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            raise ValueError(f"export_merged: {name!r} is a peft {type(module).__qualname__} (trainable_token_indices"
+                             "); only LoRA and modules_to_save can be exported")
+    return dict(sorted(routes.items(), key=lambda kv: -kv[0].count(".")))
+
+
+def _export_name(name: str, routes: dict[str, str]) -> str | None:
+    """``name`` with each ModulesToSaveWrapper's exported child folded into the wrapper's own name (so ignore
+    patterns see ``lm_head``), or None for anything under a child that is not exported."""
+    for wrapper, kept in routes.items():
+        if name.startswith(wrapper + "."):
+            rest = name[len(wrapper) + 1:]
+            if rest != kept and not rest.startswith(kept + "."):
+                return None
+            name = wrapper + rest[len(kept):]
+    return name
+
+
+def _head_is_own(base: nn.Module) -> bool:
+    """Whether the output head computes with another weight than the input embedding, although the config ties
+    them: a trained ``modules_to_save`` copy of either, or LoRA on ``lm_head``. The export is then untied (its
+    ``lm_head.weight`` written), or loading would put the embedding back in the head."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    def weight(module: nn.Module | None) -> torch.Tensor | None:
+        if isinstance(module, ModulesToSaveWrapper):
+            module = module.get_submodule(_saved_copy(module))
+        if isinstance(module, LoraLayer):
+            adapters, _ = _adapter_terms(module)
+            if adapters:
+                return None
+            module = module.get_base_layer()
+        w = getattr(module, "weight", None)
+        return w if isinstance(w, torch.Tensor) else None
+
+    get_out, get_in = getattr(base, "get_output_embeddings", None), getattr(base, "get_input_embeddings", None)
+    if not callable(get_out) or not callable(get_in) or get_out() is None or get_in() is None:
+        return False
+    w_out, w_in = weight(get_out()), weight(get_in())
+    return w_out is None or w_in is None or not (w_out is w_in or w_out.data_ptr() == w_in.data_ptr())
+
+
+# ------------------------------------------------------------------------------------------------
+# the Linear layers and their merged tensors
+
+
+def _linear_layers(base: nn.Module, routes: dict[str, str]) -> dict[str, nn.Module]:
     """Linear-like layers (NVFP4Linear, nn.Linear, and peft LoRA wrappers of them) by export name."""
     from peft.tuners.lora import LoraLayer
 
     layers: dict[str, nn.Module] = {}
     lora_prefixes: list[str] = []
-    tied = bool(getattr(getattr(base, "config", None), "tie_word_embeddings", False))
-    for name, module in base.named_modules():
-        if tied and (name == "lm_head" or name.endswith(".lm_head")):
-            continue  # its weight is the input embedding, written once under its own name
+    for raw, module in base.named_modules():
+        name = _export_name(raw, routes)
+        if name is None or raw.startswith(tuple(lora_prefixes)):
+            continue  # a copy that is not exported, or the base layer and adapters of a LoRA layer
         if isinstance(module, LoraLayer):
             inner = module.get_base_layer()
             if not isinstance(inner, (nn.Linear, NVFP4Linear)) or type(inner).__module__.startswith("bitsandbytes"):
                 raise ValueError(f"export_merged: layer {name!r} wraps a {type(inner).__qualname__}; only LoRA on "
                                  "NVFP4Linear or torch.nn.Linear can be exported")
             layers[name] = module
-            lora_prefixes.append(name + ".")
-        elif any(name.startswith(p) for p in lora_prefixes):
-            continue  # the base layer and the adapters of a LoRA layer: exported through it
+            lora_prefixes.append(raw + ".")
         elif isinstance(module, NVFP4Linear) or type(module) is nn.Linear:
             layers[name] = module
         elif type(module).__module__.startswith("bitsandbytes") and isinstance(module, nn.Linear):
@@ -70,23 +152,138 @@ def _merged_weights(base: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
-def _dense(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 dequant(W) + sum of active adapters' scaling*B@A, and the bias."""
+def _adapter_terms(layer: nn.Module) -> tuple[list[str], float]:
+    """The adapters whose ``scaling * B@A`` (and ``scaling * lora_B.bias``) turn the base layer's tensors into what
+    the layer's forward computes, and their sign.
+
+    Why: peft's forward runs the base layer alone once ``merge_adapter()`` has added the deltas into it (adding
+    them again would count them twice), and un-merges first when adapters are disabled while merged."""
+    merged = [a for a in getattr(layer, "merged_adapters", ()) if a in layer.lora_A]
+    if layer.disable_adapters:
+        return merged, -1.0
+    if merged:
+        return [], 1.0
+    return [a for a in layer.active_adapters if a in layer.lora_A], 1.0
+
+
+def _merged_weight(layer: nn.Module) -> torch.Tensor:
+    """float32 dequant(W) or W, plus the adapter deltas the forward adds (see :func:`_adapter_terms`)."""
     from peft.tuners.lora import LoraLayer
 
     from .lora.layer import lora_delta
 
     if isinstance(layer, LoraLayer):
-        inner = layer.get_base_layer()
-        w = _dense(inner)[0]
-        if not layer.disable_adapters:
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    w = w + lora_delta(layer, adapter).detach()
-        return w, inner.bias
+        w = _merged_weight(layer.get_base_layer())
+        adapters, sign = _adapter_terms(layer)
+        for adapter in adapters:
+            w = w + sign * lora_delta(layer, adapter).detach()
+        return w
     if isinstance(layer, NVFP4Linear):
-        return layer.dequantize_weight(torch.float32), layer.bias
-    return layer.weight.detach().float(), layer.bias
+        return layer.dequantize_weight(torch.float32)
+    return layer.weight.detach().float()
+
+
+def _merged_bias(layer: nn.Module) -> torch.Tensor | None:
+    """float32 bias plus ``scaling * lora_B.bias`` of the adapters the forward adds (peft ``lora_bias=True``);
+    a layer without a bias of its own gets one from its adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    if isinstance(layer, LoraLayer):
+        bias = _merged_bias(layer.get_base_layer())
+        adapters, sign = _adapter_terms(layer)
+        for adapter in adapters:
+            extra = layer.lora_B[adapter].bias
+            if extra is not None:
+                term = extra.detach().float() * (sign * layer.scaling[adapter])
+                bias = term if bias is None else bias + term
+        return bias
+    bias = getattr(layer, "bias", None)
+    return None if bias is None else bias.detach().float()
+
+
+def _own_bias(layer: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    inner = layer.get_base_layer() if isinstance(layer, LoraLayer) else layer
+    return getattr(inner, "bias", None) is not None
+
+
+def _config_biases(base: nn.Module, cfg: dict) -> set[str]:
+    """The Linear layers that transformers builds with a bias from ``cfg`` (the architecture on the meta device)."""
+    config = type(base.config).from_dict(cfg)
+    with torch.device("meta"):
+        model = type(base)._from_config(config)
+    return {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.bias is not None}
+
+
+def _bias_config(base: nn.Module, cfg: dict, wanted: list[str]) -> tuple[dict, set[str]]:
+    """``cfg`` with the bias settings of the model type (``attention_bias``, ``mlp_bias``, ...) turned on where the
+    layers ``wanted`` (given a bias by their LoRA) need one, and the Linear layers that then load with a bias.
+
+    Why: transformers builds a bias only where the config says so, and would drop the tensor without one; Qwen2's
+    o_proj and MLP have no setting at all, so such a layer is refused by name rather than exported without it."""
+    have = _config_biases(base, cfg)
+    for key in sorted(k for k, v in cfg.items() if v is False and "bias" in k.lower()):
+        if all(n in have for n in wanted):
+            break
+        trial = {**cfg, key: True}
+        got = _config_biases(base, trial)
+        if got & (set(wanted) - have):
+            cfg, have = trial, got
+    missing = [n for n in wanted if n not in have]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ValueError(f"export_merged: the LoRA bias (lora_bias=True) gives {missing[0]}{more} a bias, but "
+                         f"transformers' {type(base).__name__} has none there and no config setting "
+                         f"({cfg.get('model_type')!r}) adds one, so the checkpoint would load without it; train "
+                         "without lora_bias on those layers (or leave them out of target_modules)")
+    return cfg, have
+
+
+# ------------------------------------------------------------------------------------------------
+# checks made before anything is written
+
+
+def _check_tokenizer(tokenizer: str | os.PathLike | object | None) -> None:
+    """A ``tokenizer`` that is neither a tokenizer folder nor has ``save_pretrained`` is refused by name: it used
+    to leave the export without a tokenizer, without a word."""
+    if tokenizer is None or hasattr(tokenizer, "save_pretrained"):
+        return
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(f"export_merged: tokenizer={tokenizer!r}: expected a tokenizer folder or an object with "
+                        "save_pretrained")
+    src = Path(tokenizer)
+    if not src.is_dir():
+        raise FileNotFoundError(f"export_merged: tokenizer={str(src)!r}: no such folder")
+    if not any((src / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"export_merged: tokenizer={str(src)!r}: holds none of "
+                                f"{', '.join(_TOKENIZER_FILES)}; not a tokenizer folder")
+
+
+def _check_ignore(ignore: Iterable[str] | str, linear: list[str]) -> list[str]:
+    """``ignore`` as a list of patterns (a string is one pattern); each pattern of the caller's own (not in
+    :data:`DEFAULT_IGNORE`) must match a Linear layer, or a misspelling would quietly quantize what it meant."""
+    patterns = check_patterns(ignore, "export_merged: ignore")
+    # no fused-group rule here (patterns=()): a group partly ignored is kept whole in the dense dtype below
+    check_ignore(linear, (), "export_merged: ignore", must_match=[p for p in patterns if p not in DEFAULT_IGNORE])
+    return patterns
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+
+
+def _export_config(config: object, dense_dtype: torch.dtype, untie: bool) -> dict:
+    """config.json without the source's quantization entries, in the written dtype; untied when the head
+    computes with a weight of its own (see :func:`_head_is_own`)."""
+    cfg = config.to_dict()  # type: ignore[attr-defined]
+    for k in ("quantization_config", "compression_config", SCALE_RULE_KEY):
+        cfg.pop(k, None)
+    cfg["dtype"] = str(dense_dtype).removeprefix("torch.")
+    cfg.pop("torch_dtype", None)
+    if untie:
+        cfg["tie_word_embeddings"] = False
+    return cfg
 
 
 class _ShardWriter:
@@ -133,7 +330,7 @@ def export_merged(
     out_dir: str | os.PathLike,
     dtype: str = "bf16",
     *,
-    ignore: Iterable[str] = DEFAULT_IGNORE,
+    ignore: Iterable[str] | str = DEFAULT_IGNORE,
     tokenizer: str | os.PathLike | object | None = None,
     max_shard_bytes: int = 5 << 30,
     scale_rule: str = DEFAULT_SCALE_RULE,
@@ -141,81 +338,96 @@ def export_merged(
     """Write ``model`` (a PeftModel or a model with NVFP4Linear / LoRA layers) with adapters merged.
 
     ``dtype``: ``"bf16"`` (also ``"fp16"``, ``"fp32"``) for a dense checkpoint, ``"nvfp4"`` for a
-    re-quantized compressed-tensors NVFP4A16 one (layers matching ``ignore`` stay dense).
+    re-quantized compressed-tensors NVFP4A16 one (layers matching ``ignore`` stay dense; a string is one
+    pattern, and a pattern of the caller's that matches no Linear layer is refused).
     ``tokenizer``: a folder to copy tokenizer/generation files from, or an object with
-    ``save_pretrained``. ``out_dir`` must not exist or be empty. ``scale_rule``: how the
-    ``"nvfp4"`` export computes its scales (``verl_qerl.nvfp4.SCALE_RULES``). Returns the folder.
+    ``save_pretrained``. ``out_dir`` must not exist or be empty; it is written through a hidden folder
+    beside it and appears only when complete. ``scale_rule``: how the ``"nvfp4"`` export computes its
+    scales (``verl_qerl.nvfp4.SCALE_RULES``). Returns the folder.
     """
     check_scale_rule(scale_rule, "export_merged: scale_rule")
     key = dtype.lower()
     if key != "nvfp4" and key not in _DTYPES:
         raise ValueError(f"export_merged: dtype={dtype!r}; expected 'bf16', 'fp16', 'fp32' or 'nvfp4'")
     dense_dtype = _DTYPES.get(key, torch.bfloat16)
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not empty")
+    _check_tokenizer(tokenizer)
+    shown = Path(out_dir)
+    out = check_output_folder(shown, "export_merged")
+    if out.is_dir() and any(out.iterdir()):
+        raise FileExistsError(f"{shown}: exists and is not empty")
     base = _base_model(model)
     config = getattr(base, "config", None)
     if config is None:
         raise ValueError("export_merged: the model has no Hugging Face config")
-    layers = _merged_weights(base)
-    ignore = list(ignore)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = _ShardWriter(out, max_shard_bytes)
+    routes = _routes(base)
+    layers = _linear_layers(base, routes)
+    ignore = _check_ignore(ignore, list(layers))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    untie = tied and _head_is_own(base)
+    tied = tied and not untie
+    if tied:  # the head's weight is the input embedding, written once under its own name
+        layers = {n: m for n, m in layers.items() if not (n == "lm_head" or n.endswith(".lm_head"))}
+    groups: dict[str, list[str]] = {}
+    for name in layers:
+        groups.setdefault(fused_group(name), []).append(name)
+    quantized = {g: key == "nvfp4" and not any(matches_pattern(n, ignore) for n in group)
+                 for g, group in groups.items()}
+    biases = {n: _merged_bias(m) for n, m in layers.items()}
+
+    cfg = _export_config(config, dense_dtype, untie)
+    new_bias = [n for n, b in biases.items() if b is not None and not _own_bias(layers[n])]
+    if new_bias:  # the config must declare them, and every layer it then gives a bias needs a tensor (zeros)
+        cfg, have = _bias_config(base, cfg, new_bias)
+        biases.update({n: torch.zeros(layers[n].out_features) for n in have if n in layers and biases[n] is None})
+    if key == "nvfp4":
+        kept_dense = [n for g, group in groups.items() if not quantized[g] for n in group]
+        dense_linear = [n for n in kept_dense if not any(matches_pattern(n, [p]) for p in ignore)]
+        cfg["quantization_config"] = ct_quantization_config(ignore + dense_linear)
+        cfg[SCALE_RULE_KEY] = scale_rule
+
+    stage, made = make_temp_folder(out, shown, tag="partial")
     try:
-        covered = set()
-        groups: dict[str, list[str]] = {}
-        for name in layers:
-            groups.setdefault(fused_group(name), []).append(name)
-        kept_dense = []
-        for group in groups.values():
-            merged = {n: _dense(layers[n]) for n in group}
-            quantized = key == "nvfp4" and not any(matches_pattern(n, ignore) for n in group)
-            if quantized:
-                gs = fused_global_scale([w for w, _ in merged.values()], [f"{n}.weight" for n in group], scale_rule)
-            for n, (w, bias) in merged.items():
-                if quantized:
+        writer = _ShardWriter(stage, max_shard_bytes)
+        for g, group in groups.items():
+            merged = {n: _merged_weight(layers[n]) for n in group}
+            if quantized[g]:
+                gs = fused_global_scale(list(merged.values()), [f"{n}.weight" for n in group], scale_rule)
+            for n, w in merged.items():
+                if quantized[g]:
                     for k, t in ct_tensors(n, quantize_rows(w, gs, name=f"{n}.weight", scale_rule=scale_rule)).items():
                         writer.add(k, t)
                 else:
                     writer.add(f"{n}.weight", w.to(dense_dtype))
-                    kept_dense.append(n)
-                if bias is not None:
-                    writer.add(f"{n}.bias", bias.detach().to(dense_dtype))
-                covered.add(n)
+                if biases[n] is not None:
+                    writer.add(f"{n}.bias", biases[n].to(dense_dtype))
             del merged
-        tied = bool(getattr(config, "tie_word_embeddings", False))
-        for name, tensor in _other_tensors(base, covered):
+        for name, tensor in _other_tensors(base, set(layers), routes):
             if tied and name.endswith("lm_head.weight"):
                 continue
             writer.add(name, tensor.to(dense_dtype) if tensor.dtype.is_floating_point else tensor)
         writer.finish()
-        cfg = config.to_dict()
-        for k in ("quantization_config", "compression_config", SCALE_RULE_KEY):
-            cfg.pop(k, None)
-        cfg["dtype"] = str(dense_dtype).removeprefix("torch.")
-        cfg.pop("torch_dtype", None)
-        if key == "nvfp4":
-            dense_linear = [n for n in kept_dense if not any(matches_pattern(n, [p]) for p in ignore)]
-            cfg["quantization_config"] = ct_quantization_config(ignore + dense_linear)
-            cfg[SCALE_RULE_KEY] = scale_rule
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        _write_side_files(base, out, tokenizer)
+        (stage / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+        _write_side_files(base, stage, tokenizer)
+        replace_dir(stage, out, force=False)
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        remove_made(made)
         raise
-    return out
+    return shown
 
 
-def _other_tensors(base: nn.Module, covered: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
-    """Parameters and persistent buffers outside the exported Linear layers, with peft's
-    ``.base_layer`` wrapping removed from the names."""
+def _other_tensors(base: nn.Module, covered: set[str], routes: dict[str, str]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers outside the exported Linear layers, under their export names (peft's
+    ``.base_layer`` and modules_to_save wrapping removed, copies that are not exported left out)."""
     skip = tuple(n + "." for n in covered)
     seen: set[int] = set()
-    for name, tensor in base.state_dict(keep_vars=False).items():
-        if name.startswith(skip) or ".lora_" in name:
+    for raw, tensor in base.state_dict(keep_vars=False).items():
+        name = _export_name(raw, routes)
+        if name is None or ".lora_" in raw:
             continue
         clean = name.replace(".base_layer.", ".")
+        if clean.startswith(skip):
+            continue
         key = id(tensor)
         if key in seen and clean.endswith("lm_head.weight"):
             continue
