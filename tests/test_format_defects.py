@@ -121,3 +121,13 @@ def test_an_n_outside_the_kernel_layout_is_refused():
     assert kernels.linear(x, None, None, q.global_scale, kernel_weight=rw, n=48).shape == (2, 48)
     with pytest.raises(ValueError, match=r"n=300 does not fit kernel_weight, whose layout holds N in \(0, 128\]"):
         kernels.linear(x, None, None, q.global_scale, kernel_weight=rw, n=300)
+
+
+def test_a_bad_global_scale_or_an_empty_weight_is_named():
+    q = quantize(torch.randn(32, 64))
+    with pytest.raises(ValueError, match=r"dequantize: global_scale must hold one value, got shape \(2,\)"):
+        kernels.dequantize(q.packed, q.scale, torch.ones(2))
+    with pytest.raises(ValueError, match=r"dequantize: global_scale must be finite and > 0, got 0.0"):
+        kernels.dequantize(q.packed, q.scale, torch.zeros(1))
+    with pytest.raises(NVFP4FormatError, match=r"an empty weight \(0, 16\) has no scale"):
+        quantize(torch.zeros(0, 16))

@@ -76,7 +76,10 @@ def test_install_only_for_the_measured_capability(tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("content", ['{"capability": [9, 0], "points": []}', "not json",
                                      '{"capability": [9, 0], "points": [[1, 2, 3, "marlin"]]}',
-                                     '{"capability": [9, 0], "points": [[0, 2, 3, "splitk"]]}'])
+                                     '{"capability": [9, 0], "points": [[0, 2, 3, "splitk"]]}',
+                                     # a capability of strings never matched a device: the table was silently unused
+                                     '{"capability": ["9", "0"], "points": [[1, 2, 3, "splitk"]]}',
+                                     '{"capability": [9, 0], "points": [[true, 2, 3, "splitk"]]}'])
 def test_bad_table_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str) -> None:
     f = tmp_path / "bad.json"
     f.write_text(content)

@@ -268,6 +268,7 @@ def dequantize(
             f"dequantize: expected packed uint8 [N, K/2] and scale [N, K/16], got {packed.dtype} "
             f"{tuple(packed.shape)} and {tuple(scale.shape)}"
         )
+    _check_global_scale(global_scale, "dequantize")
     if _ext_ready(packed.device):
         return torch.ops.qerl.nvfp4_dequant(packed, layout.scale_as_uint8(scale), global_scale, dtype)
     return reference.dequantize_ref(packed, scale, global_scale, dtype)
@@ -281,6 +282,17 @@ def dequantize_repacked(
     if _ext_ready(qweight.device):
         return torch.ops.qerl.nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype)
     return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
+
+
+def _check_global_scale(global_scale: torch.Tensor, caller: str) -> None:
+    """One finite value > 0 (the divisor of the format): a zero or NaN one gives inf / NaN weights, a second value
+    a shape error deep inside the op. Meta tensors (shape-only tracing) pass."""
+    if global_scale.numel() != 1:
+        raise ValueError(f"{caller}: global_scale must hold one value, got shape {tuple(global_scale.shape)}")
+    if not global_scale.is_meta and global_scale.device.type == "cpu":  # (no device sync on the GPU hot path)
+        g = float(global_scale.reshape(()))
+        if not (0 < g < float("inf")):
+            raise ValueError(f"{caller}: global_scale must be finite and > 0, got {g}")
 
 
 def _check_n(kernel_weight: RepackedWeight, n: int, caller: str) -> None:

@@ -68,10 +68,13 @@ def load_table(path: Path, names: list[str]) -> dict:
     cap = table.get("capability") if isinstance(table, dict) else None
     if not isinstance(pts, list) or not pts or not (isinstance(cap, list) and len(cap) == 2):
         raise DispatchTableError(f"GEMM dispatch table {path}: needs a non-empty 'points' list and 'capability'")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in cap):  # ["9", "0"] would never match a device
+        raise DispatchTableError(f"GEMM dispatch table {path}: capability {cap!r} must be two integers, e.g. [9, 0]")
     for p in pts:
         if isinstance(p, list) and len(p) == 4 and isinstance(p[3], str):
             p[3] = FORMER_NAMES.get(p[3], p[3])
-        ok = isinstance(p, list) and len(p) == 4 and all(isinstance(v, int) and v > 0 for v in p[:3])
+        ok = isinstance(p, list) and len(p) == 4 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in p[:3])
         if not ok or p[3] not in names:
             raise DispatchTableError(f"GEMM dispatch table {path}: bad point {p!r} (want [n, k, m, one of {names}])")
     return table

@@ -92,6 +92,8 @@ def _check_weight(weight: torch.Tensor, name: str) -> None:
     if weight.dim() != 2:
         raise NVFP4FormatError(f"{name}: expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     k = weight.shape[1]
+    if weight.numel() == 0:
+        raise NVFP4FormatError(f"{name}: an empty weight {tuple(weight.shape)} has no scale to compute")
     if k % BLOCK_SIZE != 0:
         raise NVFP4FormatError(
             f"{name}: in_features K={k} is not a multiple of the NVFP4 block size {BLOCK_SIZE}"
