@@ -502,7 +502,8 @@ def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_nvfp4):
 
     from verl_qerl.vllm.config import QeRLNvFp4Config
 
-    for ignore, want in (("[lm_head,down_proj]", ["lm_head", "down_proj"]), ("[lm_head,o_proj]", ["lm_head", "o_proj"])):
+    for ignore, want in (("[lm_head,down_proj]", ["lm_head", "down_proj"]),
+                         ("[lm_head,o_proj]", ["lm_head", "o_proj"])):
         cfg = composed("+qerl=nvfp4", f"qerl.ignore={ignore}")
         assert list(apply_qerl(cfg).ignore) == want
         quant = OmegaConf.to_container(OmegaConf.select(cfg, HF_OVERRIDES))["quantization_config"]
