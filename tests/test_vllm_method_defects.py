@@ -186,6 +186,7 @@ def test_native_ignore_string_is_one_pattern():
     ({"ignore": ["lm_head", "re:(down"]}, ["quantization_config.ignore", "'re:(down'", "regular expression"]),
     ({"targets": ["re:[q"]}, ["quantization_config.targets", "'re:[q'", "regular expression"]),
     ({"ignore": ["lm_head", 3]}, ["quantization_config.ignore", "3"]),
+    ({"ignore": 3}, ["quantization_config.ignore", "3", "not a list"]),
     ({"igonre": ["down_proj"], "scale_rul": "fp32"}, ["'igonre'", "'scale_rul'", "'ignore'", "'scale_rule'"]),
 ])
 def test_native_config_errors_name_the_key_or_pattern(config, needles):

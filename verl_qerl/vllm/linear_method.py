@@ -6,7 +6,8 @@ Lifecycle of one vLLM linear layer (``qkv_proj``, ``o_proj``, ``gate_up_proj``, 
    parameter classes, so vLLM's own loaders do the tensor-parallel slicing (rows along N for
    column-parallel layers and per q/k/v or gate/up shard, K for row-parallel ones; FP4 is packed
    along K, so no packed-dim adjustment on N) and place each fused shard's global scale in its slot.
-2. vLLM loads the checkpoint through those loaders; we record which shards arrived.
+2. vLLM loads the checkpoint through those loaders; we record which shards arrived, read U8-stored
+   block scales as the E4M3 bits they are, and name a tensor whose shape does not fit.
 3. ``process_weights_after_loading`` checks completeness, brings every layout to one canonical form
    (``weight_packed`` uint8 [N, K/2], ``weight_scale`` E4M3 [N, K/16], ``weight_global_scale``
    fp32 divisor), quantizes BF16 weights on the spot (global scale from the TP-wide amax of the
@@ -116,13 +117,51 @@ def _shard_key(args: tuple, kwargs: dict) -> Any:
     return None
 
 
-def _tracking(layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
-    """Wrap a weight loader to record which shard of which parameter arrived (vLLM does not check)."""
+def _checkpoint_tensor(layer: torch.nn.Module, name: str, shard: Any, parts: list[str]) -> str:
+    """The checkpoint tensor behind one load: ``q_proj.weight_packed`` for fused part ``'q'`` of ``qkv_proj``."""
+    index = {"q": 0, "k": 1, "v": 2}.get(shard, shard) if shard is not None else None
+    if len(parts) > 1 and isinstance(index, int) and 0 <= index < len(parts):
+        return f"{parts[index]}.{name}"
+    where = f" (fused part {shard!r})" if shard is not None else ""
+    return f"{layer.qerl_state.prefix}.{name}{where}"
+
+
+def _tracking(layer: torch.nn.Module, name: str, loader: Callable, parts: list[str] | None = None) -> Callable:
+    """Wrap a weight loader to record which shard of which parameter arrived (vLLM does not check), to read
+    U8-stored block scales as the E4M3 bits they are, and to name the tensor when its shape does not fit.
+
+    ``parts``: the checkpoint modules behind the layer (``q_proj``, ``k_proj``, ``v_proj`` of a fused
+    ``qkv_proj``), for messages.
+
+    Some converters store ``weight_scale`` as U8 (safetensors has the E4M3 dtype, not every writer uses it);
+    vLLM's loaders ``copy_`` into the float8 parameter, a numeric conversion (byte 0x38, E4M3 1.0, became
+    56.0), so the weights came out wrong without an error. The training side reads them as bits too
+    (:func:`verl_qerl.nvfp4.checkpoint.validate_nvfp4`). A tensor whose shape disagrees with config.json made
+    vLLM fail with a bare ``AssertionError``; the message now names the tensor and both shapes.
+    """
 
     @functools.wraps(loader)
     def load_and_record(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        layer.qerl_state.loaded.setdefault(name, set()).add(_shard_key(args, kwargs))
-        return loader(param, loaded_weight, *args, **kwargs)
+        shard = _shard_key(args, kwargs)
+        layer.qerl_state.loaded.setdefault(name, set()).add(shard)
+        if loaded_weight.dtype == torch.uint8 and param.dtype == SCALE_DTYPE:
+            loaded_weight = loaded_weight.view(SCALE_DTYPE)  # the stored bytes are E4M3 codes, not numbers
+        try:
+            return loader(param, loaded_weight, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except (AssertionError, RuntimeError) as err:
+            # vLLM asserts equal shapes after its tensor-parallel narrowing; narrow / copy_ raise RuntimeErrors
+            # mentioning sizes. Other RuntimeErrors (device faults) are not a checkpoint's doing: left as they are.
+            if isinstance(err, RuntimeError) and "size" not in str(err):
+                raise
+            tensor = _checkpoint_tensor(layer, name, shard, parts or [layer.qerl_state.prefix])
+            detail = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            raise QeRLNvFp4Error(
+                f"{tensor}: the checkpoint tensor of shape {list(loaded_weight.shape)} does not fit the model's "
+                f"parameter {layer.qerl_state.prefix}.{name} of shape {list(param.shape)} (this tensor-parallel "
+                f"rank's rows of all fused parts; vLLM: {detail}): the checkpoint does not match its config.json "
+                "(another model's weights, or a damaged conversion)") from err
 
     return load_and_record
 
@@ -165,7 +204,8 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
         layer.output_size_per_partition = n
         layer.qerl_state = QeRLLayerState(prefix=self.prefix, checkpoint_format=fmt)
         loader = extra_weight_attrs["weight_loader"]
-        track = functools.partial(_tracking, layer)
+        parts = self.config._shard_names(self.prefix)
+        track = functools.partial(_tracking, layer, parts=parts)
 
         if fmt == FORMAT_BF16:
             weight = ModelWeightParameter(data=torch.empty(n, k, dtype=params_dtype), input_dim=1, output_dim=0,
