@@ -84,3 +84,13 @@ def test_main_ppo_without_the_plugin_stops_before_running():
     out = _main_ppo_cfg(REPO, VERL_USE_EXTERNAL_PLUGINS="none")
     assert out.returncode != 0
     assert "QeRLPluginNotLoaded: +qerl=nvfp4 is set, but verl did not load the verl-qerl plugin" in out.stderr
+
+
+def test_the_search_path_is_registered_once_where_hydras_scan_finds_it():
+    """From the repository folder hydra's own scan finds the plugin; the verl plugin must not add it a second time
+    (each registration composes the group's search path and runs the check again)."""
+    full_env = {**os.environ, "VERL_QERL_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "--info", "searchpath"], cwd=REPO,
+                         env=full_env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("pkg://verl_qerl.verl.hydra") == 1, out.stdout[-3000:]

@@ -282,9 +282,13 @@ def _register_hydra_search_path(module: ModuleType) -> None:
     by scanning the ``hydra_plugins`` namespace package, which setuptools' editable installs (``pip install -e``,
     setuptools >= 64) hide from that scan outside the repository folder (hydra issue #2359), and ``+qerl=nvfp4``
     would then set the string ``qerl: nvfp4`` instead of the group."""
+    plugins = module.Plugins.instance()  # hydra's own scan runs here
+    name = "hydra_plugins.verl_qerl.verl_qerl_searchpath.VerlQeRLSearchPathPlugin"
+    if name in getattr(plugins, "class_name_to_class", {}):
+        return  # the scan found it (a regular install, or run from the repository folder): once is enough
     from hydra_plugins.verl_qerl.verl_qerl_searchpath import VerlQeRLSearchPathPlugin
 
-    module.Plugins.instance().register(VerlQeRLSearchPathPlugin)
+    plugins.register(VerlQeRLSearchPathPlugin)
 
 
 def install_hooks() -> list[str]:
