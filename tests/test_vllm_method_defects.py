@@ -326,3 +326,13 @@ def test_engine_refuses_in_the_front_end_naming_the_problem(engines, case, needl
     for needle in needles:
         assert needle in res["error"], (case, res["error"][:800])
     assert res["startup_s"] < 60, res["startup_s"]
+
+
+def test_a_wildcard_pattern_in_a_native_config_is_refused_with_the_regex_to_use():
+    """vLLM's skip test takes ModelOpt's ``*`` wildcards, the actor's ``quantize_model`` does not: a native
+    ``ignore: ["*down_proj"]`` kept the layer dense in vLLM only (the message said it matched nothing)."""
+    with pytest.raises(QeRLNvFp4Error,
+                       match=r"'\*down_proj': '\*' wildcards are not module patterns.*'re:\.\*down_proj'"):
+        QeRLNvFp4Config.from_config({"quant_method": "qerl_nvfp4", "ignore": ["lm_head", "*down_proj"]})
+    assert QeRLNvFp4Config.from_config(
+        {"quant_method": "qerl_nvfp4", "ignore": ["lm_head", "re:.*down_proj"]}).ignore == ["lm_head", "re:.*down_proj"]

@@ -240,6 +240,12 @@ class QeRLNvFp4Config(QuantizationConfig):
         out = cls(fmt, ignore=ignore, targets=targets, activation_scales=activation_scales,
                   scale_rule=config.get("scale_rule", DEFAULT_SCALE_RULE))
         out.native = True
+        wild = [p for p in [*(ignore or ()), *(targets or ())] if "*" in p and not p.startswith("re:")]
+        if wild:  # vLLM's skip test would take ModelOpt's wildcards, the actor's quantize_model would not
+            example = "re:" + wild[0].replace("*", ".*")
+            raise QeRLNvFp4Error(f"quantization_config: pattern {wild[0]!r}: '*' wildcards are not module patterns "
+                                 "of a qerl_nvfp4 config (the training side would not read it the same way); use an "
+                                 f"exact name, a dotted suffix or 're:<regex>' (e.g. {example!r})")
         if ignore is not None:
             out.user_ignore = [p for p in out.ignore if p not in DEFAULT_IGNORE]
         if targets is not None:
