@@ -29,6 +29,7 @@ from .quant_config import (
     FORMAT_CT,
     FORMAT_MODELOPT,
     LAYOUT_TENSOR_NAMES,
+    NVFP4_ONLY_SUFFIXES,
     QuantConfigError,
     declared_quant_config,
     read_json_object,
@@ -268,9 +269,7 @@ class CheckpointReader:
         """A folder with NVFP4 tensors whose config declares no NVFP4 format (e.g. ``save_pretrained`` of a model
         after ``quantize_model``: uint8 ``weight_packed`` but no quantization_config) would read as a BF16 model
         with missing Linear weights; transformers would even load it with random ones. Say what it is."""
-        nvfp4_only = tuple(f".{LAYOUT_TENSOR_NAMES[fmt][i]}" for fmt, i in ((FORMAT_CT, 0), (FORMAT_CT, 2),
-                                                                              (FORMAT_MODELOPT, 2)))
-        stray = sorted(n for n in self._where if n.endswith(nvfp4_only))
+        stray = sorted(n for n in self._where if n.endswith(NVFP4_ONLY_SUFFIXES))
         if stray:
             raise CheckpointError(
                 f"{self.folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but config.json declares no NVFP4 "

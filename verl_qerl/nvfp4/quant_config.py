@@ -46,6 +46,9 @@ LAYOUT_TENSOR_NAMES: dict[str, tuple[str, str, str]] = {
     FORMAT_CT: (CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, CT_WEIGHT_GLOBAL_SCALE),
     FORMAT_MODELOPT: (MODELOPT_WEIGHT, MODELOPT_WEIGHT_SCALE, MODELOPT_WEIGHT_SCALE_2),
 }
+#: Tensor-name suffixes only an NVFP4 checkpoint has (not ModelOpt's ``weight`` / ``weight_scale``, which a BF16 or
+#: FP8 checkpoint may hold too): their presence in a folder whose config declares no NVFP4 format is an error.
+NVFP4_ONLY_SUFFIXES = (f".{CT_WEIGHT_PACKED}", f".{CT_WEIGHT_GLOBAL_SCALE}", f".{MODELOPT_WEIGHT_SCALE_2}")
 
 #: ``quant_method`` of the qerl_nvfp4 vLLM method's own config (and the method's registered name).
 QERL_QUANT_METHOD = "qerl_nvfp4"

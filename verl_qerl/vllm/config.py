@@ -47,6 +47,7 @@ from verl_qerl.nvfp4.quant_config import (
     FORMAT_CT,
     FORMAT_MODELOPT,
     LAYOUT_TENSOR_NAMES,
+    NVFP4_ONLY_SUFFIXES,
     QuantConfigError,
     modelopt_block,
     quantize_at_load_layers,
@@ -390,9 +391,7 @@ def check_checkpoint_tensors(folder: Path, checkpoint_format: str, max_listed: i
         return  # not a local safetensors folder (e.g. .bin): the worker-side checks still apply
     linear_shapes = linear_shapes or {}
     if checkpoint_format == FORMAT_BF16:
-        ct_packed, _, ct_gscale = LAYOUT_TENSOR_NAMES[FORMAT_CT]
-        nvfp4_only = (f".{ct_packed}", f".{ct_gscale}", f".{LAYOUT_TENSOR_NAMES[FORMAT_MODELOPT][2]}")
-        stray = sorted(n for n in shapes if n.endswith(nvfp4_only))
+        stray = sorted(n for n in shapes if n.endswith(NVFP4_ONLY_SUFFIXES))
         if stray:
             raise QeRLNvFp4Error(f"{folder}: has NVFP4 tensors (e.g. {stray[0]!r}) but its config declares no "
                                  "NVFP4 quantization_config; qerl_nvfp4 would try to quantize it as BF16")
