@@ -1,0 +1,179 @@
+"""Where the wide wgmma kernel's time goes at one M: main-loop rate vs per-segment cost, and tensor-pipe use.
+
+Two jobs, both on the GPU machine, for the question issue 18 leaves open at M = 256 (the wide kernel at 0.87x BF16
+per 7B layer while BF16 cuBLAS runs at ~80 % of the measured BF16 peak):
+
+* ``--sweep`` times, side by side in one run (CUDA graphs, rotating weight sets, interleaved rounds as in
+  ``kernel.py``), the wide kernel forced (``wgmma_rs``; its cluster split where the launcher picks it), the same with
+  the cluster split off (``QERL_WGMMA_CLUSTER=0``: stream-K everywhere) and BF16 cuBLAS, over GEMMs that differ only
+  in K. Under stream-K a CTA runs ``ceil(tiles * K / 128 / CTAs)`` stages in ~2-3 segments whatever K is, so a
+  least-squares line of time against stages per CTA splits the kernel into a main-loop rate (us per stage, the
+  slope) and what every CTA pays once (prologue, pipeline fill, partials, fix-up, store: the intercept).
+* ``--ncu-calls`` makes one call of each method per shape after a warm-up, for ``ncu --metrics`` (the device script
+  ``benchmarks/gpu/anatomy.sh`` runs it): tensor-pipe activity and the SM clock of our kernel next to cuBLAS's on
+  the same GEMM say whether the remaining gap is the MMA issue rate or time outside the MMAs.
+
+    python benchmarks/kernel_anatomy.py --sweep --m 256 --out $OUT/anatomy-nvidia-h200.json
+    python benchmarks/kernel_anatomy.py --ncu-calls --m 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernel import ROT, capture_graph, interleaved_graph_ms, rotated_weights, run_header  # noqa: E402
+from kernel_common import DEV, random_nvfp4  # noqa: E402
+from results_format import report_and_write  # noqa: E402
+
+from verl_qerl import kernels  # noqa: E402
+
+TILE_ROWS = 128    # weight rows per wide-kernel tile (cuda/nvfp4_gemm_wgmma_wide.cu, WD_ROWS)
+TILE_TOKENS = 256  # tokens per wide-kernel tile (WD_T)
+STAGE_K = 128      # K per pipeline stage (QERL_GEMM_BK)
+# N of the 7B GEMMs (qkv, o / down, gate_up) against K from a sixteenth to over five times the 7B hidden size
+SWEEP_NS = (4608, 3584, 37888)
+SWEEP_KS = (1792, 3584, 7168, 14336, 18944)
+NCU_SHAPES = ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))  # the 7B layer: qkv, o, gate_up, down
+
+
+def stages_per_cta(m: int, n: int, k: int, ctas: int) -> int:
+    """Stages the busiest CTA runs under stream-K (the wide kernel's unit split over ``ctas``)."""
+    tiles = math.ceil(n / TILE_ROWS) * math.ceil(m / TILE_TOKENS)
+    return math.ceil(tiles * (k // STAGE_K) / ctas)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("fit_line: every x is the same; the sweep needs at least two K per N")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def _gemm_fns(m: int, n: int, k: int) -> dict:
+    """The three timed methods for one shape, each a callable of the weight-set index r."""
+    ws = rotated_weights(n, k)
+    gs = torch.ones((), device=DEV)
+    w16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    mode = int(kernels.GEMM_MODES["wgmma_rs"])
+
+    def ours(r: int) -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, mode)
+
+    return {"wide": ours, "bf16": lambda r: F.linear(x, w16[r % ROT])}
+
+
+def _capture(fn, cluster: bool):  # noqa: ANN001, ANN202 - a callable, a CUDA graph or None
+    """A graph of ``fn`` captured with the cluster split on or off (the launcher reads the variable per call)."""
+    old = os.environ.get("QERL_WGMMA_CLUSTER")
+    os.environ["QERL_WGMMA_CLUSTER"] = "1" if cluster else "0"
+    try:
+        return capture_graph(fn)
+    finally:
+        if old is None:
+            del os.environ["QERL_WGMMA_CLUSTER"]
+        else:
+            os.environ["QERL_WGMMA_CLUSTER"] = old
+
+
+def sweep(m: int, ns: list[int], ks: list[int], reps: int) -> dict:
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for n in ns:
+        for k in ks:
+            fns = _gemm_fns(m, n, k)
+            graphs = {"wide": _capture(fns["wide"], True), "wide_streamk": _capture(fns["wide"], False),
+                      "bf16": capture_graph(fns["bf16"])}
+            ms = interleaved_graph_ms(graphs, reps)
+            del graphs
+            row = {"M": m, "N": n, "K": k, "stages_per_cta": stages_per_cta(m, n, k, ctas),
+                   **{f"{key}_us": round(v * 1e3, 2) if v is not None else None for key, v in ms.items()}}
+            tf = 2 * m * n * k / 1e12
+            row["bf16_TFLOPs"] = round(tf / (ms["bf16"] / 1e3), 1) if ms["bf16"] else None
+            row["wide_TFLOPs"] = round(tf / (ms["wide"] / 1e3), 1) if ms["wide"] else None
+            rows.append(row)
+            print(f"M={m} N={n:6d} K={k:6d} stages/CTA {row['stages_per_cta']:4d}  wide {row['wide_us']:8.2f} us  "
+                  f"stream-K only {row['wide_streamk_us']:8.2f}  bf16 {row['bf16_us']:8.2f}  "
+                  f"({row['wide_TFLOPs']} vs {row['bf16_TFLOPs']} TFLOP/s)", flush=True)
+            torch.cuda.empty_cache()
+    fits = []
+    for n in ns:
+        pts = [(r["stages_per_cta"], r["wide_streamk_us"]) for r in rows if r["N"] == n and r["wide_streamk_us"]]
+        if len(pts) >= 2:
+            a, b = fit_line([p[0] for p in pts], [p[1] for p in pts])
+            worst = max(abs(y - (a + b * x)) for x, y in pts)
+            fits.append({"N": n, "intercept_us": round(a, 2), "us_per_stage": round(b, 4),
+                         "worst_residual_us": round(worst, 2)})
+            print(f"# N={n}: stream-K time = {a:.2f} us + {b * 1e3:.1f} ns x stages/CTA (worst residual "
+                  f"{worst:.2f} us)", flush=True)
+    return {"rows": rows, "fits": fits, "ctas": ctas}
+
+
+def ncu_calls(m: int) -> int:
+    """One call of each method per 7B layer shape after two warm-up calls (profile with ncu --launch-skip 0)."""
+    kernels.load_extension()
+    for n, k in NCU_SHAPES:
+        packed, scale, gs = random_nvfp4(n, k)
+        rw = kernels.repack(packed, scale)
+        w16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        mode = int(kernels.GEMM_MODES["wgmma_rs"])
+        for _ in range(2):
+            torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, mode)
+            F.linear(x, w16)
+        torch.cuda.synchronize()
+        print(f"# ncu shape M={m} N={n} K={k}", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true", help="time vs K: main-loop rate and per-CTA cost")
+    ap.add_argument("--ncu-calls", action="store_true", help="one call per method and 7B shape, for ncu")
+    ap.add_argument("--m", type=int, default=256, help="tokens (default 256)")
+    ap.add_argument("--ns", default=",".join(map(str, SWEEP_NS)), help="comma list of N")
+    ap.add_argument("--ks", default=",".join(map(str, SWEEP_KS)), help="comma list of K (multiples of 128)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None, help="results JSON (a folder: anatomy-m<M>-<gpu>.json inside)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_anatomy.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.ncu_calls:
+        return ncu_calls(args.m)
+    if not args.sweep:
+        ap.error("give --sweep or --ncu-calls")
+    ks = [int(v) for v in args.ks.split(",")]
+    bad = [k for k in ks if k % STAGE_K]
+    if bad:
+        ap.error(f"--ks: {bad} not multiples of {STAGE_K}")
+    kernels.load_extension()
+    t0 = time.time()
+    name = torch.cuda.get_device_name(0)
+    res = {**run_header(name), **sweep(args.m, [int(v) for v in args.ns.split(",")], ks, args.reps),
+           "elapsed_s": round(time.time() - t0, 1), "targets": []}
+    out = Path(args.out or "benchmarks/results")
+    if out.suffix != ".json":
+        gpu = name.lower().replace("nvidia ", "").split()[0]
+        out = out / f"anatomy-m{args.m}-nvidia-{gpu}.json"
+    report_and_write(out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
