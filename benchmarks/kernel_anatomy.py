@@ -9,12 +9,16 @@ per 7B layer while BF16 cuBLAS runs at ~80 % of the measured BF16 peak):
   in K. Under stream-K a CTA runs ``ceil(tiles * K / 128 / CTAs)`` stages in ~2-3 segments whatever K is, so a
   least-squares line of time against stages per CTA splits the kernel into a main-loop rate (us per stage, the
   slope) and what every CTA pays once (prologue, pipeline fill, partials, fix-up, store: the intercept).
+* ``--stamps`` (the build with ``QERL_ANATOMY_STAMPS=1``, cuda/anatomy_stamps.cuh) reads one launch's per-CTA
+  timeline on the 7B GEMMs at each M: time to the first stage's data, in the stage loops (of it waiting for data),
+  in the segment ends, the kernel's span and its CTAs' entry / exit spread, next to the graph time of the call.
 * ``--ncu-calls`` makes one call of each method per shape after a warm-up, for ``ncu --metrics`` (the device script
   ``benchmarks/gpu/anatomy.sh`` runs it): tensor-pipe activity and the SM clock of our kernel next to cuBLAS's on
   the same GEMM say whether the remaining gap is the MMA issue rate or time outside the MMAs.
 
     python benchmarks/kernel_anatomy.py --sweep --m 256 --out $OUT/anatomy-nvidia-h200.json
     python benchmarks/kernel_anatomy.py --ncu-calls --m 256
+    QERL_ANATOMY_STAMPS=1 python benchmarks/kernel_anatomy.py --stamps --ms 64,128,256 --out $OUT
 """
 
 from __future__ import annotations
@@ -124,6 +128,78 @@ def sweep(m: int, ns: list[int], ks: list[int], reps: int) -> dict:
     return {"rows": rows, "fits": fits, "ctas": ctas}
 
 
+STAMP_FIELDS = ("entry_ns", "exit_ns", "cycles", "first_data", "loop", "loop_wait", "ends", "segments", "sm")
+STAMP_MS = (64, 128, 256)
+
+
+def stamp_summary(rows: list[list[int]]) -> dict:
+    """Per-launch figures from the CTA rows of ``anatomy_stamps`` (cuda/anatomy_stamps.cuh's fields): the kernel's
+    span from the first CTA's entry to the last one's exit (globaltimer), the entry / exit spread, and per CTA the
+    phases in us (its SM cycles over its own clock), as mean and max over the CTAs that ran."""
+    ran = [dict(zip(STAMP_FIELDS, r)) for r in rows if r[0] > 0]
+    if not ran:
+        raise ValueError("anatomy_stamps: no CTA wrote its row (was the stamped kernel the one launched?)")
+    t0 = min(r["entry_ns"] for r in ran)
+    out = {"ctas": len(ran), "span_us": round((max(r["exit_ns"] for r in ran) - t0) / 1e3, 2),
+           "entry_spread_us": round((max(r["entry_ns"] for r in ran) - t0) / 1e3, 2),
+           "exit_spread_us": round((max(r["exit_ns"] for r in ran) - min(r["exit_ns"] for r in ran)) / 1e3, 2)}
+    ghz = [r["cycles"] / max(1, r["exit_ns"] - r["entry_ns"]) for r in ran]
+    out["clock_GHz"] = round(statistics.median(ghz), 3)
+    for f in ("cycles", "first_data", "loop", "loop_wait", "ends"):
+        us = [r[f] / g / 1e3 for r, g in zip(ran, ghz)]
+        out[f"{f}_us_mean"] = round(statistics.fmean(us), 2)
+        out[f"{f}_us_max"] = round(max(us), 2)
+    out["segments_mean"] = round(statistics.fmean(r["segments"] for r in ran), 2)
+    return out
+
+
+def stamps(ms: list[int], reps: int) -> dict:
+    """The stamped build's per-CTA phases for the four 7B GEMMs at each M (the wgmma kernel the op forces there:
+    64 / 128-token tiles up to 128, the wide one above), the cluster split on and off, next to the graph time of the
+    same call (the launch gap is the difference) and BF16 cuBLAS's."""
+    ext = kernels.extension()
+    if not hasattr(ext, "anatomy_stamps"):
+        raise RuntimeError("--stamps needs the stamped build: run with QERL_ANATOMY_STAMPS=1 (its own JIT name)")
+    rows = []
+    for m in ms:
+        kern = "wgmma" if m <= 128 else "wide"
+        for n, k in NCU_SHAPES:
+            fns = _gemm_fns(m, n, k)
+            for cluster in (True, False):
+                ext.anatomy_stamps(kern, anatomy_max_ctas(), True)
+                os.environ["QERL_WGMMA_CLUSTER"] = "1" if cluster else "0"
+                try:
+                    for r in range(3):
+                        fns["wide"](r)
+                    torch.cuda.synchronize()
+                    ext.anatomy_stamps(kern, anatomy_max_ctas(), True)
+                    fns["wide"](0)
+                    torch.cuda.synchronize()
+                    st = stamp_summary(ext.anatomy_stamps(kern, anatomy_max_ctas()).tolist())
+                finally:
+                    del os.environ["QERL_WGMMA_CLUSTER"]
+                graphs = {"ours": _capture(fns["wide"], cluster), "bf16": capture_graph(fns["bf16"])}
+                ms_ = interleaved_graph_ms(graphs, reps)
+                del graphs
+                row = {"M": m, "N": n, "K": k, "kernel": kern, "cluster": cluster, **st,
+                       "graph_us": round(ms_["ours"] * 1e3, 2), "bf16_graph_us": round(ms_["bf16"] * 1e3, 2)}
+                rows.append(row)
+                print(f"M={m:4d} N={n:6d} K={k:6d} {kern:5s} cluster={int(cluster)} ctas {st['ctas']:4d} seg "
+                      f"{st['segments_mean']:.2f} | graph {row['graph_us']:7.2f} span {st['span_us']:7.2f} entry+"
+                      f"{st['entry_spread_us']:5.2f} exit+{st['exit_spread_us']:5.2f} | per CTA mean/max: first "
+                      f"{st['first_data_us_mean']:5.2f}/{st['first_data_us_max']:5.2f} loop "
+                      f"{st['loop_us_mean']:6.2f}/{st['loop_us_max']:6.2f} (wait {st['loop_wait_us_mean']:5.2f}) ends "
+                      f"{st['ends_us_mean']:5.2f}/{st['ends_us_max']:5.2f} total {st['cycles_us_mean']:6.2f} @ "
+                      f"{st['clock_GHz']} GHz | bf16 {row['bf16_graph_us']:6.2f}", flush=True)
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def anatomy_max_ctas() -> int:
+    """Rows read from the stamp table: the largest grid the wgmma kernels launch (2 CTAs per SM at most)."""
+    return 2 * torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def ncu_calls(m: int) -> int:
     """One call of each method per 7B layer shape after two warm-up calls (profile with ncu --launch-skip 0)."""
     kernels.load_extension()
@@ -145,6 +221,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="time vs K: main-loop rate and per-CTA cost")
     ap.add_argument("--ncu-calls", action="store_true", help="one call per method and 7B shape, for ncu")
+    ap.add_argument("--stamps", action="store_true",
+                    help="per-CTA phases of the stamped build (QERL_ANATOMY_STAMPS=1), 7B shapes at --ms")
+    ap.add_argument("--ms", default=",".join(map(str, STAMP_MS)), help="with --stamps: comma list of M")
     ap.add_argument("--m", type=int, default=256, help="tokens (default 256)")
     ap.add_argument("--ns", default=",".join(map(str, SWEEP_NS)), help="comma list of N")
     ap.add_argument("--ks", default=",".join(map(str, SWEEP_KS)), help="comma list of K (multiples of 128)")
@@ -156,8 +235,8 @@ def main() -> int:
         return 2
     if args.ncu_calls:
         return ncu_calls(args.m)
-    if not args.sweep:
-        ap.error("give --sweep or --ncu-calls")
+    if not (args.sweep or args.stamps):
+        ap.error("give --sweep, --stamps or --ncu-calls")
     ks = [int(v) for v in args.ks.split(",")]
     bad = [k for k in ks if k % STAGE_K]
     if bad:
@@ -165,12 +244,13 @@ def main() -> int:
     kernels.load_extension()
     t0 = time.time()
     name = torch.cuda.get_device_name(0)
-    res = {**run_header(name), **sweep(args.m, [int(v) for v in args.ns.split(",")], ks, args.reps),
-           "elapsed_s": round(time.time() - t0, 1), "targets": []}
+    part = (stamps([int(v) for v in args.ms.split(",")], args.reps) if args.stamps
+            else sweep(args.m, [int(v) for v in args.ns.split(",")], ks, args.reps))
+    res = {**run_header(name), **part, "elapsed_s": round(time.time() - t0, 1), "targets": []}
     out = Path(args.out or "benchmarks/results")
     if out.suffix != ".json":
         gpu = name.lower().replace("nvidia ", "").split()[0]
-        out = out / f"anatomy-m{args.m}-nvidia-{gpu}.json"
+        out = out / (f"anatomy-stamps-nvidia-{gpu}.json" if args.stamps else f"anatomy-m{args.m}-nvidia-{gpu}.json")
     report_and_write(out, res)
     return 0
 

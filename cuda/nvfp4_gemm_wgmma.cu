@@ -32,6 +32,7 @@
 //    contiguous ranges, one per CTA; a partial segment writes FP32 partials to workspace slot (CTA, first / last
 //    tile of its range) and the last arriving segment of a tile sums all partials in CTA order
 //    (deterministic), then runs the epilogue: acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
+#include "anatomy_stamps.cuh"
 #include "cluster_splitk.cuh"
 #include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
@@ -40,6 +41,8 @@
 #include "tma_sm90.cuh"
 #include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
+
+QERL_ANATOMY_TABLE(qerl_anatomy_read_wgmma)  // (empty unless QERL_ANATOMY_STAMPS: cuda/anatomy_stamps.cuh)
 
 namespace qerl {
 namespace {
@@ -143,6 +146,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
   __shared__ __align__(8) uint64_t full_bar[STAGES];  // activations of a slot landed (TMA transaction count)
+  QERL_AN_DECL
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -169,6 +173,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, STAGES, &x_map);
+  QERL_AN_ENTRY
   int g0 = 0;  // stages this CTA ran before the current segment: slot of stage it = (g0 + it) % STAGES, and its
                // barrier's phase parity = ((g0 + it) / STAGES) % 2
 
@@ -260,6 +265,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
       }
     };
 
+    QERL_AN_SEGMENT_BEGIN
     // ---- the segment's stages [kb, ke)
 #pragma unroll
     for (int s = 0; s < PF; ++s)
@@ -377,7 +383,9 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
       __syncthreads();  // every warp has retired stage it - 2, whose slot is refilled next
       const int nxt = it + PF;
       if (nxt < count) load_stage((g0 + nxt) % STAGES, nxt);
+      QERL_AN_WAIT_BEGIN
       tma::mbar_wait(bar0 + 8 * slot, ((g0 + it) / STAGES) & 1);  // stage it's weights, scales and activations
+      QERL_AN_WAIT_END
       return slot;
     };
     if constexpr (kA3) {
@@ -414,6 +422,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 #pragma unroll
       for (int i = 0; i < ACC; ++i) reg_fence(acc[h][i]);
     __syncthreads();  // every warp is done with the ring before the next segment refills it
+    QERL_AN_LOOP_END
 
     if constexpr (kCluster) {
       static_assert(2 * ACC * THREADS * 4 <= STAGES * C::STAGE_BYTES, "the cluster sums do not fit the ring");
@@ -430,7 +439,9 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
       __syncthreads();  // s_is_last is reused by the next segment
       u = range.after(seg);
     }
+    QERL_AN_SEGMENT_END
   }
+  QERL_AN_EXIT
 }
 #endif  // QERL_WGMMA_DEVICE
 

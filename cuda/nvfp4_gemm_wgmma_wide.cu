@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "anatomy_stamps.cuh"
 #include "cluster_splitk.cuh"
 #include "lora_epilogue.cuh"
 #include "nvfp4_common.cuh"
@@ -32,6 +33,8 @@
 #include "tma_sm90.cuh"
 #include "wgmma_rs_epilogue.cuh"
 #include "wgmma_sm90.cuh"
+
+QERL_ANATOMY_TABLE(qerl_anatomy_read_wide)  // (empty unless QERL_ANATOMY_STAMPS: cuda/anatomy_stamps.cuh)
 
 namespace qerl {
 namespace {
@@ -192,6 +195,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
   __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // a stage slot's copies landed (TMA transaction count)
+  QERL_AN_DECL
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -210,6 +214,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
 
   const uint32_t bar0 = smem_u32(&full_bar[0]);
   tma::init_slots(bar0, WD_SLOTS, &x_map);
+  QERL_AN_ENTRY
   if (tid == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&x_part)) : "memory");
   int g0 = 0;  // stages this CTA ran before the current segment: slot of stage s = (g0 + s) % SLOTS, and its
                // barrier's phase parity = ((g0 + s) / SLOTS) % 2
@@ -284,6 +289,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
       wgmma_wait<1>();
     };
 
+    QERL_AN_SEGMENT_BEGIN
     // ---- the segment's stages: two register sets for A, alternating between the halves (the wgmmas of one half
     // read its set while the next half is decoded into the other)
 #pragma unroll
@@ -298,7 +304,9 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     uint32_t a0[4][4], a1[4][4];
     for (int st = 0; st < count; ++st) {
       const int slot = (g0 + st) % WD_SLOTS;
+      QERL_AN_WAIT_BEGIN
       tma::mbar_wait(bar0 + 8 * slot, ((g0 + st) / WD_SLOTS) & 1);  // stage st's activations, weights, scales
+      QERL_AN_WAIT_END
       compute_half(slot, 0, a0);  // retires stage st - 1's second half
       __syncthreads();            // every warp has retired stage st - 1, whose slot is refilled now
       if (st + PF < count) load_stage((g0 + st + PF) % WD_SLOTS, st + PF);
@@ -310,6 +318,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     for (int i = 0; i < WD_ACC; ++i) reg_fence(acc[0][i]);
     __syncthreads();  // every warp is done with the ring before the next segment refills it (no copy is in flight:
                       // every stage loaded was waited for)
+    QERL_AN_LOOP_END
 
     if constexpr (kCluster) {
       static_assert(WD_ACC * WD_THREADS * 4 <= WD_SLOTS * WD_SLOT_BYTES, "the cluster sums do not fit the ring");
@@ -326,7 +335,9 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
       __syncthreads();  // s_is_last is reused by the next segment
       u = range.next_unit(range.after(seg), k_aligned);
     }
+    QERL_AN_SEGMENT_END
   }
+  QERL_AN_EXIT
 }
 #endif  // QERL_WGMMA_DEVICE
 

@@ -25,6 +25,11 @@
 
 #include "qerl_nvfp4.h"
 
+#ifdef QERL_ANATOMY_STAMPS
+extern "C" cudaError_t qerl_anatomy_read_wgmma(unsigned long long* host, int ctas, int reset);
+extern "C" cudaError_t qerl_anatomy_read_wide(unsigned long long* host, int ctas, int reset);
+#endif
+
 // The op's modes and the GEMM paths it runs, from their one definition (cuda/gemm_modes.h, also parsed by Python).
 enum class GemmMode : int64_t {
 #define QERL_GEMM_MODE(id, value, name, doc) id = value,
@@ -964,6 +969,20 @@ int64_t splits_for(int64_t m, int64_t n, int64_t k) {
                      block_m, sms);
 }
 
+#ifdef QERL_ANATOMY_STAMPS
+// The per-CTA phase stamps (cuda/anatomy_stamps.cuh) of the last launch of a register-A wgmma kernel: "wide" (256-token
+// tiles) or "wgmma" (64 / 128); `reset` zeroes the table instead. Only in the QERL_ANATOMY_STAMPS build.
+at::Tensor anatomy_stamps(const std::string& kernel, int64_t ctas, bool reset) {
+  QCHECK(kernel == "wide" || kernel == "wgmma", "qerl anatomy_stamps: kernel must be 'wide' or 'wgmma', got ", kernel);
+  auto t = torch::zeros({ctas, 9}, torch::kInt64);
+  auto* p = reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>());
+  const cudaError_t e = kernel == "wide" ? qerl_anatomy_read_wide(p, int(ctas), reset ? 1 : 0)
+                                         : qerl_anatomy_read_wgmma(p, int(ctas), reset ? 1 : 0);
+  QCHECK(e == cudaSuccess, "qerl anatomy_stamps(", kernel, ", ", ctas, "): ", cudaGetErrorString(e));
+  return t;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
@@ -976,6 +995,10 @@ TORCH_LIBRARY_IMPL(qerl, CUDA, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "verl-qerl NVFP4 CUDA kernels (the qerl::* ops register on import)";
+#ifdef QERL_ANATOMY_STAMPS
+  m.def("anatomy_stamps", &anatomy_stamps, "per-CTA phase stamps of the last wgmma launch (anatomy build only)",
+        py::arg("kernel"), py::arg("ctas"), py::arg("reset") = false);
+#endif
   m.def("init_workspace", &init_workspace, "allocate the split-K semaphores of a device (outside capture)");
   m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty, stream-K min tiles per CTA); negative keeps a value",
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);

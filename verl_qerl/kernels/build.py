@@ -128,24 +128,37 @@ def setup_ext_modules() -> tuple[list[Any], dict[str, Any]]:
     return [cuda_extension()], {"build_ext": BuildExtension}
 
 
+#: Macro compiling the per-CTA phase stamps into the wgmma kernels (cuda/anatomy_stamps.cuh); a timing build only.
+ANATOMY_DEFINE = "-DQERL_ANATOMY_STAMPS=1"
+
+
+def anatomy_build() -> bool:
+    """Whether ``QERL_ANATOMY_STAMPS=1`` asks for the stamped timing build (benchmarks/kernel_anatomy.py --stamps):
+    JIT-built under its own name, never the ahead-of-time module, so it cannot replace the measured kernels."""
+    return os.environ.get("QERL_ANATOMY_STAMPS", "0") not in ("", "0")
+
+
 def load(verbose: bool = False) -> ModuleType:
     """Import the ahead-of-time build if there is one, else JIT-build with ninja and load."""
-    try:
-        from verl_qerl import _C  # type: ignore[attr-defined]
+    anatomy = anatomy_build()
+    if not anatomy:
+        try:
+            from verl_qerl import _C  # type: ignore[attr-defined]
 
-        return _C
-    except ImportError:
-        pass
+            return _C
+        except ImportError:
+            pass
     import torch
     from torch.utils.cpp_extension import load as _load
 
     caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
     extra_cuda = list(NVCC_FLAGS) + arch_flags(caps, os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    defines = [ANATOMY_DEFINE] if anatomy else []
     return _load(
-        name=JIT_NAME,
+        name=JIT_NAME + ("_anatomy" if anatomy else ""),
         sources=sources(),
-        extra_cflags=list(CXX_FLAGS),
-        extra_cuda_cflags=extra_cuda,
+        extra_cflags=list(CXX_FLAGS) + defines,
+        extra_cuda_cflags=extra_cuda + defines,
         verbose=verbose,
         is_python_module=True,
     )
