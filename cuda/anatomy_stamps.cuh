@@ -7,7 +7,7 @@
 //   Thread 0 keeps its phase times in shared memory (no registers across the stage loop: the 255-register kernels
 // would spill) and writes one row per CTA at the end: g_stamps[blockIdx.x] = {globaltimer at entry, at exit, SM
 // cycles entry -> exit, cycles to the first stage's data, cycles in stage loops, of which waiting for data, cycles
-// in segment ends (partials, fix-up, cluster sums, store), segments, SM id}.
+// in segment ends (partials, fix-up, cluster sums, store), segments, SM id, three points inside the ends}.
 #pragma once
 
 #ifdef QERL_ANATOMY_STAMPS
@@ -17,8 +17,11 @@ namespace qerl {
 namespace anatomy {
 
 constexpr int kMaxCtas = 2048;
-constexpr int kFields = 9;
-enum Field { kEntryNs, kExitNs, kCycles, kFirstData, kLoop, kLoopWait, kEnds, kSegments, kSm };
+constexpr int kFields = 12;
+// kSub0..2: cycles from a segment end's start to three points inside it, summed over segments (cluster sums: the
+// local writes, the first cluster barrier, the distributed reads; stream-K: the partial's store, the arrival, the
+// fix-up sums)
+enum Field { kEntryNs, kExitNs, kCycles, kFirstData, kLoop, kLoopWait, kEnds, kSegments, kSm, kSub0, kSub1, kSub2 };
 // shared-memory scratch of thread 0: the fields above while running, plus three marks
 enum Mark { kEntryClock = kFields, kMark, kSeen, kScratch };
 
@@ -33,11 +36,15 @@ __device__ __forceinline__ unsigned long long cycles() { return static_cast<unsi
 }  // namespace anatomy
 }  // namespace qerl
 
-// One table per translation unit (no relocatable device code): each kernel file defines its own and a host reader.
+// One table per translation unit (no relocatable device code: each kernel file has its own and a host reader), and
+// thread 0's scratch, at file scope so that the segment-end helpers (cuda/cluster_splitk.cuh,
+// cuda/wgmma_rs_epilogue.cuh) can mark their steps too.
+namespace {
+__device__ unsigned long long g_qerl_stamps[qerl::anatomy::kMaxCtas][qerl::anatomy::kFields];
+__shared__ unsigned long long qerl_an[qerl::anatomy::kScratch + 1];
+}  // namespace
+
 #define QERL_ANATOMY_TABLE(reader)                                                                              \
-  namespace {                                                                                                   \
-  __device__ unsigned long long g_qerl_stamps[qerl::anatomy::kMaxCtas][qerl::anatomy::kFields];                \
-  }                                                                                                             \
   extern "C" cudaError_t reader(unsigned long long* host, int ctas, int reset) {                                \
     const size_t bytes = size_t(ctas) * qerl::anatomy::kFields * sizeof(unsigned long long);                    \
     if (ctas <= 0 || ctas > qerl::anatomy::kMaxCtas) return cudaErrorInvalidValue;                              \
@@ -48,7 +55,6 @@ __device__ __forceinline__ unsigned long long cycles() { return static_cast<unsi
     return cudaMemcpyFromSymbol(host, g_qerl_stamps, bytes);                                                   \
   }
 
-#define QERL_AN_DECL __shared__ unsigned long long qerl_an[qerl::anatomy::kScratch + 1];
 #define QERL_AN_T0 if (threadIdx.x == 0)
 #define QERL_AN_ENTRY                                                                                           \
   QERL_AN_T0 {                                                                                                  \
@@ -73,6 +79,8 @@ __device__ __forceinline__ unsigned long long cycles() { return static_cast<unsi
     qerl_an[qerl::anatomy::kLoop] += t - qerl_an[qerl::anatomy::kMark];                                         \
     qerl_an[qerl::anatomy::kMark] = t;                                                                          \
   }
+#define QERL_AN_SUB(i) \
+  QERL_AN_T0 qerl_an[qerl::anatomy::kSub0 + (i)] += qerl::anatomy::cycles() - qerl_an[qerl::anatomy::kMark];
 #define QERL_AN_SEGMENT_END                                                                                     \
   QERL_AN_T0 {                                                                                                  \
     qerl_an[qerl::anatomy::kEnds] += qerl::anatomy::cycles() - qerl_an[qerl::anatomy::kMark];                   \
@@ -90,12 +98,12 @@ __device__ __forceinline__ unsigned long long cycles() { return static_cast<unsi
   }
 #else
 #define QERL_ANATOMY_TABLE(reader)
-#define QERL_AN_DECL
 #define QERL_AN_ENTRY
 #define QERL_AN_SEGMENT_BEGIN
 #define QERL_AN_WAIT_BEGIN
 #define QERL_AN_WAIT_END
 #define QERL_AN_LOOP_END
+#define QERL_AN_SUB(i)
 #define QERL_AN_SEGMENT_END
 #define QERL_AN_EXIT
 #endif

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "anatomy_stamps.cuh"
 #include "streamk_schedule.cuh"
 #include "wgmma_sm90.cuh"
 
@@ -48,7 +49,9 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[kBlocks][kAcc], 
   for (int h = 0; h < kBlocks; ++h)
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) red[(h * kAcc + i) * kThreads + tid] = acc[h][i];
+  QERL_AN_SUB(0)
   cluster_sync();
+  QERL_AN_SUB(1)
   uint32_t src[kMaxCtas];  // red of CTA r, as a shared::cluster address
 #pragma unroll
   for (int r = 0; r < kMaxCtas; ++r) src[r] = mapa_cluster(smem_base, r < s ? r : 0);
@@ -83,6 +86,7 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[kBlocks][kAcc], 
       }
     }
   }
+  QERL_AN_SUB(2)
   cluster_sync();
 }
 #endif  // QERL_WGMMA_DEVICE

@@ -195,7 +195,6 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
   __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // a stage slot's copies landed (TMA transaction count)
-  QERL_AN_DECL
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;

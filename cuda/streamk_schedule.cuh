@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "anatomy_stamps.cuh"
 #include "nvfp4_common.cuh"
 #include "qerl_nvfp4.h"
 
@@ -288,9 +289,12 @@ template <class Sync, class StoreMine, class SumAll>
 __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int first, int last, bool leader,
                                                   int& flag, Sync&& sync, StoreMine&& store_mine, SumAll&& sum_all) {
   store_mine();
+  QERL_AN_SUB(0)
   const bool last_arrival = arrive_last(counters, tile, last - first + 1, leader, flag, sync);
+  QERL_AN_SUB(1)
   if (last_arrival) {  // arrive_last acquired the other CTAs' partials
     sum_all();
+    QERL_AN_SUB(2)
     if (leader) counters[tile] = 0;  // every segment has arrived: ready for the next launch
   }
   return last_arrival;
