@@ -129,7 +129,7 @@ def sweep(m: int, ns: list[int], ks: list[int], reps: int) -> dict:
 
 
 STAMP_FIELDS = ("entry_ns", "exit_ns", "cycles", "first_data", "loop", "loop_wait", "ends", "segments", "sm",
-                "end_sub0", "end_sub1", "end_sub2")
+                "end_sub0", "end_sub1", "end_sub2", "end_sub3", "end_sub4")
 STAMP_MS = (64, 128, 256)
 
 
@@ -146,7 +146,8 @@ def stamp_summary(rows: list[list[int]]) -> dict:
            "exit_spread_us": round((max(r["exit_ns"] for r in ran) - min(r["exit_ns"] for r in ran)) / 1e3, 2)}
     ghz = [r["cycles"] / max(1, r["exit_ns"] - r["entry_ns"]) for r in ran]
     out["clock_GHz"] = round(statistics.median(ghz), 3)
-    for f in ("cycles", "first_data", "loop", "loop_wait", "ends", "end_sub0", "end_sub1", "end_sub2"):
+    for f in ("cycles", "first_data", "loop", "loop_wait", "ends", "end_sub0", "end_sub1", "end_sub2", "end_sub3",
+              "end_sub4"):
         us = [r[f] / g / 1e3 for r, g in zip(ran, ghz)]
         out[f"{f}_us_mean"] = round(statistics.fmean(us), 2)
         out[f"{f}_us_max"] = round(max(us), 2)
@@ -191,7 +192,8 @@ def stamps(ms: list[int], reps: int) -> dict:
                       f"{st['first_data_us_mean']:5.2f}/{st['first_data_us_max']:5.2f} loop "
                       f"{st['loop_us_mean']:6.2f}/{st['loop_us_max']:6.2f} (wait {st['loop_wait_us_mean']:5.2f}) ends "
                       f"{st['ends_us_mean']:5.2f}/{st['ends_us_max']:5.2f} [{st['end_sub0_us_mean']:5.2f} "
-                      f"{st['end_sub1_us_mean']:5.2f} {st['end_sub2_us_mean']:5.2f}] total "
+                      f"{st['end_sub1_us_mean']:5.2f} {st['end_sub2_us_mean']:5.2f} {st['end_sub3_us_mean']:5.2f} "
+                      f"{st['end_sub4_us_mean']:5.2f}] total "
                       f"{st['cycles_us_mean']:6.2f} @ "
                       f"{st['clock_GHz']} GHz | bf16 {row['bf16_graph_us']:6.2f}", flush=True)
             torch.cuda.empty_cache()

@@ -49,6 +49,9 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
             # half 256-row tiles, partial segments, M tails
             (1, 272, 128, "wgmma_rs", 0), (64, 1136, 640, "wgmma_rs", 0), (65, 4352, 3584, "wgmma_rs", 0),
             (300, 528, 896, "wgmma_rs", 0), (129, 256, 1024, "wgmma_rs", 0),
+            # the 256-token kernel with two segments in some CTAs (stream-K: the next segment's first stages
+            # issued during a segment's end) or a 5-CTA cluster split: small enough for racecheck / synccheck
+            (300, 1024, 1280, "wgmma_rs", 0),
             # the 128-token tile on a weight small enough for racecheck / synccheck
             (100, 528, 896, "wgmma_rs", 0),
             # the wgmma SS kernel: the same, plus a tile split among several CTAs

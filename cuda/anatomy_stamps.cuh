@@ -7,7 +7,7 @@
 //   Thread 0 keeps its phase times in shared memory (no registers across the stage loop: the 255-register kernels
 // would spill) and writes one row per CTA at the end: g_stamps[blockIdx.x] = {globaltimer at entry, at exit, SM
 // cycles entry -> exit, cycles to the first stage's data, cycles in stage loops, of which waiting for data, cycles
-// in segment ends (partials, fix-up, cluster sums, store), segments, SM id, three points inside the ends}.
+// in segment ends (partials, fix-up, cluster sums, store), segments, SM id, five points inside the ends}.
 #pragma once
 
 #ifdef QERL_ANATOMY_STAMPS
@@ -17,11 +17,13 @@ namespace qerl {
 namespace anatomy {
 
 constexpr int kMaxCtas = 2048;
-constexpr int kFields = 12;
-// kSub0..2: cycles from a segment end's start to three points inside it, summed over segments (cluster sums: the
-// local writes, the first cluster barrier, the distributed reads; stream-K: the partial's store, the arrival, the
-// fix-up sums)
-enum Field { kEntryNs, kExitNs, kCycles, kFirstData, kLoop, kLoopWait, kEnds, kSegments, kSm, kSub0, kSub1, kSub2 };
+constexpr int kFields = 14;
+// kSub0..4: cycles from a segment end's start to points inside it, summed over segments (cluster sums: the local
+// writes, the first cluster barrier, the distributed reads; stream-K: the partial's store, the arrival, the fix-up
+// sums; the staged bf16 store: its shared-memory writes, its global stores)
+enum Field {
+  kEntryNs, kExitNs, kCycles, kFirstData, kLoop, kLoopWait, kEnds, kSegments, kSm, kSub0, kSub1, kSub2, kSub3, kSub4
+};
 // shared-memory scratch of thread 0: the fields above while running, plus three marks
 enum Mark { kEntryClock = kFields, kMark, kSeen, kScratch };
 

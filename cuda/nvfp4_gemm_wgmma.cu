@@ -424,7 +424,8 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
     QERL_AN_LOOP_END
 
     if constexpr (kCluster) {
-      static_assert(2 * ACC * THREADS * 4 <= STAGES * C::STAGE_BYTES, "the cluster sums do not fit the ring");
+      static_assert(cluster_splitk::ReduceLayout<2, ACC, THREADS>::kBytes <= STAGES * C::STAGE_BYTES,
+                    "the cluster sums do not fit the ring");
       cluster_splitk::reduce_store<2, ACC, THREADS>(acc, smem, smem_base, ntile * C::TILE_ROWS, m0, M, N, gscale, bias,
                                                     out);
       u = 1;

@@ -223,6 +223,39 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
   // one token tile in unit order (its activations stay in L2; the aligned order read 0.5-2.9 % slower at M = 256,
   // NOTES "Eighteenth round"); the cluster split: one segment
   const bool k_aligned = m_tiles > 1;
+  // stage st of segment `sg` -> its slot: thread 0 sets the transaction count, then issues the copies completing it
+  auto issue_stage = [&](const streamk::Segment& sg, int slot, int st) {
+    if (tid != 0) return;
+    const int mt = sg.tile / n_tiles;
+    const int nt = sg.tile - mt * n_tiles;
+    const int m0 = mt * WD_T;
+    const uint4* w_seg = qw + (size_t(nt) * S + sg.kb) * WD_STAGE_W_VEC;
+    const uint4* s_seg = qs + (size_t(nt) * S + sg.kb) * WD_STAGE_S_VEC;
+    const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
+    const uint32_t bar = bar0 + 8 * slot;
+    const int k0 = (sg.kb + st) * QERL_GEMM_BK;
+    if (M - m0 > WD_T - WD_BOX_ROWS) {  // one 256-row box per k64 half: a full tile, or one needing all 4 boxes
+      tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
+      tma::load_2d(base, &x_map, bar, k0, m0);
+      tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
+    } else {
+      // the last tile, at most 192 rows: only the 64-row boxes with a token row < M (zero-filling rows past M
+      // costs the copy engine more than loading real rows: NOTES lead 6; four part boxes fill as much as the whole
+      // box and cost 3 % more: NOTES "Eighteenth round"). The slot rows of the boxes not asked for keep stale
+      // values, which reach only the accumulators of tokens >= M, never stored.
+      const int boxes = (M - m0 + WD_BOX_ROWS - 1) / WD_BOX_ROWS;
+      tma::mbar_expect_tx(bar, 2 * boxes * WD_BOX_BYTES + WD_W_BYTES + WD_S_BYTES);
+      for (int b = 0; b < boxes; ++b) {
+        tma::load_2d(base + b * WD_BOX_BYTES, &x_part, bar, k0, m0 + b * WD_BOX_ROWS);
+        tma::load_2d(base + WD_X_HALF_BYTES + b * WD_BOX_BYTES, &x_part, bar, k0 + WD_HALF_K,
+                     m0 + b * WD_BOX_ROWS);
+      }
+    }
+    tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
+    tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
+  };
+  // the segment's first PF stages were issued during the previous segment's end (below)
+  bool prefetched = false;
   for (int u = kCluster ? 0 : range.first_unit(k_aligned); u >= 0;) {
     streamk::Segment seg;
     if constexpr (kCluster) {
@@ -242,34 +275,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
 #pragma unroll
     for (int i = 0; i < WD_ACC; ++i) acc[0][i] = 0.0f;
 
-    // stage st of the segment -> its slot: thread 0 sets the transaction count, then issues the copies completing it
-    const uint4* w_seg = qw + (size_t(ntile) * S + kb) * WD_STAGE_W_VEC;
-    const uint4* s_seg = qs + (size_t(ntile) * S + kb) * WD_STAGE_S_VEC;
-    auto load_stage = [&](int slot, int st) {
-      if (tid != 0) return;
-      const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
-      const uint32_t bar = bar0 + 8 * slot;
-      const int k0 = (kb + st) * QERL_GEMM_BK;
-      if (M - m0 > WD_T - WD_BOX_ROWS) {  // one 256-row box per k64 half: a full tile, or one needing all 4 boxes
-        tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
-        tma::load_2d(base, &x_map, bar, k0, m0);
-        tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
-      } else {
-        // the last tile, at most 192 rows: only the 64-row boxes with a token row < M (zero-filling rows past M
-        // costs the copy engine more than loading real rows: NOTES lead 6; four part boxes fill as much as the whole
-        // box and cost 3 % more: NOTES "Eighteenth round"). The slot rows of the boxes not asked for keep stale
-        // values, which reach only the accumulators of tokens >= M, never stored.
-        const int boxes = (M - m0 + WD_BOX_ROWS - 1) / WD_BOX_ROWS;
-        tma::mbar_expect_tx(bar, 2 * boxes * WD_BOX_BYTES + WD_W_BYTES + WD_S_BYTES);
-        for (int b = 0; b < boxes; ++b) {
-          tma::load_2d(base + b * WD_BOX_BYTES, &x_part, bar, k0, m0 + b * WD_BOX_ROWS);
-          tma::load_2d(base + WD_X_HALF_BYTES + b * WD_BOX_BYTES, &x_part, bar, k0 + WD_HALF_K,
-                       m0 + b * WD_BOX_ROWS);
-        }
-      }
-      tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
-      tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
-    };
+    auto load_stage = [&](int slot, int st) { issue_stage(seg, slot, st); };
 
     // k64 half t of the stage in `slot`: decode this warp's n16 block (repacked block 2 nb + t of the stage) into 4
     // A fragments (k16 steps j = 0..3), then 4 wgmmas
@@ -291,9 +297,12 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     QERL_AN_SEGMENT_BEGIN
     // ---- the segment's stages: two register sets for A, alternating between the halves (the wgmmas of one half
     // read its set while the next half is decoded into the other)
+    if (!prefetched) {
 #pragma unroll
-    for (int st = 0; st < PF; ++st)
-      if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
+      for (int st = 0; st < PF; ++st)
+        if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
+    }
+    prefetched = false;
     if constexpr (kLora) {
       // the slot the prologue left free (refilled only after the loop's first CTA barrier)
       const int free_slot = (g0 + PF) % WD_SLOTS;
@@ -320,19 +329,31 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     QERL_AN_LOOP_END
 
     if constexpr (kCluster) {
-      static_assert(WD_ACC * WD_THREADS * 4 <= WD_SLOTS * WD_SLOT_BYTES, "the cluster sums do not fit the ring");
+      static_assert(cluster_splitk::ReduceLayout<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOTS * WD_SLOT_BYTES,
+                    "the cluster sums do not fit the ring");
       cluster_splitk::reduce_store<1, WD_ACC, WD_THREADS>(acc, smem, smem_base, ntile * WD_ROWS, m0, M, N, gscale,
                                                           bias, out);
       u = -1;
     } else {
+      // ---- the next segment's first PF stages, issued now into the slots they take (free: every warp has retired
+      // this segment's stages), so that their copies fly during this segment's end; the end stages its bf16 store in
+      // the slot they leave free (NOTES "Nineteenth round": each segment start waited ~2 us for its first copies)
+      const int u_next = range.next_unit(range.after(seg), k_aligned);
+      if (u_next >= 0) {
+        const streamk::Segment next = range.segment_at(u_next);
+#pragma unroll
+        for (int st = 0; st < PF; ++st)
+          if (st < next.count()) issue_stage(next, (g0 + st) % WD_SLOTS, st);
+        prefetched = true;
+      }
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOTS * WD_SLOT_BYTES,
-                    "the staged store does not fit the ring");
+      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES,
+                    "the staged store does not fit one ring slot");
       wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
                                                               my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
-                                                              bias, out, smem);
+                                                              bias, out, smem + ((g0 + PF) % WD_SLOTS) * WD_SLOT_BYTES);
       __syncthreads();  // s_is_last is reused by the next segment
-      u = range.next_unit(range.after(seg), k_aligned);
+      u = u_next;
     }
     QERL_AN_SEGMENT_END
   }

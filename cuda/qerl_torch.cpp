@@ -974,7 +974,7 @@ int64_t splits_for(int64_t m, int64_t n, int64_t k) {
 // tiles) or "wgmma" (64 / 128); `reset` zeroes the table instead. Only in the QERL_ANATOMY_STAMPS build.
 at::Tensor anatomy_stamps(const std::string& kernel, int64_t ctas, bool reset) {
   QCHECK(kernel == "wide" || kernel == "wgmma", "qerl anatomy_stamps: kernel must be 'wide' or 'wgmma', got ", kernel);
-  auto t = torch::zeros({ctas, 12}, torch::kInt64);
+  auto t = torch::zeros({ctas, 14}, torch::kInt64);
   auto* p = reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>());
   const cudaError_t e = kernel == "wide" ? qerl_anatomy_read_wide(p, int(ctas), reset ? 1 : 0)
                                          : qerl_anatomy_read_wgmma(p, int(ctas), reset ? 1 : 0);

@@ -89,6 +89,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kA
     }
   }
   __syncthreads();
+  QERL_AN_SUB(3)
   constexpr int kChunks = S::kRows / 8;  // 16-byte pieces per token row
 #pragma unroll 4
   for (int c = tid; c < S::kTokens * kChunks; c += kThreads) {
@@ -98,6 +99,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kA
       *reinterpret_cast<uint4*>(out + size_t(m0 + t) * N + n) =
           *reinterpret_cast<const uint4*>(stage + t * S::kPitch + 2 * (c % kChunks) * 8);
   }
+  QERL_AN_SUB(4)
 }
 #endif  // QERL_WGMMA_DEVICE
 

@@ -277,32 +277,42 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
             check_forced_mode(rw, gs, w, bias if m % 2 else None, torch.randn(m, k, device=DEV, generator=g), mode)
 
 
-@pytest.mark.parametrize("m", [64, 128])
-def test_wgmma_few_tiles_run_the_cluster_split(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 7B qkv-shaped GEMM at M = 64 / 128 (36 / 18 output tiles of the 64- / 128-token kernel) runs its cluster
-    split-K (one launch of the cluster instantiation), and with ``QERL_WGMMA_CLUSTER=0`` stream-K; same result within
-    the kernels' rounding (the sums are taken in another order: not bit-equal)."""
+@pytest.mark.parametrize(("m", "n", "k", "kernel"), [
+    (64, 4608, 3584, "nvfp4_gemm_wgmma_kernel<64,"),
+    (128, 4608, 3584, "nvfp4_gemm_wgmma_kernel<128,"),
+    (200, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<"),    # a part token tile: the sums stop at M
+    (256, 3584, 18944, "nvfp4_gemm_wgmma_wide_kernel<"),   # 7B down: 37 stages per rank (split up to 64)
+    (129, 3584, 3584, "nvfp4_gemm_wgmma_wide_kernel<"),    # one token of the tile, shared by 4 ranks
+])
+def test_wgmma_few_tiles_run_the_cluster_split(m: int, n: int, k: int, kernel: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few-tile GEMMs (7B qkv / o / down shapes at M = 64-256) run the cluster split-K (one launch of the cluster
+    instantiation), and with ``QERL_WGMMA_CLUSTER=0`` stream-K; both within the kernels' rounding of the float64
+    reference (the sums are taken in another order: not bit-equal), the cluster's bias and token rows past M too
+    (the output is poisoned first: a row it skips would stay NaN)."""
     import re
 
     from verl_qerl.testing.gpu import kernels_launched
 
     _needs_wgmma()
-    n, k = 4608, 3584
     packed, scale, gs = rand_nvfp4(n, k, seed=m)
     rw = kernels.repack(packed, scale)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    t = 64 if m <= 64 else 128
+    bias = (torch.randn(n, device=DEV) * 0.1).to(torch.bfloat16) if m % 2 else None
 
     def run() -> torch.Tensor:
-        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(Mode.WGMMA_RS))
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, bias, n, int(Mode.WGMMA_RS))
 
+    pattern = re.escape(kernel) + r"\s*"
     names = kernels_launched(run)
-    assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_kernel<{t},\s*true>", names[0]), names
+    assert len(names) == 1 and re.search(pattern + "true>", names[0].replace(" ", "")), names
+    poison((m, n), torch.bfloat16)
     clustered = run()
+    assert not torch.isnan(clustered).any(), "unwritten (NaN-poisoned) or NaN outputs"
     monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
     names = kernels_launched(run)
-    assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_kernel<{t},\s*false>", names[0]), names
-    ref = reference.linear_f64(x, packed, scale, gs, None)
+    assert len(names) == 1 and re.search(pattern + "false>", names[0].replace(" ", "")), names
+    ref = reference.linear_f64(x, packed, scale, gs, bias)
     assert rel(clustered, ref) <= TOL and rel(run(), ref) <= TOL
 
 
