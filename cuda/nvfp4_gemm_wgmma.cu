@@ -176,6 +176,37 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
   int g0 = 0;  // stages this CTA ran before the current segment: slot of stage it = (g0 + it) % STAGES, and its
                // barrier's phase parity = ((g0 + it) / STAGES) % 2
 
+  // a stage's copies, all by thread 0 on the slot's mbarrier (transaction count first): per 128-row tile its
+  // stage's weights (8 KB) and scales (1 KB), each one contiguous run of the repacked layout and one bulk copy, and
+  // the activations as two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
+  // r * 128 with the 128-byte swizzle; rows past M zero-filled by the copy engine); stage s_rel of segment `sg`
+  auto issue_stage = [&](const streamk::Segment& sg, int buf, int s_rel) {
+    if (tid != 0) return;
+    const int mt = sg.tile / n_tiles;
+    const int nt = sg.tile - mt * n_tiles;
+    const uint4* w_seg = qw + (size_t(WGS * nt) * S + sg.kb) * TILE_W_VEC;
+    const uint4* s_seg = qs + (size_t(WGS * nt) * S + sg.kb) * TILE_S_VEC;
+    const uint32_t base = smem_base + buf * C::STAGE_BYTES;
+    const uint32_t bar = bar0 + 8 * buf;
+    const int tiles = WGS == 2 && 2 * nt + 1 < tiles_128 ? 2 : 1;
+    tma::mbar_expect_tx(bar, T * WG_BK * 2 + tiles * (TILE_W_BYTES + TILE_S_BYTES));
+    const int k0 = (sg.kb + s_rel) * WG_BK;
+    tma::load_2d(base + X_OFF, &x_map, bar, k0, mt * T);
+    tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, mt * T);
+    for (int h = 0; h < tiles; ++h) {
+      tma::bulk_copy(base + h * TILE_W_BYTES, w_seg + (size_t(h) * S + s_rel) * TILE_W_VEC, TILE_W_BYTES, bar);
+      tma::bulk_copy(base + WGS * TILE_W_BYTES + h * TILE_S_BYTES, s_seg + (size_t(h) * S + s_rel) * TILE_S_VEC,
+                     TILE_S_BYTES, bar);
+    }
+  };
+  // where a segment's end stages its bf16 store: in the two slots after the next segment's first PF stages (issued
+  // during this end, NOTES "Nineteenth round"), when those are contiguous and hold the staged tile; else no copies
+  // are issued early and the end uses the ring from its start
+  using Staged = wgmma_rs::StagedStore<2, ACC, THREADS>;
+  static_assert(PF == 2 && STAGES == 4, "the early copies take the slots of stages 0 and 1, the store the other two");
+  constexpr bool kOneSlot = Staged::kBytes <= C::STAGE_BYTES;
+  static_assert(Staged::kBytes <= 2 * C::STAGE_BYTES, "the staged store does not fit two ring slots");
+  bool prefetched = false;  // the segment's first PF stages were issued during the previous segment's end
   const int u_end = kCluster ? 1 : range.end;
   for (int u = kCluster ? 0 : range.begin; u < u_end;) {
     streamk::Segment seg;
@@ -205,27 +236,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
     // fit); the 128-token kernels (two warpgroups, 235-247 registers) and the 64-token stream-K LoRA kernel keep one
     uint32_t a3[kA3 ? 3 : 1][2][4][4];
 
-    // a stage's copies, all by thread 0 on the slot's mbarrier (transaction count first): per 128-row tile its
-    // stage's weights (8 KB) and scales (1 KB), each one contiguous run of the repacked layout and one bulk copy, and
-    // the activations as two TMA boxes (k64 halves hh = 0, 1 at X_OFF + hh * T * 128: per half, token row r at
-    // r * 128 with the 128-byte swizzle; rows past M zero-filled by the copy engine)
-    const uint4* w_seg = qw + (size_t(WGS * ntile) * S + kb) * TILE_W_VEC;
-    const uint4* s_seg = qs + (size_t(WGS * ntile) * S + kb) * TILE_S_VEC;
-    auto load_stage = [&](int buf, int s_rel) {
-      if (tid != 0) return;
-      const uint32_t base = smem_base + buf * C::STAGE_BYTES;
-      const uint32_t bar = bar0 + 8 * buf;
-      const int tiles = has_hi ? 2 : 1;
-      tma::mbar_expect_tx(bar, T * WG_BK * 2 + tiles * (TILE_W_BYTES + TILE_S_BYTES));
-      const int k0 = (kb + s_rel) * WG_BK;
-      tma::load_2d(base + X_OFF, &x_map, bar, k0, m0);
-      tma::load_2d(base + X_OFF + T * 128, &x_map, bar, k0 + tma::kBoxK, m0);
-      for (int h = 0; h < tiles; ++h) {
-        tma::bulk_copy(base + h * TILE_W_BYTES, w_seg + (size_t(h) * S + s_rel) * TILE_W_VEC, TILE_W_BYTES, bar);
-        tma::bulk_copy(base + WGS * TILE_W_BYTES + h * TILE_S_BYTES, s_seg + (size_t(h) * S + s_rel) * TILE_S_VEC,
-                       TILE_S_BYTES, bar);
-      }
-    };
+    auto load_stage = [&](int buf, int s_rel) { issue_stage(seg, buf, s_rel); };
 
     // One k64 half t of a stage: decode this warp's weights into `a` (the register A operand), issue its wgmmas,
     // commit them as one group and wait until at most kInFlight groups are pending.
@@ -266,9 +277,12 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 
     QERL_AN_SEGMENT_BEGIN
     // ---- the segment's stages [kb, ke)
+    if (!prefetched) {
 #pragma unroll
-    for (int s = 0; s < PF; ++s)
-      if (s < count) load_stage((g0 + s) % STAGES, s);
+      for (int s = 0; s < PF; ++s)
+        if (s < count) load_stage((g0 + s) % STAGES, s);
+    }
+    prefetched = false;
     if constexpr (LORA) {
       // The LoRA term mask * (shrunk @ B^T) as the tile's starting accumulator, by the CTA whose segment starts the
       // tile (kb == 0; its partial reaches the store through the fix-up like any other), while the copies of its
@@ -430,14 +444,25 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
                                                     out);
       u = 1;
     } else {
+      // ---- the next segment's first PF stages now, into their slots (free: every warp has retired this
+      // segment's), when the two slots after them can stage this end's store
+      const int u_next = range.after(seg);
+      const int free0 = (g0 + PF) % STAGES;
+      uint8_t* stage = smem;
+      if (u_next < u_end && (kOneSlot || free0 + 1 < STAGES)) {
+        const streamk::Segment next = range.segment_at(u_next);
+#pragma unroll
+        for (int s = 0; s < PF; ++s)
+          if (s < next.count()) issue_stage(next, (g0 + s) % STAGES, s);
+        prefetched = true;
+        stage = smem + free0 * C::STAGE_BYTES;
+      }
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-      static_assert(wgmma_rs::StagedStore<2, ACC, THREADS>::kBytes <= STAGES * C::STAGE_BYTES,
-                    "the staged store does not fit the ring");
       wgmma_rs::finish_tile<2, ACC, THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile, my_first_tile,
                                                         ntile * C::TILE_ROWS, m0, M, N, active, gscale, bias, out,
-                                                        smem);
+                                                        stage);
       __syncthreads();  // s_is_last is reused by the next segment
-      u = range.after(seg);
+      u = u_next;
     }
     QERL_AN_SEGMENT_END
   }
