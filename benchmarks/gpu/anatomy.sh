@@ -36,7 +36,8 @@ if [[ ",$STEPS," == *,ncu,* ]]; then
     grep -q "^ *$base\b" /tmp/ncu_names.txt && metrics="$metrics${metrics:+,}$w"
   done
   echo "[anatomy] ncu metrics: $metrics" | tee -a "$LOG"
-  step ncu 240 "$NCU" --clock-control none --metrics "$metrics" -f -o /tmp/anatomy \
+  # only the GEMMs (ours and cuBLAS's): profiling every torch kernel of the script ran past 240 s
+  step ncu 240 "$NCU" --clock-control none -k 'regex:nvfp4_gemm|nvjet|gemm' --metrics "$metrics" -f -o /tmp/anatomy \
     python3 benchmarks/kernel_anatomy.py --ncu-calls --m "$M" > "$OUT/anatomy-ncu.log" 2>&1
   "$NCU" --import /tmp/anatomy.ncu-rep --csv --page raw > "$OUT/anatomy-ncu-m$M.csv" 2>> "$OUT/anatomy-ncu.log"
 fi
