@@ -20,10 +20,31 @@ the scripts that use them).
 from __future__ import annotations
 
 import os
+import re
 
 #: verl's ``trainer.logger`` value both launchers need: the console, and verl's file logger
 #: (``VERL_FILE_LOGGER_PATH``) whose JSON lines the scripts read back.
 FILE_LOGGER = "[console,file]"
+
+
+#: A value hydra reads back unchanged as a string when written bare; anything else is quoted by :func:`path_value`.
+_BARE = re.compile(r"[A-Za-z0-9_/.\-+@%]+")
+#: Bare values hydra would read as a number, bool or null rather than a string.
+_NOT_STRING = re.compile(r"[+-]?(?:[\d_]*\.?[\d_]+(?:e[+-]?\d+)?|\d[\d_]*\.|inf|nan|true|false|null)", re.IGNORECASE)
+
+
+def path_value(path: str | os.PathLike) -> str:
+    """``path`` (``~`` expanded) as a hydra override value: bare where hydra reads it back unchanged, else quoted.
+
+    Inside hydra's single quotes a ``'`` is written ``\\'`` and only backslashes before a quote (or at the end)
+    are doubled, which is how hydra un-escapes them (``/runs/lr1e-5,seed1``, ``/m/a[1]``, ``/m/q=7b`` all survive).
+    """
+    s = os.path.expanduser(os.fspath(path))
+    if _BARE.fullmatch(s) and not _NOT_STRING.fullmatch(s):
+        return s
+    s = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", s)
+    s = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, s)
+    return f"'{s}'"
 
 
 def sdpa_overrides() -> list[str]:
@@ -78,16 +99,18 @@ def grpo_overrides(*, qerl: str, model: str | os.PathLike, train_files: str | os
     prompt + response length; a caller may leave room for a chat template. ``shuffle`` is ``data.shuffle``
     (verl's default is True; a timing benchmark turns it off). ``logger`` is written as given (hydra reads
     ``[console,file]`` and ``["console","file"]`` alike). One agent-loop, reward and transfer-queue worker: a
-    small run does not need more, and each is a process.
+    small run does not need more, and each is a process. ``model``, ``train_files`` and ``val_files`` go through
+    :func:`path_value` (``~`` expanded; quoted for hydra where they hold ``,`` ``=`` ``[`` ``]``, spaces and such).
     """
     if max_model_len is None:
         max_model_len = max_prompt_length + max_response_length
     return [
         f"+qerl={qerl}", "algorithm.adv_estimator=grpo",
-        f"data.train_files={train_files}", f"data.val_files={val_files}", f"data.train_batch_size={train_batch_size}",
+        f"data.train_files={path_value(train_files)}", f"data.val_files={path_value(val_files)}",
+        f"data.train_batch_size={train_batch_size}",
         f"data.max_prompt_length={max_prompt_length}", f"data.max_response_length={max_response_length}",
         "data.dataloader_num_workers=0", f"data.shuffle={shuffle}", f"data.seed={seed}",
-        f"actor_rollout_ref.model.path={model}",
+        f"actor_rollout_ref.model.path={path_value(model)}",
         f"actor_rollout_ref.model.lora_rank={lora_rank}", f"actor_rollout_ref.model.lora_alpha={lora_alpha}",
         "actor_rollout_ref.actor.strategy=fsdp2", f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_batch_size}",

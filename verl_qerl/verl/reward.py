@@ -13,7 +13,8 @@ Select it per run (the default stays verl's strict scorer)::
     +reward.custom_reward_function.reward_kwargs.forms=[boxed,hash,answer_is]   # optional; this is the default
 
 Rules (all forms together): the final answer is the one whose marker comes *last* in the response,
-among the enabled forms; its text must be a single number (commas as thousands separators, ``$``,
+among the enabled forms (a ``####`` / "answer is" marker without a number does not override an earlier
+statement); its text must be a single number (commas or ``{,}`` as thousands separators, ``$``,
 ``\\text{...}`` / ``\\$`` / ``\\!`` decoration and a trailing period are dropped); correct means numerically
 equal to the ground truth (``42`` == ``42.0``). No answer, or a non-numeric one, scores
 ``format_score`` (0 by default, as verl's scorer). Rows whose ``data_source`` is not a numeric-answer
@@ -33,8 +34,10 @@ DEFAULT_FORMS = FORMS
 #: data sources whose ground truth is one number (verl's GSM8K rows, and the generated arithmetic).
 NUMERIC_SOURCES = ("openai/gsm8k",)
 
-_HASH = re.compile(r"####\s*(\S[^\n]*)")
-_ANSWER_IS = re.compile(r"(?:the\s+)?(?:final\s+)?answer\s*(?:is|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
+#: ``####`` (or a longer run of ``#``) followed by a number, possibly behind ``$`` / ``**`` decoration: a markdown
+#: heading such as ``#### Explanation`` is not an answer statement.
+_HASH = re.compile(r"#{4,}\s*((?:\*\*|\\?\$)*\s*-?\.?\d[^\n]*)")
+_ANSWER_IS = re.compile(r"\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\b|:)\s*:?\s*([^\n]*)", re.IGNORECASE)
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _TEXT_WRAP = re.compile(r"\\(?:text|mathrm|textbf|mathbf)\s*\{([^{}]*)\}")
 
@@ -87,7 +90,7 @@ def parse_number(raw: str, form: str = "boxed") -> Fraction | None:
     spacing); ``hash`` and ``answer_is`` take the first number at the start of the line
     (``#### 42 apples`` -> 42, ``The answer is $1,234.`` -> 1234) but not one later in a sentence.
     """
-    s = _TEXT_WRAP.sub(r"\1", raw)
+    s = _TEXT_WRAP.sub(r"\1", raw).replace("{,}", ",")  # LaTeX's thousands separator: 1{,}200
     s = s.replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\ ", " ").strip()
     s = s.replace("**", "").strip()
     if form == "boxed":
@@ -106,12 +109,18 @@ def parse_number(raw: str, form: str = "boxed") -> Fraction | None:
 
 
 def final_answer(text: str, forms: Sequence[str] = DEFAULT_FORMS) -> Fraction | None:
-    """The number of the last answer statement (by position) of the enabled forms, or None."""
+    """The number of the last answer statement (by position) of the enabled forms, or None.
+
+    A ``hash`` / ``answer_is`` marker that gives no number ("I hope this answer is helpful!", "Answer: see above")
+    does not override an earlier statement; a ``\\boxed{}`` one always counts (``\\boxed{x}`` last: None).
+    """
     answers = find_answers(text, forms)
-    if not answers:
-        return None
-    _, form, raw = answers[-1]
-    return parse_number(raw, form)
+    for i in range(len(answers) - 1, -1, -1):
+        _, form, raw = answers[i]
+        value = parse_number(raw, form)
+        if value is not None or form == "boxed" or i == 0:
+            return value
+    return None
 
 
 def score_numeric(text: str, ground_truth: str, forms: Sequence[str] = DEFAULT_FORMS, *, score: float = 1.0,
