@@ -15,7 +15,27 @@ from ._checks import bad, check_sigma, check_step, is_int
 from .noise import as_shape, noise_for, uniform_for
 from .rounding import ROUNDINGS, fine_dtype, land_noise
 from .schedule import AQNConfig
-from .targets import canonical_name, select_norm_tensors
+from .targets import DEFAULT_TARGETS, canonical_name, select_norm_tensors, unmatched_targets
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """``torch.equal`` where NaN equals NaN at the same place: a NaN left in a tensor must not read as a
+    change made behind the noiser's back."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return bool(nan_a.any()) and torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+def _check_finite(name: str, tensor: Tensor, when: str) -> None:
+    """Noise on a NaN/inf weight stays non-finite, and such a snapshot could never be written back as "clean"."""
+    count = int((~torch.isfinite(tensor)).sum())
+    if count:
+        raise ValueError(f"NormNoiser: {name!r} holds {count} non-finite value(s) (NaN/inf) {when}: noise on it "
+                         "stays non-finite and it could not be restored as a clean weight; AQN needs finite weights "
+                         "(a broken checkpoint or weight sync?)")
 
 
 def _tensor_bytes(tensor: Tensor) -> bytes:
@@ -85,6 +105,7 @@ class NormNoiser:
         if tensor.numel() == 0:
             raise ValueError(f"NormNoiser: {name!r} is empty")
         clean = tensor.detach().clone()
+        _check_finite(name, clean, "at construction")
         return _Entry(name, key, tensor, clean, clean.to("cpu"))
 
     @classmethod
@@ -96,11 +117,12 @@ class NormNoiser:
         """Select the AQN targets of ``named_tensors`` (e.g. ``model.named_parameters()``)."""
         named = list(named_tensors)
         chosen = set(select_norm_tensors(named, cfg))
-        if not chosen:
+        missing = unmatched_targets([n for n, _ in named], cfg)
+        if missing:  # one misspelled entry must not pass because another one matches
             sample = [n for n, _ in named[:8]]
             raise ValueError(
-                f"AQN: no tensor matches targets {cfg.targets} (final norm: {cfg.include_final_norm}); "
-                f"first names seen: {sample}"
+                f"AQN: no tensor matches {'; '.join(missing)} (targets are module names under layers.N, e.g. "
+                f"{', '.join(DEFAULT_TARGETS)}); {len(chosen)} tensor(s) matched the rest; first names seen: {sample}"
             )
         picked = [(n, t) for n, t in named if n in chosen]
         return cls(picked, seed=cfg.seed, rounding=cfg.rounding)
@@ -114,7 +136,8 @@ class NormNoiser:
 
     @property
     def current(self) -> tuple[int, float] | None:
-        """``(step, sigma)`` of the noise now in the tensors; ``None`` while clean."""
+        """``(step, sigma)`` of the last :meth:`apply` (sigma ``0.0``: it wrote the clean values); ``None``
+        before any apply and after :meth:`restore` / :meth:`refresh_clean`."""
         return self._current
 
     def __len__(self) -> int:
@@ -146,7 +169,7 @@ class NormNoiser:
     def _verify_untouched(self) -> None:
         for e in self._entries:
             expected = e.clean if e.expected is None else e.expected
-            if not torch.equal(e.live.detach(), expected):
+            if not _same(e.live.detach(), expected):
                 raise RuntimeError(
                     f"AQN: {e.name!r} changed outside NormNoiser since its last apply/restore "
                     "(a weight sync, or an update of a noisy weight?). If its current value is the "
@@ -164,7 +187,7 @@ class NormNoiser:
         self._verify_untouched()
         if sigma == 0.0:
             self._write_clean()
-            self._current = (step, 0.0)
+            self._current = (step, 0.0)  # clean values, but a step was applied (see ``current``)
             return
         # One land_noise call per storage dtype: the per-call cost of the rounding setup is then
         # paid once per step, not once per tensor.
@@ -221,14 +244,20 @@ class NormNoiser:
         adopted as clean; a tensor that still holds this noiser's noise gets its clean value
         back (never adopted, which would bake the noise in).
         """
+        # decide, and refuse a non-finite new snapshot, before writing anything: a refusal leaves every
+        # tensor and snapshot as it was
+        adopt = [e.expected is None or not _same(e.live.detach(), e.expected) for e in self._entries]
+        for e, new in zip(self._entries, adopt):
+            if new:
+                _check_finite(e.name, e.live.detach(), "to adopt as clean in refresh_clean")
         with torch.no_grad():
-            for e in self._entries:
+            for e, new in zip(self._entries, adopt):
                 live = e.live
-                if e.expected is not None and torch.equal(live.detach(), e.expected):
-                    live.copy_(e.clean)
-                else:
+                if new:
                     e.clean = live.detach().clone()
                     e.clean_cpu = e.clean.to("cpu")
+                else:
+                    live.copy_(e.clean)
                 e.expected = None
         self._current = None
         self._stats = {"qerl/aqn_sigma_effective": 0.0, "qerl/aqn_changed_frac": 0.0}

@@ -77,6 +77,10 @@ class AQNConfig:
         if self.schedule in DECAYING_SCHEDULES and self.sigma_end > self.sigma_start:
             raise bad("sigma_end", f"{self.sigma_end!r} is above sigma_start={self.sigma_start!r}: the noise would "
                        "rise during training, where AQN decays it (swap the two, or use schedule=constant)")
+        if self.enable and self.schedule != "none" and self.sigma_start == 0:
+            # every noisy stage starts from sigma_start (and a decay cannot rise above it): AQN on, no noise
+            raise bad("sigma_start", f"0 with enable=true and schedule={self.schedule} adds no noise at any step; set "
+                       "sigma_start > 0, or say so with schedule=none or enable=false")
         if not isinstance(self.noise_from_start, bool):
             raise bad("noise_from_start", f"must be true or false, got {self.noise_from_start!r}")
         least = min_stages(self.noise_from_start)

@@ -39,8 +39,8 @@ def canonical_name(name: str) -> str:
     return out
 
 
-def _target_regex(cfg: AQNConfig) -> re.Pattern[str]:
-    alternatives = "|".join(re.escape(t) for t in cfg.targets)
+def _target_regex(targets: Iterable[str]) -> re.Pattern[str]:
+    alternatives = "|".join(re.escape(t) for t in targets)
     return re.compile(rf"(?:^|\.)layers\.\d+\.(?:{alternatives})\.weight$")
 
 
@@ -56,7 +56,7 @@ def select_norm_tensors(named: Iterable[tuple[str, Any]] | Iterable[str], cfg: A
     final ``...norm.weight`` outside the layer stack. ``q_norm``/``k_norm`` are not targets:
     they feed no quantized layer. Accepts ``named_parameters()`` pairs or bare names.
     """
-    pattern = _target_regex(cfg)
+    pattern = _target_regex(cfg.targets)
     out = []
     for item in named:
         name = item if isinstance(item, str) else item[0]
@@ -65,3 +65,18 @@ def select_norm_tensors(named: Iterable[tuple[str, Any]] | Iterable[str], cfg: A
             out.append(name)
     return out
 
+
+def unmatched_targets(names: Iterable[str], cfg: AQNConfig) -> list[str]:
+    """What selects nothing among ``names``: each entry of ``cfg.targets`` that matches no tensor (as
+    ``qerl.aqn.targets entry 'x'``) and, with ``include_final_norm``, a missing final norm. Empty when all
+    match. A misspelled target would otherwise leave its norms clean without a word whenever another one matches."""
+    keys = [canonical_name(n) for n in names]
+    out = []
+    for target in cfg.targets:
+        pattern = _target_regex([target])
+        if not any(pattern.search(k) for k in keys):
+            out.append(f"qerl.aqn.targets entry {target!r}")
+    if cfg.include_final_norm and not any(_is_final_norm(k) for k in keys):
+        out.append("the final norm that qerl.aqn.include_final_norm=true asks for (a ...norm.weight outside the "
+                   "layer stack)")
+    return out

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..aqn import AQNConfig, short_run
+from ..aqn import AQNConfig, schedule_table, short_run
 from ..aqn.schedule import min_stages
 from ..modeling.model_conversion import MODES
 from ..nvfp4.arch import DEFAULT_IGNORE
@@ -66,6 +66,10 @@ VLLM_QUANTIZATION = {"nvfp4": METHOD_NAME, "nf4": "bitsandbytes", "bf16": None}
 #: The ``qerl`` config group's options (verl_qerl/verl/hydra/qerl/*.yaml).
 CONFIG_GROUPS = ("nvfp4", "nvfp4_noaqn", "bf16", "nf4")
 
+#: AQN keys the group yamls ship as null, meaning the AQN default: hydra refuses ``+qerl.aqn.<key>=...`` for a key
+#: that holds a non-null scalar, and existing command lines add these with ``+``.
+AQN_NULL_MEANS_DEFAULT = ("include_final_norm", "rounding")
+
 #: Where the engine and the vLLM servers find the block.
 CARRIER_PATH = ("actor_rollout_ref", "model", "lora", "qerl")
 
@@ -81,7 +85,8 @@ class QeRLConfig:
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     #: how BF16 weights are quantized to NVFP4, by the actor and by vLLM alike (verl_qerl.nvfp4.SCALE_RULES)
     scale_rule: str = DEFAULT_SCALE_RULE
-    aqn: AQNConfig = field(default_factory=lambda: AQNConfig(enable=False))
+    #: AQN on by default, as a block without ``aqn`` (:meth:`from_dict`) and the README have it
+    aqn: AQNConfig = field(default_factory=AQNConfig)
     #: seconds between the sync trainer's checks for finished rollouts. verl 0.9.1's ReplayBuffer polls every
     #: 2.0 s, so every step's rollout phase is rounded up to a multiple of 2 s (seen on H200: 25M-model steps log
     #: gen = 4.05 / 6.05 / 10.05 s, 7B ones 6.2 / 8.2 s); the qerl_sync trainer sets this interval instead.
@@ -127,9 +132,14 @@ class QeRLConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise QeRLConfigError(f"qerl.{unknown[0]}: unknown key; known keys are {sorted(known)}")
-        aqn = values.pop("aqn", None) or {}
+        # only a missing block means the defaults: qerl.aqn=false / null read as "AQN off" but would turn it on
+        aqn = values.pop("aqn", {})
         if not isinstance(aqn, (Mapping, AQNConfig)):
-            raise QeRLConfigError(f"qerl.aqn={aqn!r}: expected a block of AQN settings (e.g. qerl.aqn.enable=true)")
+            raise QeRLConfigError(f"qerl.aqn={aqn!r}: expected a block of AQN settings (e.g. qerl.aqn.sigma_end=1e-4); "
+                                  "to turn AQN off set qerl.aqn.enable=false")
+        if isinstance(aqn, Mapping):
+            # the group yamls ship these as null (= the default) so that hydra's `+qerl.aqn.<key>=` still works
+            aqn = {k: v for k, v in aqn.items() if not (k in AQN_NULL_MEANS_DEFAULT and v is None)}
         try:
             aqn_cfg = aqn if isinstance(aqn, AQNConfig) else AQNConfig.from_dict(dict(aqn))
         except ValueError as err:
@@ -253,9 +263,14 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
 
     Refused here when ``trainer.total_training_steps`` fixes the length; otherwise verl derives it
     from the data set and the trainer warns once it knows (:class:`verl_qerl.verl.trainer.AQNDriver`).
+    With ``qerl.aqn.total_steps`` the schedule spans that many steps instead (validated against the
+    stages by :class:`AQNConfig`), so the question is whether the run gets to a noisy stage of it.
     """
     steps = _get(config, "trainer.total_training_steps")
     if steps is None or isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        return
+    if qerl.aqn.total_steps is not None:
+        _check_run_reaches_noise(steps, qerl.aqn)
         return
     short = short_run(steps, qerl.aqn)
     if short:
@@ -264,6 +279,24 @@ def _check_run_length(config: Any, qerl: QeRLConfig) -> None:
             f"trainer.total_training_steps={steps} is fewer than qerl.aqn.num_stages={stages}: {short}; run at least "
             f"{stages} steps, lower qerl.aqn.num_stages (>= {min_stages(qerl.aqn.noise_from_start)}), or turn AQN off "
             "(qerl.aqn.enable=false)")
+
+
+def _check_run_reaches_noise(steps: int, aqn: AQNConfig) -> None:
+    """Refuse a run of ``steps`` that ends before the first noisy stage of a schedule spanning
+    ``qerl.aqn.total_steps``: AQN would be on and add no noise, without a word. Runs that reach a
+    noisy stage pass, however much of the schedule they leave out."""
+    if not aqn.enable:
+        return
+    noisy = [row for row in schedule_table(aqn.total_steps, aqn) if row.sigma > 0 and row.first_step <= row.last_step]
+    if not noisy or noisy[0].first_step <= steps:
+        return  # (no noisy stage at all is AQNConfig's to refuse)
+    first = noisy[0]
+    raise QeRLConfigError(
+        f"trainer.total_training_steps={steps} ends before the first noisy AQN step: qerl.aqn.total_steps="
+        f"{aqn.total_steps} spreads qerl.aqn.num_stages={aqn.num_stages} stages over {aqn.total_steps} steps, and "
+        f"stage {first.stage} (the first with noise) starts at step {first.first_step}, so the run gets no noise; "
+        f"lower qerl.aqn.total_steps (or leave it unset: the schedule then spans the run), run at least "
+        f"{first.first_step} steps, or turn AQN off (qerl.aqn.enable=false)")
 
 
 def _check_twin_folder(qerl: QeRLConfig) -> None:
