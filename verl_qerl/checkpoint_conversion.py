@@ -8,7 +8,13 @@ and an existing DST is replaced only with ``force=True``, after the new one is c
 
 DST is checked before any weight is read: it must not be, contain or lie inside SRC (symlinks
 resolved: replacing it would delete the source), must be a folder if it exists, and its parent must
-take the temporary folder, which is created first as the test that DST can be written at all.
+take the temporary folder, which is created first as the test that DST can be written at all. SRC and DST may
+start with ``~`` (expanded, as a shell would not inside quotes or after ``--opt=``).
+
+Only the Linear layers are quantized; every other tensor (lm_head, the embeddings, norms) is written as stored,
+in the source's dtype (BF16 for a BF16 checkpoint; float32 / float16 ones stay so, as llm-compressor keeps them).
+The tokenizer and other non-weight files are copied, except other tools' completion markers
+(:data:`TOOL_MARKERS`): the output is not what those markers describe.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ from .nvfp4.quant_config import quantize_at_load_layers
 from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+#: Marker files that say a folder is some tool's finished output (``qerl-pretrained``'s ``DONE``, the rollout
+#: benchmark's ``.complete``); never copied into a converted checkpoint, which is a different folder.
+TOOL_MARKERS = frozenset({"DONE", ".complete"})
+#: Attribute set on the KeyboardInterrupt / Terminated raised for a SIGINT / SIGTERM that arrived while DST was
+#: swapped and was delivered after the swap completed: the folder now holding the new, complete output.
+OUTPUT_WRITTEN_ATTR = "output_written"
 
 
 def linear_module_names(config: dict) -> list[str]:
@@ -162,12 +174,14 @@ def remove_made(made: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
+def _signals_deferred(written: list[Path] | None = None) -> Iterator[None]:
     """SIGINT and SIGTERM that arrive inside the block are delivered when it ends.
 
     Swapping DST for the finished output is two renames (and the old folder's removal): cut off
     between them, DST would be left renamed away. Python handlers run in the main thread only, so
-    elsewhere the block runs unprotected.
+    elsewhere the block runs unprotected. When the block put a folder into ``written`` (the swap
+    happened), the exception a delivered signal raises carries it as :data:`OUTPUT_WRITTEN_ATTR`, so
+    the caller can say that DST was written rather than that nothing changed.
     """
     signums = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.getsignal(s) for s in signums}
@@ -182,19 +196,28 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for s in dict.fromkeys(pending):
-            signal.raise_signal(s)
+        try:
+            for s in dict.fromkeys(pending):
+                signal.raise_signal(s)
+        except BaseException as err:
+            if written:
+                with contextlib.suppress(AttributeError, TypeError):
+                    setattr(err, OUTPUT_WRITTEN_ATTR, written[-1])
+            raise
 
 
 def replace_dir(tmp: Path, dst: Path, force: bool) -> None:
     """Move the finished folder ``tmp`` to ``dst``: an empty or missing ``dst`` is simply taken; an
     existing one only with ``force``, renamed aside first and put back if the move fails, so ``dst``
-    always holds either the old content or the complete new one. SIGINT/SIGTERM wait until the swap is done."""
-    with _signals_deferred():
+    always holds either the old content or the complete new one. SIGINT/SIGTERM wait until the swap is done;
+    raised then, their exception carries ``dst`` as :data:`OUTPUT_WRITTEN_ATTR` (DST already holds the new output)."""
+    written: list[Path] = []
+    with _signals_deferred(written):
         if dst.is_dir() and not any(dst.iterdir()):
             dst.rmdir()
         if not dst.exists():
             tmp.rename(dst)
+            written.append(dst)
             return
         if not force:
             raise FileExistsError(f"{dst}: exists and is not empty (pass --force to replace it)")
@@ -205,6 +228,7 @@ def replace_dir(tmp: Path, dst: Path, force: bool) -> None:
         except BaseException:
             old.rename(dst)
             raise
+        written.append(dst)
         if old.is_dir():
             shutil.rmtree(old)
         else:
@@ -235,7 +259,7 @@ def quantize_checkpoint(
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
         raise CheckpointError(f"device={str(device)!r}: cannot place tensors there ({exc})") from exc
-    src, shown = Path(src), Path(dst)
+    src, shown = Path(src).expanduser(), Path(dst).expanduser()
     wrap = progress or (lambda it, total, desc: it)
     ignore = check_patterns(ignore, "ignore")
     reader = CheckpointReader(src)  # config.json and shard headers only
@@ -269,7 +293,7 @@ def quantize_checkpoint(
     tmp, made = make_temp_folder(dst, shown)
     umask = os.umask(0)
     os.umask(umask)
-    report = ConversionReport(src=src, dst=shown)
+    report = ConversionReport(src=src, dst=dst)  # DST's absolute real path, as printed
     target_set = set(targets)
     try:
         # Pass 1: per-group global scale, from the largest amax of the group's parts.
@@ -313,7 +337,8 @@ def quantize_checkpoint(
         config[SCALE_RULE_KEY] = scale_rule
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):
-            if path.is_file() and path.name != "config.json" and not path.name.endswith(WEIGHT_FILE_SUFFIXES):
+            if (path.is_file() and path.name != "config.json" and path.name not in TOOL_MARKERS
+                    and not path.name.endswith(WEIGHT_FILE_SUFFIXES)):
                 shutil.copy2(path, tmp / path.name)
         replace_dir(tmp, dst, force)
     except BaseException:

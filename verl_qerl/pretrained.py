@@ -15,7 +15,9 @@ transformers' GGUF loader (which needs the ``gguf`` package), into a plain Huggi
 BF16 safetensors, a ``config.json`` without a quantization block, the tokenizer with its chat
 template, and the generation config. The folder is written beside its destination and renamed into
 place only when complete, with a ``DONE`` marker recording the source; a later call with the same
-destination returns it at once.
+destination returns it at once (``force=True`` rebuilds it). A folder counts as finished only when its marker
+matches and its ``config.json`` has no ``quantization_config`` (``qerl-quantize`` output of the folder is not the
+BF16 model, whatever marker it holds). Paths may start with ``~``; the folder returned is an absolute path.
 
 The BF16 weights are the dequantized GGUF values rounded to BF16: the model's weights went through
 4/5/6-bit GGUF quantization (and, for the Qwen file, AWQ) before reaching us, so they are the
@@ -24,6 +26,8 @@ baseline "BF16" model of any study built on them, not the original release's wei
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.metadata as metadata
 import json
@@ -31,6 +35,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,8 +135,8 @@ def get_model(key: str) -> PretrainedModel:
 def default_cache_dir() -> Path:
     """``$QERL_PRETRAINED_CACHE``, else ``$XDG_CACHE_HOME/verl_qerl/pretrained`` (``~/.cache`` by default)."""
     if os.environ.get("QERL_PRETRAINED_CACHE"):
-        return Path(os.environ["QERL_PRETRAINED_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return Path(os.environ["QERL_PRETRAINED_CACHE"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return base / "verl_qerl" / "pretrained"
 
 
@@ -140,6 +145,51 @@ def _progress(total: int, desc: str, enabled: bool):
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                 disable=not enabled, leave=False)
+
+
+@contextlib.contextmanager
+def _library_progress_bars(enabled: bool) -> Iterator[None]:
+    """With ``enabled`` False, silence the progress bars of transformers (``Loading weights``, ``Writing model
+    shards``), of huggingface_hub, and the plain tqdm bar transformers' GGUF loader draws (``Converting and
+    de-quantizing GGUF tensors``) for the duration of the block; their previous state is restored after."""
+    if enabled:
+        yield
+        return
+    from tqdm.auto import tqdm as auto_tqdm
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from huggingface_hub.utils import tqdm as hub_tqdm
+
+        hub_states = dict(hub_tqdm.progress_bar_states)
+    except (ImportError, AttributeError):  # pragma: no cover - another huggingface_hub layout
+        hub_tqdm, hub_states = None, None
+    patched = []
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        if getattr(gguf_utils, "tqdm", None) is auto_tqdm:
+            patched.append((gguf_utils, auto_tqdm))
+    except ImportError:  # pragma: no cover - no GGUF support: nothing to silence there
+        pass
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():  # (hub warns when HF_HUB_DISABLE_PROGRESS_BARS overrides the call)
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()
+    for module, bar in patched:
+        module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        for module, bar in patched:
+            module.tqdm = bar
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if was_enabled:
+                hf_logging.enable_progress_bar()
+        if hub_tqdm is not None:
+            hub_tqdm.progress_bar_states.clear()
+            hub_tqdm.progress_bar_states.update(hub_states)
 
 
 def locate_parts(model: PretrainedModel) -> list[Path]:
@@ -300,15 +350,24 @@ def read_done(folder: Path) -> dict | None:
 
 
 def is_prepared(folder: Path, model: PretrainedModel) -> bool:
-    """Whether ``folder`` is a finished conversion of ``model``'s GGUF by this layout version."""
+    """Whether ``folder`` is a finished conversion of ``model``'s GGUF by this layout version: a matching marker
+    and a dense ``config.json`` (one with a ``quantization_config`` is another tool's output, e.g. an NVFP4
+    checkpoint that an older ``qerl-quantize`` gave a copy of the marker)."""
+    folder = Path(folder).expanduser()
     done = read_done(folder)
-    return (bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == LAYOUT_VERSION
-            and done.get("kind", "model") == "model")
+    if not (done and done.get("sha256") == model.sha256 and done.get("layout") == LAYOUT_VERSION
+            and done.get("kind", "model") == "model"):
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "quantization_config" not in config
 
 
 def is_tokenizer_prepared(folder: Path, model: PretrainedModel) -> bool:
     """Whether ``folder`` is a finished :func:`extract_tokenizer` of ``model``'s GGUF by this layout version."""
-    done = read_done(folder)
+    done = read_done(Path(folder).expanduser())
     return (bool(done) and done.get("sha256") == model.sha256 and done.get("layout") == TOKENIZER_LAYOUT_VERSION
             and done.get("kind") == "tokenizer")
 
@@ -335,7 +394,8 @@ def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
         source_dir = stage / ".source"
         gguf_file = assemble_gguf(model, source_dir, progress=progress)
         t1 = time.perf_counter()
-        extra = build(gguf_file, stage)
+        with _library_progress_bars(progress):
+            extra = build(gguf_file, stage)
         shutil.rmtree(source_dir, ignore_errors=True)
         t2 = time.perf_counter()
         done = {"model": model.key, "title": model.title, "sha256": model.sha256,
@@ -356,14 +416,15 @@ def _build_folder(model: PretrainedModel, out: Path, force: bool, what: str,
 def prepare(key: str, out: str | os.PathLike | None = None, *, force: bool = False, progress: bool = True) -> Path:
     """The Hugging Face folder of pretrained model ``key``, converted on first use.
 
-    ``out`` defaults to ``default_cache_dir()/<key>``. A folder that already holds a finished
-    conversion of the same GGUF is returned as is. Any other non-empty ``out`` is left untouched and
-    refused unless ``force``, in which case it is replaced only once the new folder is complete.
+    ``out`` defaults to ``default_cache_dir()/<key>`` (``~`` is expanded). Without ``force``, a folder that
+    already holds a finished conversion of the same GGUF is returned as is, and any other non-empty ``out`` is
+    left untouched and refused. With ``force`` the folder is rebuilt, and ``out`` replaced only once the new one
+    is complete. Returns the folder's absolute real path.
     """
     model = get_model(key)
-    out = Path(out) if out is not None else default_cache_dir() / model.key
-    if is_prepared(out, model):
-        return out
+    out = Path(out).expanduser() if out is not None else default_cache_dir() / model.key
+    if not force and is_prepared(out, model):
+        return out.resolve()
 
     def build(gguf_file: Path, stage: Path) -> dict:
         config = convert_gguf(gguf_file, stage)
@@ -380,13 +441,14 @@ def extract_tokenizer(key: str, out: str | os.PathLike, *, force: bool = False, 
     Why: a benchmark model with random weights still needs a real tokenizer to sample over a real vocabulary
     (verl masks every logit at or above ``len(tokenizer)``), and the tokenizer is small enough to travel where
     the 491 MB GGUF cannot. The marker records ``len`` (the number of ids sampling may use), the EOS and pad ids.
-    A finished extraction of the same GGUF at ``out`` is returned as is; any other non-empty ``out`` is refused
-    unless ``force`` (then replaced once the new folder is complete).
+    Without ``force``, a finished extraction of the same GGUF at ``out`` is returned as is and any other non-empty
+    ``out`` is refused; ``force`` rebuilds it (``out`` replaced once the new folder is complete). Returns the
+    folder's absolute real path.
     """
     model = get_model(key)
-    out = Path(out)
-    if is_tokenizer_prepared(out, model):
-        return out
+    out = Path(out).expanduser()
+    if not force and is_tokenizer_prepared(out, model):
+        return out.resolve()
 
     def build(gguf_file: Path, stage: Path) -> dict:
         from transformers import AutoTokenizer

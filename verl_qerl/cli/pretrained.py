@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="destination folder (default: $QERL_PRETRAINED_CACHE or "
                         "~/.cache/verl_qerl/pretrained/MODEL); a finished conversion there is reused")
     parser.add_argument("--force", action="store_true",
-                        help="replace a non-empty --out that is not a finished conversion, once the new one "
-                        "is complete")
+                        help="rebuild even if --out holds a finished conversion, and replace a non-empty --out; "
+                        "the old folder is replaced only once the new one is complete")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--tokenizer-only", action="store_true",
                         help="write only the tokenizer (tokenizer.json, tokenizer_config.json, chat template; ~12 MB "
@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokenizer-only needs --out (the tokenizer folder to write)")
 
     model = pretrained.get_model(args.model)
-    out = args.out if args.out is not None else pretrained.default_cache_dir() / model.key
+    out = Path(args.out).expanduser() if args.out is not None else pretrained.default_cache_dir() / model.key
     t0 = time.perf_counter()
     done = pretrained.is_tokenizer_prepared if args.tokenizer_only else pretrained.is_prepared
-    cached = done(Path(out), model)
+    cached = not args.force and done(out, model)
     write = pretrained.extract_tokenizer if args.tokenizer_only else pretrained.prepare
     try:
         with sigterm_raises():

@@ -16,13 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="qerl-quantize",
         description="Quantize the Linear layers of a local BF16 Qwen2/Qwen2.5/Llama checkpoint to NVFP4 "
-        "(compressed-tensors NVFP4A16 layout, loadable by vLLM and by verl-qerl). lm_head and the "
-        "embeddings stay in BF16. Tokenizer and generation config are copied.",
+        "(compressed-tensors NVFP4A16 layout, loadable by vLLM and by verl-qerl). lm_head, the embeddings and "
+        "the other non-Linear tensors are not quantized: they are written as stored, in the source's dtype "
+        "(BF16 for a BF16 checkpoint; a float32 or float16 one keeps them so). Tokenizer and generation config "
+        "are copied. SRC and DST may start with ~.",
     )
-    parser.add_argument("src", help="source checkpoint folder (config.json + *.safetensors)")
+    parser.add_argument("src", help="source checkpoint folder (config.json + *.safetensors; BF16, float16 or "
+                        "float32)")
     parser.add_argument("dst", help="destination folder (must not exist or be empty, unless --force)")
     parser.add_argument("--ignore", action="append", default=[], metavar="PATTERN",
-                        help="keep matching modules in BF16: an exact module name, a dotted suffix "
+                        help="keep matching modules unquantized: an exact module name, a dotted suffix "
                         "(e.g. 'down_proj') or 're:<regex>'; repeatable. lm_head is always kept.")
     parser.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
     parser.add_argument("--scale-rule", choices=SCALE_RULES, default=DEFAULT_SCALE_RULE,

@@ -39,7 +39,18 @@ def sigterm_raises() -> Iterator[None]:
 
 
 def stopped_exit(tool: str, err: BaseException) -> int:
-    """Print ``<tool>: stopped by SIGINT/SIGTERM; no partial output left behind`` and return 128 + the signal."""
+    """Print ``<tool>: stopped by SIGINT/SIGTERM; no partial output left behind`` and return 128 + the signal.
+
+    A signal that arrived while the finished output was being swapped into place is delivered once the swap is
+    done; its exception then carries the written folder as ``output_written``
+    (:data:`verl_qerl.checkpoint_conversion.OUTPUT_WRITTEN_ATTR`), and the message says
+    ``<tool>: DST written, then stopped by SIGTERM`` instead: DST holds the complete new output."""
     signum = err.signum if isinstance(err, Terminated) else signal.SIGINT
-    print(f"{tool}: stopped by {signal.Signals(signum).name}; no partial output left behind", file=sys.stderr)
+    name = signal.Signals(signum).name
+    written = getattr(err, "output_written", None)
+    if written is not None:
+        print(f"{tool}: {written} written, then stopped by {name} (the new output there is complete)",
+              file=sys.stderr)
+    else:
+        print(f"{tool}: stopped by {name}; no partial output left behind", file=sys.stderr)
     return 128 + signum
