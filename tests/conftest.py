@@ -39,6 +39,14 @@ def tiny_nvfp4(tiny_bf16, tmp_path_factory):
     return dst
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny GGUF file (the pretrained-model tests' stand-in for a packaged model's GGUF)."""
+    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", name="Tiny GGUF Test Model")
+
+
 @pytest.fixture(scope="module")
 def sass_census():
     """benchmarks/sass_census.py as a module, where nvcc and nvdisasm exist (the CI machine has both; else skip)."""

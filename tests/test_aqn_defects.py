@@ -10,31 +10,12 @@ import torch
 
 os.environ.setdefault("VERL_QERL_QUIET", "1")
 import verl  # noqa: E402, F401  (required in CI: a missing verl must fail, not skip)
-from hydra import compose, initialize_config_module  # noqa: E402
 
 from verl_qerl.aqn import AQNConfig, AQNConfigError, NormNoiser, schedule_table  # noqa: E402
+from verl_qerl.testing.ppo_config import composed  # noqa: E402
 from verl_qerl.verl.config import QeRLConfig, QeRLConfigError, apply_qerl  # noqa: E402
 
-BASE = [
-    "actor_rollout_ref.model.path=/nonexistent/model",
-    "actor_rollout_ref.model.lora_rank=32",
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "algorithm.adv_estimator=grpo",
-    "actor_rollout_ref.rollout.n=4",
-    "data.train_batch_size=8",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "trainer.n_gpus_per_node=1",
-]
 NORM = "model.layers.0.input_layernorm.weight"
-
-
-def composed(*overrides: str):
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[*BASE, *overrides])
 
 
 def _named_norms(layers: int = 2, final: bool = True) -> list[tuple[str, torch.Tensor]]:

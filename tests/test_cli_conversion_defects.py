@@ -23,13 +23,6 @@ from verl_qerl.pretrained import GGUFPart, PretrainedModel
 GGUF_BARS = ("Converting and de-quantizing GGUF tensors", "Loading weights", "Writing model shards")
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", name="Tiny GGUF Test Model")
-
-
 @pytest.fixture
 def fake_model(tiny_gguf, tmp_path, monkeypatch) -> PretrainedModel:
     """``tiny-test``: the tiny GGUF as the one file of a fake installed distribution ``qerl-fake-one``."""

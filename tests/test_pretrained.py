@@ -33,13 +33,6 @@ def _install_fake_dist(site: Path, dist: str, version: str, rel_path: str, data:
     (info / "RECORD").write_text(f"{rel_path},,{len(data)}\n")
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> Path:
-    from verl_qerl.testing.tiny_gguf import write_tiny_gguf
-
-    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", name="Tiny GGUF Test Model")
-
-
 @pytest.fixture
 def fake_model(tiny_gguf, tmp_path, monkeypatch) -> PretrainedModel:
     """Register ``tiny-test`` whose three parts are installed as fake distributions ``qerl-fake-part1..3``."""

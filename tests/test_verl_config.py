@@ -9,8 +9,8 @@ import pytest
 
 os.environ.setdefault("VERL_QERL_QUIET", "1")
 import verl  # noqa: E402, F401  (required in CI: a missing verl must fail, not skip)
-from hydra import compose, initialize_config_module  # noqa: E402
 
+from verl_qerl.testing.ppo_config import composed  # noqa: E402
 from verl_qerl.verl.config import (  # noqa: E402
     TRAINER_MODE,
     QeRLConfig,
@@ -19,26 +19,6 @@ from verl_qerl.verl.config import (  # noqa: E402
     read_qerl,
 )
 from verl_qerl.vllm import STANDALONE_WORKER_EXTENSION, VERL_WORKER_EXTENSION  # noqa: E402
-
-BASE = [
-    "actor_rollout_ref.model.path=/nonexistent/model",
-    "actor_rollout_ref.model.lora_rank=32",
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "algorithm.adv_estimator=grpo",
-    "actor_rollout_ref.rollout.n=4",
-    "data.train_batch_size=8",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "trainer.n_gpus_per_node=1",
-]
-
-
-def composed(*overrides: str):
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        return compose(config_name="ppo_trainer", overrides=[*BASE, *overrides])
 
 
 def test_hydra_group_composes_and_fills_in_what_the_mode_needs():
