@@ -123,7 +123,7 @@ __device__ __forceinline__ void reduce_store(const float (&acc)[kBlocks][kAcc], 
           sum[2] += v[b][r].z;
           sum[3] += v[b][r].w;
         }
-      __nv_bfloat16 o[4];
+      alignas(8) __nv_bfloat16 o[4];  // (read as one 8-byte value below)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float bv = bias != nullptr && n + e < N ? __bfloat162float(bias[n + e]) : 0.0f;
