@@ -253,3 +253,13 @@ def test_launch_expands_home_and_keeps_plain_paths(monkeypatch, tmp_path):
     assert "data.val_files=/d/test.parquet" in ov  # a plain path stays as it was
     assert "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct" in grpo_overrides(
         model="Qwen/Qwen2.5-7B-Instruct", train_files="/t", val_files="/v", **KW)
+
+
+def test_a_hub_source_that_cannot_load_is_a_named_error(monkeypatch):
+    """Offline (HF_HUB_OFFLINE, as in CI) or a misspelled hub name: an error naming the source and the way out, not
+    the hub client's traceback."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ds.DatasetFormatError, match=r"qerl-no-such-owner/no-such-set: could not load split 'train' "
+                                                 r"from the Hugging Face hub .*--source"):
+        ds.load_rows("qerl-no-such-owner/no-such-set", "train")

@@ -152,7 +152,13 @@ def load_rows(source: str | Path, split: str, config: str | None = None, *,
     import datasets
 
     if not is_local_source(source):
-        return datasets.load_dataset(str(source), config, split=split)
+        try:
+            return datasets.load_dataset(str(source), config, split=split)
+        except Exception as exc:  # offline, a misspelled name, no such split: the hub's many error types, named
+            raise DatasetFormatError(
+                f"{source}: could not load split {split!r} from the Hugging Face hub ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else 'no detail'}); offline or misspelled? pass a local "
+                "copy with --source (a folder of train.* / test.* files)") from exc
     path = Path(source).expanduser()
     if not path.exists():
         raise DatasetFormatError(f"{source}: no such file or folder (a local path: it is not looked up on the hub)")
