@@ -24,11 +24,13 @@ per 7B layer while BF16 cuBLAS runs at ~80 % of the measured BF16 peak):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -82,17 +84,25 @@ def _gemm_fns(m: int, n: int, k: int) -> dict:
     return {"wide": ours, "bf16": lambda r: F.linear(x, w16[r % ROT])}
 
 
-def _capture(fn, cluster: bool):  # noqa: ANN001, ANN202 - a callable, a CUDA graph or None
-    """A graph of ``fn`` captured with the cluster split on or off (the launcher reads the variable per call)."""
+@contextlib.contextmanager
+def _cluster_split(on: bool) -> Iterator[None]:
+    """The wide kernel's cluster split on or off (``QERL_WGMMA_CLUSTER``, read by the launcher per call) for the
+    block, the caller's own setting restored after."""
     old = os.environ.get("QERL_WGMMA_CLUSTER")
-    os.environ["QERL_WGMMA_CLUSTER"] = "1" if cluster else "0"
+    os.environ["QERL_WGMMA_CLUSTER"] = "1" if on else "0"
     try:
-        return capture_graph(fn)
+        yield
     finally:
         if old is None:
             del os.environ["QERL_WGMMA_CLUSTER"]
         else:
             os.environ["QERL_WGMMA_CLUSTER"] = old
+
+
+def _capture(fn, cluster: bool):  # noqa: ANN001, ANN202 - a callable, a CUDA graph or None
+    """A graph of ``fn`` captured with the cluster split on or off."""
+    with _cluster_split(cluster):
+        return capture_graph(fn)
 
 
 def sweep(m: int, ns: list[int], ks: list[int], reps: int) -> dict:
@@ -169,8 +179,7 @@ def stamps(ms: list[int], reps: int) -> dict:
             fns = _gemm_fns(m, n, k)
             for cluster in (True, False):
                 ext.anatomy_stamps(kern, anatomy_max_ctas(), True)
-                os.environ["QERL_WGMMA_CLUSTER"] = "1" if cluster else "0"
-                try:
+                with _cluster_split(cluster):
                     for r in range(3):
                         fns["wide"](r)
                     torch.cuda.synchronize()
@@ -178,8 +187,6 @@ def stamps(ms: list[int], reps: int) -> dict:
                     fns["wide"](0)
                     torch.cuda.synchronize()
                     st = stamp_summary(ext.anatomy_stamps(kern, anatomy_max_ctas()).tolist())
-                finally:
-                    del os.environ["QERL_WGMMA_CLUSTER"]
                 graphs = {"ours": _capture(fns["wide"], cluster), "bf16": capture_graph(fns["bf16"])}
                 ms_ = interleaved_graph_ms(graphs, reps)
                 del graphs

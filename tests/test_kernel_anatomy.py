@@ -93,3 +93,17 @@ def test_anatomy_build_has_its_own_name_and_define(anatomy: bool, monkeypatch: p
     (kw,) = calls
     assert kw["name"] == build.JIT_NAME + "_anatomy"
     assert build.ANATOMY_DEFINE in kw["extra_cflags"] and build.ANATOMY_DEFINE in kw["extra_cuda_cflags"]
+
+
+def test_cluster_switch_restores_the_callers_setting(ka, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep / stamps toggle QERL_WGMMA_CLUSTER per measurement and give back what the caller had set."""
+    import os
+
+    monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
+    with ka._cluster_split(True):
+        assert os.environ["QERL_WGMMA_CLUSTER"] == "1"
+    assert os.environ["QERL_WGMMA_CLUSTER"] == "0"
+    monkeypatch.delenv("QERL_WGMMA_CLUSTER")
+    with ka._cluster_split(False):
+        assert os.environ["QERL_WGMMA_CLUSTER"] == "0"
+    assert "QERL_WGMMA_CLUSTER" not in os.environ
