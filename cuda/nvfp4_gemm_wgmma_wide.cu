@@ -186,7 +186,8 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
                                           const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                           const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                           float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                          int units_per_cta, const QerlLoraEpilogue* lora) {
+                                          int units_per_cta, const QerlLoraEpilogue* lora,
+                                          const CUtensorMap* out_tma = nullptr) {
   constexpr int PF = WD_SLOTS - 1;  // stages in flight ahead of the one computed
   constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
   constexpr int WD_STAGE_W_VEC = WD_W_BYTES / 16;  // uint4 per tile-stage: 512
@@ -317,6 +318,8 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
       QERL_AN_WAIT_END
       compute_half(slot, 0, a0);  // retires stage st - 1's second half
       __syncthreads();            // every warp has retired stage st - 1, whose slot is refilled now
+      // (the slot refilled at st = 0 staged the previous segment's tile for the copy engine: read by now?)
+      if (out_tma != nullptr && st == 0 && tid == 0) tma::store_wait_read();
       if (st + PF < count) load_stage((g0 + st + PF) % WD_SLOTS, st + PF);
       compute_half(slot, 1, a1);
     }
@@ -347,16 +350,19 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
         prefetched = true;
       }
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES,
+      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES &&
+                        wgmma_rs::TmaStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES,
                     "the staged store does not fit one ring slot");
       wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
                                                               my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
-                                                              bias, out, smem + ((g0 + PF) % WD_SLOTS) * WD_SLOT_BYTES);
+                                                              bias, out, smem + ((g0 + PF) % WD_SLOTS) * WD_SLOT_BYTES,
+                                                              out_tma);
       __syncthreads();  // s_is_last is reused by the next segment
       u = u_next;
     }
     QERL_AN_SEGMENT_END
   }
+  if (out_tma != nullptr && tid == 0) tma::store_wait();  // the last tile's copy-engine store has landed
   QERL_AN_EXIT
 }
 #endif  // QERL_WGMMA_DEVICE
@@ -367,10 +373,13 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
                                  const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ out,
                                  float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                 int units_per_cta, const __grid_constant__ CUtensorMap x_part) {
+                                 int units_per_cta, const __grid_constant__ CUtensorMap x_part,
+                                 const __grid_constant__ CUtensorMap out_map, int tma_store) {
 #ifdef QERL_WGMMA_DEVICE
+  // the tile's bf16 store by the copy engine where the launcher could encode `out_map` (stream-K only: the cluster
+  // split stores its sums from the reduction)
   wide_body<kCluster, false>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
-                             nullptr);
+                             nullptr, !kCluster && tma_store ? &out_map : nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
 #endif
@@ -425,7 +434,8 @@ cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscal
     return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_lora_kernel<true>, x_map, w, sc, gscale, b, o,
                               static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora, x_part);
   return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, w, sc, gscale, b, o,
-                            static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, x_part);
+                            static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, x_part, x_part,
+                            0);  // (the cluster split stores from its sums: no output map)
 }
 
 }  // namespace
@@ -465,8 +475,12 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, con
   if (lora != nullptr)
     return qerl::WideLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
                                           grid, stream, false, *lora, x_part);
+  // the output's map for the copy-engine store of whole tiles; where it cannot be encoded (N % 8, alignment) the
+  // tiles leave through the threads' staged store (the map argument is then x_part, unused)
+  CUtensorMap out_map;
+  const bool tma_store = qerl::tma::encode_output(&out_map, out, M, N, qerl::WD_T) == cudaSuccess;
   return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                    stream, false, x_part);
+                                    stream, false, x_part, tma_store ? out_map : x_part, tma_store ? 1 : 0);
 }
 
 extern "C" int qerl_nvfp4_gemm_wgmma_wide_lora_available() {

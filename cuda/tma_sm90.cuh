@@ -64,6 +64,21 @@ __device__ __forceinline__ void load_2d(uint32_t dst, const CUtensorMap* map, ui
       : "memory");
 }
 
+// The box of `map` at (c0, c1) <- shared memory at src (1024-byte aligned, the map's swizzled layout), by the copy
+// engine, as one bulk async-group of this thread (parts of the box outside the tensor are not written). The shared
+// memory writes it reads must be made visible to the copy engine first (fence_proxy_async, then a barrier).
+__device__ __forceinline__ void store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until every bulk store group of this thread has read its shared memory (the source may be overwritten then)...
+__device__ __forceinline__ void store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// ... or has completed (its global writes done).
+__device__ __forceinline__ void store_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned) by the copy engine, completing
 // on `bar` (a plain bulk copy: no tensor map, for data already laid out as the shared memory wants it).
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
@@ -102,6 +117,23 @@ inline cudaError_t encode_activations(CUtensorMap* map, const void* x, int M, in
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(x), dims, strides, box,
                             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// out [M, N] bf16 (row stride N; 16-byte aligned, N % 8 == 0) as a map of {64 x box_rows} boxes (64 output columns =
+// 128 bytes, the swizzle span) with the 128-byte swizzle: the wide kernel's tile leaves through it (store_2d). Parts
+// of a box past M or N are not written.
+inline cudaError_t encode_output(CUtensorMap* map, void* out, int M, int N, int box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  if (reinterpret_cast<uintptr_t>(out) % 16 != 0 || N % 8 != 0) return cudaErrorInvalidValue;
+  const cuuint64_t dims[2] = {cuuint64_t(N), cuuint64_t(M)};
+  const cuuint64_t strides[1] = {cuuint64_t(N) * 2};
+  const cuuint32_t box[2] = {64u, cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 

@@ -10,6 +10,7 @@
 
 #include "nvfp4_common.cuh"
 #include "streamk_schedule.cuh"
+#include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace qerl {
@@ -101,19 +102,90 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kA
   }
   QERL_AN_SUB(4)
 }
+
+// The same bf16 tile through the copy engine (`out_map`: tma::encode_output with 64-column boxes of the tile's
+// tokens): each thread writes its values with `stmatrix .trans` into `stage` (1024-byte aligned, kRows / 64 boxes of
+// kTokens x 128 bytes in the map's 128-byte swizzle: token r's 16-byte chunk q at r * 128 + (q ^ r % 8) * 16, which
+// also spreads one matrix's 8 rows over all banks), then thread 0 issues one tensor store per 64 columns and commits
+// them as one bulk group; rows past M and columns past N are not written by the copy engine. No thread copies the
+// tile to global memory: the CTA goes on at once (NOTES "Nineteenth round": the staged copy took ~3 us per 64 KB
+// tile in the wide kernel's stream-K ends). The caller keeps `stage` unwritten until thread 0's
+// tma::store_wait_read() and has thread 0 call tma::store_wait() before the kernel ends. Same FP32 operations and
+// rounding as store_tile_staged: the same bits.
+template <int kBlocks, int kAcc, int kThreads>
+struct TmaStore {
+  static constexpr int kTokens = 2 * kAcc;
+  static constexpr int kRows = (kThreads / 128) * 64 * kBlocks;
+  static constexpr int kBoxBytes = kTokens * 128;  // one 64-column box
+  static constexpr int kBytes = (kRows / 64) * kBoxBytes;
+  static_assert(kTokens <= 256, "a tensor-map box has at most 256 rows");
+};
+
+template <int kBlocks, int kAcc, int kThreads>
+__device__ __forceinline__ void store_tile_tma(const float (&acc)[kBlocks][kAcc], uint8_t* stage, int row0, int m0,
+                                               bool active, float alpha, int N, const __nv_bfloat16* bias,
+                                               const CUtensorMap* out_map) {
+  using S = TmaStore<kBlocks, kAcc, kThreads>;
+  int tid;  // (read here, volatile: see store_tile_staged)
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  const int lane = tid & 31;
+  const int wg = tid >> 7;
+  const int wl = (tid >> 5) & 3;
+  const uint32_t base = smem_u32(stage);
+  if (active) {
+    const int mi = lane >> 3;  // the matrix whose stored row this lane addresses: row half mi % 2, token group mi / 2
+    const int mj = lane & 7;   // ... and which of its 8 token rows (r % 8 == mj: the swizzle's row phase)
+#pragma unroll
+    for (int h = 0; h < kBlocks; ++h) {
+      const int n_blk = wg * 64 * kBlocks + h * 64 + wl * 16;  // this warp's 16 rows of block h, in the tile
+      float bv[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int n = row0 + n_blk + (lane >> 2) + 8 * rh;
+        bv[rh] = bias != nullptr && n < N ? __bfloat162float(bias[n]) : 0.0f;
+      }
+      const int col = n_blk + 8 * (mi & 1);  // the 8 tile rows (output columns) of this lane's stored row
+      const uint32_t box = base + uint32_t((col >> 6) * S::kBoxBytes);
+      const uint32_t chunk = uint32_t(((col & 63) >> 3) ^ mj) * 16;
+#pragma unroll
+      for (int p = 0; p < kAcc / 8; ++p) {  // token groups 2 p, 2 p + 1
+        uint32_t r[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int rh = i & 1;
+          const int q = 2 * p + (i >> 1);
+          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[h][4 * q + 2 * rh] * alpha + bv[rh],
+                                                         acc[h][4 * q + 2 * rh + 1] * alpha + bv[rh]);
+          r[i] = *reinterpret_cast<const uint32_t*>(&v);
+        }
+        stmatrix_x4_trans(box + uint32_t((8 * (2 * p + (mi >> 1)) + mj) * 128) + chunk, r);
+      }
+    }
+  }
+  fence_proxy_async();  // this thread's shared-memory writes, read next by the copy engine
+  __syncthreads();
+  if (tid == 0) {
+#pragma unroll
+    for (int b = 0; b < S::kRows / 64; ++b)
+      if (row0 + 64 * b < N) tma::store_2d(out_map, base + uint32_t(b * S::kBoxBytes), row0 + 64 * b, m0);
+    tma::store_commit();
+  }
+}
 #endif  // QERL_WGMMA_DEVICE
 
 // acc[h][4 q + c] of thread (warp wl of warpgroup wg, lane) is weight row wg * 64 * kBlocks + 64 h + 16 wl + lane / 4
 // + 8 (c / 2) of the tile and token m0 + 8 q + 2 (lane % 4) + c % 2. kThreads threads hold the tile (all of the
 // CTA's, barrier __syncthreads). `active`: whether this warpgroup holds rows of the tile (the 64 / 128-token kernel's
 // second 128-row half may not exist). `stage`: StagedStore<kBlocks, kAcc, kThreads>::kBytes of shared memory free
-// until the caller's next barrier (the ring), for the staged store. Returns after the store (or after publishing a
-// partial when another CTA of the tile stores it).
+// until the caller's next barrier (the ring), for the staged store; with `out_map` (not null) the tile leaves by the
+// copy engine instead (store_tile_tma: `stage` then needs TmaStore's bytes, 1024-byte aligned, and the caller's
+// waits). Returns after the store (or after publishing a partial when another CTA of the tile stores it).
 template <int kBlocks, int kAcc, int kThreads, int kSlotFloats>
 __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const streamk::CtaRange& range, float* ws,
                                             int* counters, int& s_is_last, int tile, int my_first_tile, int row0,
                                             int m0, int M, int N, bool active, const float* gscale,
-                                            const __nv_bfloat16* bias, __nv_bfloat16* out, uint8_t* stage) {
+                                            const __nv_bfloat16* bias, __nv_bfloat16* out, uint8_t* stage,
+                                            const CUtensorMap* out_map = nullptr) {
   constexpr int NQ = kAcc / 4;  // float4 partials per m64 block per thread
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -167,6 +239,10 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
   // acc * (128 / global_scale) + bias -> bf16, rows < M and < N only
   const float alpha = __fdiv_rn(128.0f, __ldg(gscale));
 #ifdef QERL_WGMMA_DEVICE
+  if (out_map != nullptr) {  // CTA-uniform (the launcher encoded the map: N % 8 == 0, `out` 16-byte aligned)
+    store_tile_tma<kBlocks, kAcc, kThreads>(acc, stage, row0, m0, active, alpha, N, bias, out_map);
+    return;
+  }
   if ((N & 7) == 0 && (reinterpret_cast<uintptr_t>(out) & 15) == 0) {  // CTA-uniform
     store_tile_staged<kBlocks, kAcc, kThreads>(acc, stage, row0, m0, M, N, active, alpha, bias, out);
     return;
