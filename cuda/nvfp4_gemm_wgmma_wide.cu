@@ -255,8 +255,9 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
     tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
   };
-  // the segment's first PF stages were issued during the previous segment's end (below)
-  bool prefetched = false;
+  // a segment after the first had its first PF stages issued during the previous segment's end (below), so they are
+  // issued here only where g0 == 0 (derived, not a flag: a flag kept across segments spilled in the 255-register
+  // kernel)
   for (int u = kCluster ? 0 : range.first_unit(k_aligned); u >= 0;) {
     streamk::Segment seg;
     if constexpr (kCluster) {
@@ -298,12 +299,11 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     QERL_AN_SEGMENT_BEGIN
     // ---- the segment's stages: two register sets for A, alternating between the halves (the wgmmas of one half
     // read its set while the next half is decoded into the other)
-    if (!prefetched) {
+    if (g0 == 0) {
 #pragma unroll
       for (int st = 0; st < PF; ++st)
         if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
     }
-    prefetched = false;
     if constexpr (kLora) {
       // the slot the prologue left free (refilled only after the loop's first CTA barrier)
       const int free_slot = (g0 + PF) % WD_SLOTS;
@@ -347,7 +347,6 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
 #pragma unroll
         for (int st = 0; st < PF; ++st)
           if (st < next.count()) issue_stage(next, (g0 + st) % WD_SLOTS, st);
-        prefetched = true;
       }
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
       static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES &&

@@ -10,6 +10,8 @@
 // first and last tiles can be partial, and the workspace is 2 x CTAs x block_m x kTileRows floats. The last segment
 // of a tile to arrive (atomic counter, re-zeroed by it) sums every partial of the tile in CTA order -- the same
 // order whichever CTA arrives last, so the results are bit-identical run to run -- and runs the epilogue.
+// (The register-A wgmma kernels count arrivals first instead, fix_up_arrive_first: where two CTAs share a tile the
+// second adds the first's partial to its own sums and writes none.)
 //
 // What stays in each kernel: the order of the tiles (m-major or n-major), the pipeline, the register layout of the
 // accumulators (so where in a slot each thread's partials go) and the epilogue.
@@ -298,6 +300,49 @@ __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int f
     if (leader) counters[tile] = 0;  // every segment has arrived: ready for the next launch
   }
   return last_arrival;
+}
+
+// The fix-up of a split tile counted at arrival (the register-A wgmma kernels' finish_tile): a segment that does not
+// arrive last writes its partials (store_mine) and publishes them; the last to arrive waits until the `n - 1` others
+// have published, then sum_parts() makes its sums and it returns true (it stores the tile). With two segments the last
+// writes nothing and sum_parts adds the other's partial to its own accumulators (two FP32 values add to the same bits
+// in either order, so the result does not depend on who arrives first); with three or more it writes its own partial
+// too and sum_parts adds all of them from zero in CTA order (for_each_partial), as fix_up_split_tile does. Against
+// fix_up_split_tile a two-segment tile's end moves one partial instead of three, and the first segment's write is off
+// the critical path where it ends early (NOTES "Twentieth round"). The last arrival waits only for CTAs that have
+// arrived, so are running and publish without waiting on anything: never for a CTA that may not have started.
+// Counter: +1 per arrival (low 16 bits), +2^16 per published partial; the last re-zeroes it. `sync`, `leader`, `flag`
+// as in fix_up_split_tile; the caller's barrier after the tile's end protects `flag` from the next segment.
+template <class Sync, class StoreMine, class SumParts>
+__device__ __forceinline__ bool fix_up_arrive_first(int* counters, int tile, int n, bool leader, int& flag,
+                                                    Sync&& sync, StoreMine&& store_mine, SumParts&& sum_parts) {
+  if (leader) {
+    int prev;
+    asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], 1;" : "=r"(prev) : "l"(counters + tile) : "memory");
+    flag = (prev & 0xFFFF) == n - 1;
+  }
+  sync();
+  const bool last = flag != 0;
+  if (!last || n > 2) store_mine();
+  QERL_AN_SUB(0)
+  if (!last) {
+    sync();  // every thread's partials are written before the leader publishes them
+    if (leader) asm volatile("red.release.gpu.global.add.s32 [%0], 65536;" ::"l"(counters + tile) : "memory");
+    return false;
+  }
+  if (leader) {
+    const int done = ((n - 1) << 16) | n;
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counters + tile) : "memory");
+    } while (v != done);
+  }
+  sync();  // the partials the leader acquired (and this CTA's own, n > 2) are visible to every thread (read via L2)
+  QERL_AN_SUB(1)
+  sum_parts();
+  QERL_AN_SUB(2)
+  if (leader) counters[tile] = 0;  // every segment has arrived: ready for the next launch
+  return true;
 }
 
 // The end of a segment, for the threads that hold the tile's accumulators: where this CTA's segment is the whole

@@ -192,14 +192,15 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
   const int wg = tid >> 7;
   const int wl = (tid >> 5) & 3;
   const int tok_lane = 2 * (lane & 3);
-  // streamk::finish_segment written out: through the helper ptxas allocates these 255-register kernels differently
-  // (16-24 more instructions, sass_census.py --against), and this is the code that was measured
+  // the split tile's fix-up counted at arrival (streamk::fix_up_arrive_first): with two CTAs on the tile the second
+  // to arrive adds the first's partial to its own accumulators and stores, writing none of its own
   const int c_first = range.first_cta(tile);
   const int c_last = range.last_cta(tile);
   bool do_store = true;
   if (c_first != c_last) {
-    do_store = streamk::fix_up_split_tile(
-        counters, tile, c_first, c_last, tid == 0, s_is_last, [] { __syncthreads(); },
+    const int n = c_last - c_first + 1;
+    do_store = streamk::fix_up_arrive_first(
+        counters, tile, n, tid == 0, s_is_last, [] { __syncthreads(); },
         [&] {
           float4* mine = streamk::partial_slot<kSlotFloats>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
           if (active) {
@@ -213,25 +214,42 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
           }
         },
         [&] {
-          if (active) {
+          if (!active) return;
+          if (n == 2) {  // two segments: acc += the other's partial (the same bits in either order)
+            const int other = c_first + c_last - int(blockIdx.x);
+            const float4* slot = streamk::partial_slot<kSlotFloats>(ws, other, range.slot_of(tile, other));
 #pragma unroll
             for (int h = 0; h < kBlocks; ++h) {
+              const float4* part = slot + h * NQ * kThreads + tid;
 #pragma unroll
-              for (int q = 0; q < NQ; ++q)
-                acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-              streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-                const float4* part = slot + h * NQ * kThreads + tid;
-#pragma unroll
-                for (int q = 0; q < NQ; ++q) {
-                  const float4 v =
-                      (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
-                  acc[h][4 * q] += v.x;
-                  acc[h][4 * q + 1] += v.y;
-                  acc[h][4 * q + 2] += v.z;
-                  acc[h][4 * q + 3] += v.w;
-                }
-              });
+              for (int q = 0; q < NQ; ++q) {  // rows past M: never written, read as zeros
+                const float4 v =
+                    (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[h][4 * q] += v.x;
+                acc[h][4 * q + 1] += v.y;
+                acc[h][4 * q + 2] += v.z;
+                acc[h][4 * q + 3] += v.w;
+              }
             }
+            return;
+          }
+#pragma unroll
+          for (int h = 0; h < kBlocks; ++h) {  // more: every partial from zero, in CTA order
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+              acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
+            streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
+              const float4* part = slot + h * NQ * kThreads + tid;
+#pragma unroll
+              for (int q = 0; q < NQ; ++q) {
+                const float4 v =
+                    (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
+                acc[h][4 * q] += v.x;
+                acc[h][4 * q + 1] += v.y;
+                acc[h][4 * q + 2] += v.z;
+                acc[h][4 * q + 3] += v.w;
+              }
+            });
           }
         });
   }
