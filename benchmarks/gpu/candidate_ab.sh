@@ -7,15 +7,17 @@
 # (candidate, HEAD), so each tree is timed twice in the order H, C, C, H (drift shows as a difference between a
 # tree's two runs). AB_STAMPS_MS (optional): kernel_anatomy.py --stamps at those M from both trees (per-CTA timelines,
 # where a change moved time). The timed variants are split-K and wgmma_rs (forced), 7B and 32B.
-# Writes $OUT/ab.tgz (every log and JSON) and $OUT/ab-summary.txt (per-GEMM and per-layer means, candidate vs HEAD).
+# Writes $OUT/ab.tgz (every log and JSON) and $OUT/ab-summary.txt (benchmarks/kernel_ab.py: per GEMM and per layer,
+# each tree's runs and the change of the means).
 # ~4-5 min on an H200 (sanitizers ~100 s, four timings ~15 s each, two builds concurrently ~60 s).
 set -uo pipefail
 OUT=${OUT:?set OUT to an output folder}
 [ "$#" -eq 2 ] || { echo "usage: OUT=... bash benchmarks/gpu/candidate_ab.sh HEAD_FOLDER CANDIDATE_FOLDER" >&2; exit 2; }
 head_dir=$1; cand_dir=$2
 head=$(basename "$head_dir"); cand=$(basename "$cand_dir")
+[ "$head" != "$cand" ] || { echo "candidate_ab: both folders are named $head (each needs its own JIT cache)" >&2; exit 2; }
 MS=${AB_MS:-64,128,256,512,1024}
-work=/tmp/candidate-ab; rm -rf "$work"; mkdir -p "$work"
+work=${AB_WORK:-/tmp/candidate-ab}; rm -rf "$work"; mkdir -p "$work" "$OUT"
 OUT="$work" CAND_SKIP_TESTS="$head" CAND_SANITIZE="$cand" CAND_TESTS=tests/test_lora_fused_gpu.py \
   CAND_VARIANTS=splitk,wgmma_rs CAND_MS="$MS" bash benchmarks/gpu/candidates_check.sh "$head_dir" "$cand_dir"
 rc=$?
@@ -34,24 +36,10 @@ if [ $rc -eq 0 ]; then
           > "$work/stamps-$name.log" 2>&1 ) || echo "[candidate_ab] stamps of $name failed (see its log)"
     done
   fi
-  python3 - "$work" "$head" "$cand" > "$OUT/ab-summary.txt" <<'EOF' || rc=1
-import collections, json, sys
-work, head, cand = sys.argv[1:]
-def load(path):
-    return {(r["model"], r["layer"], r["M"]): r for r in json.load(open(path))["rows"]}
-h = [load(f"{work}/{head}-kernel.json"), load(f"{work}/{head}-r2.json")]
-c = [load(f"{work}/{cand}-kernel.json"), load(f"{work}/{cand}-r2.json")]
-print(f"forced wgmma_rs, us: {head} (two runs) -> {cand} (two runs), change of the means; bf16 = cuBLAS")
-for key in sorted(h[0]):
-    hv = [t[key]["kernel_wgmma_rs_graph_ms"] * 1e3 for t in h]
-    cv = [t[key]["kernel_wgmma_rs_graph_ms"] * 1e3 for t in c]
-    hm, cm = sum(hv) / 2, sum(cv) / 2
-    bf = h[0][key]["bf16_graph_ms"] * 1e3
-    print(f"{key[0]:12s} {key[1]:8s} M={key[2]:5d}  {hv[0]:8.1f} {hv[1]:8.1f} -> {cv[0]:8.1f} {cv[1]:8.1f}  "
-          f"{100 * (cm / hm - 1):+5.1f} %  bf16 {bf:8.1f}  bf16/cand {bf / cm:.3f}")
-EOF
+  python3 benchmarks/kernel_ab.py --head "$work/$head-kernel.json" "$work/$head-r2.json" \
+    --cand "$work/$cand-kernel.json" "$work/$cand-r2.json" > "$OUT/ab-summary.txt" || rc=1
 fi
 cat "$OUT/ab-summary.txt" 2>/dev/null
-tail -3 "$work"/*.log
+tail -n 3 "$work"/*.log
 tar -czf "$OUT/ab.tgz" -C "$work" .
 exit $rc
