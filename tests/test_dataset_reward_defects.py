@@ -230,13 +230,20 @@ KW = dict(qerl="nvfp4", train_batch_size=8, max_prompt_length=256, max_response_
 
 
 @pytest.mark.parametrize("path", ["/runs/lr1e-5,seed1/model", "/m/qwen=7b", "/m/a[1]", "/m/it's", "/m/back\\",
-                                  "/m/a\\'b", "/data/My Models/qwen", "/m/{x}", "/m/null", "/m/1e5"])
+                                  "/m/a\\'b", "/data/My Models/qwen", "/m/{x}", "/m/null", "/m/1e5",
+                                  "/runs/${USER}/m", "/m/$HOME/x", "/m/a\\${x}", "/m/${a}${b}"])
 def test_launch_paths_parse_back_exactly(path):
+    """Each path as verl reads it: hydra's override parser, then OmegaConf's resolution of the composed config (a
+    ``${...}`` in a path was an interpolation there: `/runs/${USER}/m` failed or became another path)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
     parser = OverridesParser.create()
     ov = grpo_overrides(model=path, train_files=path + "/t.parquet", val_files=Path(path) / "v.parquet", **KW)
-    got = {o.key_or_group: o.value() for o in parser.parse_overrides(ov)}
+    parsed = {o.key_or_group.replace(".", "_"): o.value() for o in parser.parse_overrides(ov)}
+    cfg = OmegaConf.create({k: v for k, v in parsed.items() if isinstance(v, str)})
+    got = {"actor_rollout_ref.model.path": cfg["actor_rollout_ref_model_path"],
+           "data.train_files": cfg["data_train_files"], "data.val_files": cfg["data_val_files"]}
     assert got["actor_rollout_ref.model.path"] == path
     assert got["data.train_files"] == path + "/t.parquet"
     assert got["data.val_files"] == str(Path(path) / "v.parquet")

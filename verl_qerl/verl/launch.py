@@ -38,10 +38,13 @@ def path_value(path: str | os.PathLike) -> str:
 
     Inside hydra's single quotes a ``'`` is written ``\\'`` and only backslashes before a quote (or at the end)
     are doubled, which is how hydra un-escapes them (``/runs/lr1e-5,seed1``, ``/m/a[1]``, ``/m/q=7b`` all survive).
+    A ``${`` is written ``\\${`` (and backslashes right before it doubled): hydra keeps it, and OmegaConf, which
+    resolves the composed config, then reads a literal ``${`` instead of an interpolation (``/runs/${USER}/m``).
     """
     s = os.path.expanduser(os.fspath(path))
     if _BARE.fullmatch(s) and not _NOT_STRING.fullmatch(s):
         return s
+    s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
     s = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", s)
     s = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, s)
     return f"'{s}'"
