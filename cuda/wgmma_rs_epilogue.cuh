@@ -43,6 +43,40 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
                : "memory");
 }
 
+// Every thread's acc * alpha + bias as bf16 into shared memory with `stmatrix .trans` (16 per m64 block): the part
+// both staged stores share. The stored row of token row t (of the tile) and the 8 tile rows (output columns) col ..
+// col + 7 is at row_base(col, t % 8) + t * kTokenStride.
+template <int kBlocks, int kAcc, int kTokenStride, class RowBase>
+__device__ __forceinline__ void stage_bf16(const float (&acc)[kBlocks][kAcc], int lane, int wg, int wl, int row0,
+                                           float alpha, int N, const __nv_bfloat16* bias, RowBase&& row_base) {
+  const int mi = lane >> 3;  // the matrix whose stored row this lane addresses: row half mi % 2, token group mi / 2
+  const int mj = lane & 7;   // ... and which of its 8 token rows
+#pragma unroll
+  for (int h = 0; h < kBlocks; ++h) {
+    const int n_blk = wg * 64 * kBlocks + h * 64 + wl * 16;  // this warp's 16 rows of block h, in the tile
+    float bv[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int n = row0 + n_blk + (lane >> 2) + 8 * rh;
+      bv[rh] = bias != nullptr && n < N ? __bfloat162float(bias[n]) : 0.0f;
+    }
+    const uint32_t row_addr = row_base(n_blk + 8 * (mi & 1), mj);  // + a token row's offset below
+#pragma unroll
+    for (int p = 0; p < kAcc / 8; ++p) {  // token groups 2 p, 2 p + 1
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int rh = i & 1;
+        const int q = 2 * p + (i >> 1);
+        const __nv_bfloat162 v = __floats2bfloat162_rn(acc[h][4 * q + 2 * rh] * alpha + bv[rh],
+                                                       acc[h][4 * q + 2 * rh + 1] * alpha + bv[rh]);
+        r[i] = *reinterpret_cast<const uint32_t*>(&v);
+      }
+      stmatrix_x4_trans(row_addr + uint32_t((8 * (2 * p + (mi >> 1)) + mj) * kTokenStride), r);
+    }
+  }
+}
+
 // acc * alpha + bias -> bf16 into `stage` (StagedStore's layout; every thread of the CTA calls this: it holds a
 // barrier), then out[m, n] for m < M, n < N in 16-byte pieces. Needs N % 8 == 0 and a 16-byte aligned `out` (the
 // caller checks; through the op both always hold: the layout takes N % 16 == 0 and the op allocates `out`, so the
@@ -62,32 +96,9 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[kBlocks][kA
   const int wl = (tid >> 5) & 3;
   if (active) {
     const uint32_t base = smem_u32(stage);
-    const int mi = lane >> 3;  // the matrix whose stored row this lane addresses: row half mi % 2, token group mi / 2
-    const int mj = lane & 7;   // ... and which of its 8 token rows
-#pragma unroll
-    for (int h = 0; h < kBlocks; ++h) {
-      const int n_blk = wg * 64 * kBlocks + h * 64 + wl * 16;  // this warp's 16 rows of block h, in the tile
-      float bv[2];
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int n = row0 + n_blk + (lane >> 2) + 8 * rh;
-        bv[rh] = bias != nullptr && n < N ? __bfloat162float(bias[n]) : 0.0f;
-      }
-      const uint32_t row_addr = base + (n_blk + 8 * (mi & 1)) * 2;
-#pragma unroll
-      for (int p = 0; p < kAcc / 8; ++p) {  // token groups 2 p, 2 p + 1
-        uint32_t r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int rh = i & 1;
-          const int q = 2 * p + (i >> 1);
-          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[h][4 * q + 2 * rh] * alpha + bv[rh],
-                                                         acc[h][4 * q + 2 * rh + 1] * alpha + bv[rh]);
-          r[i] = *reinterpret_cast<const uint32_t*>(&v);
-        }
-        stmatrix_x4_trans(row_addr + uint32_t((8 * (2 * p + (mi >> 1)) + mj) * S::kPitch), r);
-      }
-    }
+    stage_bf16<kBlocks, kAcc, S::kPitch>(acc, lane, wg, wl, row0, alpha, N, bias, [&](int col, int mj) {
+      return base + uint32_t(col * 2);
+    });
   }
   __syncthreads();
   QERL_AN_SUB(3)
@@ -132,35 +143,10 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[kBlocks][kAcc]
   const int wg = tid >> 7;
   const int wl = (tid >> 5) & 3;
   const uint32_t base = smem_u32(stage);
-  if (active) {
-    const int mi = lane >> 3;  // the matrix whose stored row this lane addresses: row half mi % 2, token group mi / 2
-    const int mj = lane & 7;   // ... and which of its 8 token rows (r % 8 == mj: the swizzle's row phase)
-#pragma unroll
-    for (int h = 0; h < kBlocks; ++h) {
-      const int n_blk = wg * 64 * kBlocks + h * 64 + wl * 16;  // this warp's 16 rows of block h, in the tile
-      float bv[2];
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const int n = row0 + n_blk + (lane >> 2) + 8 * rh;
-        bv[rh] = bias != nullptr && n < N ? __bfloat162float(bias[n]) : 0.0f;
-      }
-      const int col = n_blk + 8 * (mi & 1);  // the 8 tile rows (output columns) of this lane's stored row
-      const uint32_t box = base + uint32_t((col >> 6) * S::kBoxBytes);
-      const uint32_t chunk = uint32_t(((col & 63) >> 3) ^ mj) * 16;
-#pragma unroll
-      for (int p = 0; p < kAcc / 8; ++p) {  // token groups 2 p, 2 p + 1
-        uint32_t r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int rh = i & 1;
-          const int q = 2 * p + (i >> 1);
-          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[h][4 * q + 2 * rh] * alpha + bv[rh],
-                                                         acc[h][4 * q + 2 * rh + 1] * alpha + bv[rh]);
-          r[i] = *reinterpret_cast<const uint32_t*>(&v);
-        }
-        stmatrix_x4_trans(box + uint32_t((8 * (2 * p + (mi >> 1)) + mj) * 128) + chunk, r);
-      }
-    }
+  if (active) {  // token r's 16-byte chunk q of a 64-column box at r * 128 + (q ^ r % 8) * 16 (r % 8 == mj)
+    stage_bf16<kBlocks, kAcc, 128>(acc, lane, wg, wl, row0, alpha, N, bias, [&](int col, int mj) {
+      return base + uint32_t((col >> 6) * S::kBoxBytes) + uint32_t(((col & 63) >> 3) ^ mj) * 16;
+    });
   }
   fence_proxy_async();  // this thread's shared-memory writes, read next by the copy engine
   __syncthreads();
