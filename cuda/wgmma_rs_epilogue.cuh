@@ -182,6 +182,18 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
   // to arrive adds the first's partial to its own accumulators and stores, writing none of its own
   const int c_first = range.first_cta(tile);
   const int c_last = range.last_cta(tile);
+  // acc[h] += block h of the partial in `slot` (rows past M: never written, read as zeros)
+  auto add_block = [&](const float4* slot, int h) {
+    const float4* part = slot + h * NQ * kThreads + tid;
+#pragma unroll
+    for (int q = 0; q < NQ; ++q) {
+      const float4 v = (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[h][4 * q] += v.x;
+      acc[h][4 * q + 1] += v.y;
+      acc[h][4 * q + 2] += v.z;
+      acc[h][4 * q + 3] += v.w;
+    }
+  };
   bool do_store = true;
   if (c_first != c_last) {
     const int n = c_last - c_first + 1;
@@ -205,18 +217,7 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
             const int other = c_first + c_last - int(blockIdx.x);
             const float4* slot = streamk::partial_slot<kSlotFloats>(ws, other, range.slot_of(tile, other));
 #pragma unroll
-            for (int h = 0; h < kBlocks; ++h) {
-              const float4* part = slot + h * NQ * kThreads + tid;
-#pragma unroll
-              for (int q = 0; q < NQ; ++q) {  // rows past M: never written, read as zeros
-                const float4 v =
-                    (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
-                acc[h][4 * q] += v.x;
-                acc[h][4 * q + 1] += v.y;
-                acc[h][4 * q + 2] += v.z;
-                acc[h][4 * q + 3] += v.w;
-              }
-            }
+            for (int h = 0; h < kBlocks; ++h) add_block(slot, h);
             return;
           }
 #pragma unroll
@@ -224,18 +225,8 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
 #pragma unroll
             for (int q = 0; q < NQ; ++q)
               acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-            streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last, [&](const float4* slot) {
-              const float4* part = slot + h * NQ * kThreads + tid;
-#pragma unroll
-              for (int q = 0; q < NQ; ++q) {
-                const float4 v =
-                    (m0 + 8 * q + tok_lane < M) ? __ldcg(part + q * kThreads) : make_float4(0.f, 0.f, 0.f, 0.f);
-                acc[h][4 * q] += v.x;
-                acc[h][4 * q + 1] += v.y;
-                acc[h][4 * q + 2] += v.z;
-                acc[h][4 * q + 3] += v.w;
-              }
-            });
+            streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last,
+                                                   [&](const float4* slot) { add_block(slot, h); });
           }
         });
   }
