@@ -131,3 +131,24 @@ def test_a_bad_global_scale_or_an_empty_weight_is_named():
         kernels.dequantize(q.packed, q.scale, torch.zeros(1))
     with pytest.raises(NVFP4FormatError, match=r"an empty weight \(0, 16\) has no scale"):
         quantize(torch.zeros(0, 16))
+
+
+def test_negative_block_scales_are_refused(tiny_nvfp4, tmp_path):
+    """A block scale with the sign bit set (never written by a quantizer: amax / 6 >= 0) negated its block's weights
+    silently on load; now an error naming the tensor. -0 (0x80) is a zero block and still loads."""
+    from verl_qerl.nvfp4 import block_scale_problem
+
+    def negate(sd):
+        name = "model.layers.0.mlp.down_proj.weight_scale"
+        if name in sd:
+            sd[name] = (sd[name].view(torch.uint8) | 0x80).view(torch.float8_e4m3fn)
+        return sd
+
+    src = _copy(tiny_nvfp4, tmp_path / "src", edit_tensors=negate)
+    with pytest.raises(NVFP4FormatError, match=r"down_proj.weight_scale: \d+ block scale\(s\) are negative"):
+        load_nvfp4_model(src, dtype=torch.float32)
+    bits = torch.tensor([0x00, 0x80, 0x38, 0x7E], dtype=torch.uint8)
+    assert block_scale_problem(bits) is None  # zero, minus zero, 1.0, the largest finite
+    assert "1 block scale(s) are negative" in block_scale_problem(torch.tensor([0x38, 0xB8], dtype=torch.uint8))
+    assert "are NaN" in block_scale_problem(torch.tensor([0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn))
+    assert block_scale_problem(torch.empty(4, 2, dtype=torch.float8_e4m3fn, device="meta")) is None

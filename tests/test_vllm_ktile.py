@@ -71,3 +71,29 @@ def test_k_not_multiple_of_gemm_stage_falls_back(k, layout, monkeypatch, caplog)
         got = method.apply(layer, x, bias.to(dtype))
         assert got.dtype == dtype and got.shape == want.shape
         assert torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())
+
+
+@pytest.mark.parametrize(("byte", "problem"), [(0xB8, "are negative"), (0x7F, "are NaN"), (0xFF, "are NaN")])
+def test_damaged_block_scales_are_refused_by_name(byte, problem):
+    """The vLLM method refuses NaN and negative E4M3 block scales of a compressed-tensors layer, naming the tensor (a
+    negative scale loaded silently as its block's weights negated)."""
+    from verl_qerl.vllm.config import FORMAT_CT, QeRLNvFp4Error
+
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(0))
+    gscale = global_scale_from_amax(w.abs().amax())
+    q = quantize(w, gscale)
+    scale = q.scale.view(torch.uint8).clone()
+    scale[3, 5] = byte
+    layer = torch.nn.Module()
+    layer.logical_widths = [32]
+    layer.input_size_per_partition = 128
+    layer.output_size_per_partition = 32
+    names = ("weight_packed", "weight_scale", "weight_global_scale")
+    layer.qerl_state = QeRLLayerState(prefix="model.layers.0.mlp.down_proj", checkpoint_format=FORMAT_CT,
+                                      loaded={n: {None} for n in names})
+    for name, t in zip(names, (q.packed, scale.view(torch.float8_e4m3fn), gscale.reshape(1))):
+        layer.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+    method = QeRLNvFp4LinearMethod(QeRLNvFp4Config(checkpoint_format=FORMAT_CT), prefix="t")
+    want = rf"model.layers.0.mlp.down_proj.weight_scale: 1 block scale\(s\) {problem}"
+    with pytest.raises(QeRLNvFp4Error, match=want):
+        method.process_weights_after_loading(layer)

@@ -1,6 +1,6 @@
 """The NVFP4 number format as pure torch functions, and its checkpoint layouts."""
 
-from .format import BLOCK_SIZE, E2M1_MAGNITUDES, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, e2m1_values
+from .format import BLOCK_SIZE, E2M1_MAGNITUDES, FP4_MAX, FP8_E4M3_MAX, SCALE_DTYPE, block_scale_problem, e2m1_values
 from .quantize import (
     DEFAULT_SCALE_RULE,
     SCALE_RULES,
@@ -26,6 +26,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "SCALE_DTYPE",
     "SCALE_RULES",
+    "block_scale_problem",
     "NVFP4FormatError",
     "NVFP4Weight",
     "cast_to_e2m1_codes",

@@ -22,7 +22,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .arch import DEFAULT_IGNORE, fused_group
-from .format import BLOCK_SIZE, CT_WEIGHT_GLOBAL_SCALE, CT_WEIGHT_PACKED, CT_WEIGHT_SCALE, SCALE_DTYPE
+from .format import (
+    BLOCK_SIZE,
+    CT_WEIGHT_GLOBAL_SCALE,
+    CT_WEIGHT_PACKED,
+    CT_WEIGHT_SCALE,
+    SCALE_DTYPE,
+    block_scale_problem,
+)
 from .quant_config import (
     CT_FORMAT,
     FORMAT_BF16,
@@ -425,11 +432,9 @@ def validate_nvfp4(
         group = k // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else "?"
         raise NVFP4FormatError(f"{module}.weight_scale: shape {tuple(scale.shape)} does not fit packed weight "
                                f"[{n}, {k}/2] with block size {BLOCK_SIZE} (implied group size {group})")
-    # E4M3 has no inf: 0x7F / 0xFF are NaN (meta tensors: shapes only)
-    nan_blocks = 0 if scale.is_meta else int(((scale.view(torch.uint8) & 0x7F) == 0x7F).sum())
-    if nan_blocks:
-        raise NVFP4FormatError(f"{module}.weight_scale: {nan_blocks} block scale(s) are NaN (E4M3 0x7F / 0xFF); a "
-                               "damaged or wrongly converted checkpoint")
+    problem = block_scale_problem(scale)  # NaN or negative block scales (meta tensors: shapes only)
+    if problem:
+        raise NVFP4FormatError(f"{module}.weight_scale: {problem}")
     if global_scale.numel() != 1:
         raise NVFP4FormatError(f"{module}: global scale must hold one value, got shape {tuple(global_scale.shape)}")
     g = float(global_scale.reshape(()))

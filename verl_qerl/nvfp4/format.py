@@ -46,6 +46,26 @@ MODELOPT_WEIGHT_SCALE_2 = "weight_scale_2"
 SCALE_DTYPE = torch.float8_e4m3fn
 
 
+def block_scale_problem(scale: torch.Tensor) -> str | None:
+    """What makes E4M3 block scales (``float8_e4m3fn`` or their uint8 bits) unusable, or None: NaN codes (0x7F /
+    0xFF; E4M3 has no inf) and negative scales (sign bit set on a non-zero magnitude). A quantizer writes amax / 6
+    of each block, never below zero, so a negative scale is a damaged or wrongly converted checkpoint; loaded, it
+    would silently negate its block's weights. ``-0`` (0x80) is a zero block and allowed. Meta tensors: None. The
+    one rule both the training-side loader and the vLLM method apply."""
+    if scale.is_meta:
+        return None
+    bits = scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+    mag = bits & 0x7F
+    nan = int((mag == 0x7F).sum())
+    if nan:
+        return f"{nan} block scale(s) are NaN (E4M3 0x7F / 0xFF); a damaged or wrongly converted checkpoint"
+    negative = int(((bits & 0x80) != 0).logical_and(mag != 0).sum())
+    if negative:
+        return (f"{negative} block scale(s) are negative (E4M3 sign bit set); NVFP4 block scales are >= 0: a "
+                "damaged or wrongly converted checkpoint")
+    return None
+
+
 def e2m1_values(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
     """The 16 values indexed by a 4-bit code (0..7 positive, 8..15 the same magnitudes negated)."""
     mags = torch.tensor(E2M1_MAGNITUDES, dtype=dtype, device=device)

@@ -44,7 +44,15 @@ from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_
 from vllm.model_executor.parameter import GroupQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 
 from verl_qerl import kernels
-from verl_qerl.nvfp4 import BLOCK_SIZE, SCALE_DTYPE, dequantize, global_scale_from_amax, pack_fp4, quantize
+from verl_qerl.nvfp4 import (
+    BLOCK_SIZE,
+    SCALE_DTYPE,
+    block_scale_problem,
+    dequantize,
+    global_scale_from_amax,
+    pack_fp4,
+    quantize,
+)
 from verl_qerl.nvfp4.quant_config import LAYOUT_TENSOR_NAMES
 
 from . import compat
@@ -268,8 +276,11 @@ class QeRLNvFp4LinearMethod(LinearMethodBase):
             if bool(bad.any()):
                 raise QeRLNvFp4Error(f"{state.prefix}.{gscale_name}: global scale(s) {raw.tolist()} are not "
                                      "finite and positive")
-            if bool(torch.isnan(scale.to(torch.float32)).any()):
-                raise QeRLNvFp4Error(f"{state.prefix}.{scale_name}: block scales contain NaN")
+            problem = block_scale_problem(scale) if scale.dtype in (SCALE_DTYPE, torch.uint8) else None
+            if problem is None and bool(torch.isnan(scale.to(torch.float32)).any()):
+                problem = "block scales contain NaN"
+            if problem:
+                raise QeRLNvFp4Error(f"{state.prefix}.{scale_name}: {problem}")
             for name in (*names, *_PLACEHOLDERS[fmt]):
                 if hasattr(layer, name):
                     delattr(layer, name)
