@@ -215,3 +215,22 @@ def test_cached_folder_is_printed_as_an_absolute_path(fake_model, tmp_path, monk
     captured = capsys.readouterr()
     assert "already there" in captured.err
     assert captured.out.strip() == fresh == str((tmp_path / "hf").resolve())
+
+
+def test_a_tilde_checkpoint_path_is_read_in_the_workers_too(tiny_nvfp4, home):
+    """`qerl.quantized_checkpoint=~/models/x` passed the driver's checks (which expand `~`) and then failed in the
+    training worker, whose reader took `~` literally ("no such folder"), after Ray and vLLM had started."""
+    shutil.copytree(tiny_nvfp4, home / "models" / "twin")
+    reader = CheckpointReader("~/models/twin")
+    assert reader.folder == home / "models" / "twin" and reader.format == FORMAT_CT
+
+
+def test_an_adapter_saved_on_an_nvfp4_base_names_its_base(tiny_nvfp4, tmp_path):
+    """peft records the base model's name in a saved adapter; from load_nvfp4_model it was None, so
+    AutoPeftModelForCausalLM looked for a hub repository called "None"."""
+    from verl_qerl.modeling import get_lora_model, load_nvfp4_model
+
+    model = get_lora_model(load_nvfp4_model(tiny_nvfp4, dtype=torch.float32), r=4)
+    model.save_pretrained(tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(Path(tiny_nvfp4).resolve())

@@ -508,6 +508,9 @@ def load_nvfp4_model(
         raise ModelConversionError(f"{Path(path)}: model_type={config.get('model_type')!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     hf_config = AutoConfig.for_model(**config)
+    # the folder as the model's name, as from_pretrained records it: peft writes it into a saved adapter's
+    # base_model_name_or_path (None made AutoPeftModelForCausalLM look for a hub repository named "None")
+    hf_config._name_or_path = str(reader.folder.resolve())
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     targets = declared_targets if reader.format == FORMAT_BF16 else None

@@ -253,7 +253,7 @@ class CheckpointReader:
     _where: dict[str, str] = field(init=False, repr=False)
 
     def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
+        self.folder = Path(folder).expanduser()  # (`~/models/x` from a config reaches the workers unexpanded)
         if not self.folder.exists():
             raise CheckpointError(f"{self.folder}: no such folder")
         if not self.folder.is_dir():
