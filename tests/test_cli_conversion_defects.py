@@ -234,3 +234,37 @@ def test_an_adapter_saved_on_an_nvfp4_base_names_its_base(tiny_nvfp4, tmp_path):
     model.save_pretrained(tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] == str(Path(tiny_nvfp4).resolve())
+
+
+# --- the source's declared scale rule -------------------------------------------------------------------------------
+
+def test_quantize_uses_the_sources_declared_scale_rule_and_refuses_another(tiny_bf16, tmp_path, capsys):
+    """A BF16 source whose config.json declares ``{"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}``: vLLM and
+    load_nvfp4_model quantize it with fp32, while ``qerl-quantize SRC DST`` used its own default (bf16), so the
+    "bit-identical to quantizing at load" folder held other bytes."""
+    from verl_qerl.cli.quantize import main
+    from verl_qerl.modeling import NVFP4Linear, load_nvfp4_model
+    from verl_qerl.nvfp4.checkpoint import recorded_scale_rule
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_bf16, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "qerl_nvfp4", "scale_rule": "fp32"}
+    (src / "config.json").write_text(json.dumps(cfg))
+
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "q")]) == 0
+    assert "scale rule fp32" in capsys.readouterr().out
+    reader = CheckpointReader(tmp_path / "q")
+    assert recorded_scale_rule(reader.config) == "fp32"
+    model = load_nvfp4_model(src, dtype=torch.float32)  # what vLLM's quantize-at-load makes of src, too
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, NVFP4Linear)]
+    assert len(layers) == 14
+    for name, mod in layers:
+        assert torch.equal(mod.dequantize_weight(torch.float32), reader.read_nvfp4(name).dequantize(torch.float32))
+
+    assert main([str(src), str(tmp_path / "x"), "--scale-rule", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: quantization_config.scale_rule='fp32' but scale_rule='bf16' (--scale-rule)" in err, err
+    assert not (tmp_path / "x").exists()
+    assert quantize_checkpoint(src, tmp_path / "same", scale_rule="fp32").scale_rule == "fp32"

@@ -587,3 +587,65 @@ def test_noise_from_start_short_run_names_the_keys():
     with pytest.raises(QeRLConfigError, match=r"total_training_steps=1 is fewer than qerl.aqn.num_stages=2.*\(>= 2\)"):
         apply_qerl(composed("+qerl=nvfp4", "qerl.aqn.noise_from_start=true", "trainer.total_training_steps=1",
                             "qerl.aqn.num_stages=2"))
+
+
+def _declaring(tiny_bf16, folder, block: dict):
+    """A copy of the tiny BF16 model whose config.json declares the quantize-at-load ``block``."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_bf16, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = block
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("block", [
+    {"quant_method": "qerl_nvfp4", "ignore": ["lm_head", "down_proj"], "scale_rule": "fp32"},
+    {"quant_method": "qerl_nvfp4", "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+], ids=["ignore+scale_rule", "targets"])
+def test_a_block_declared_by_model_path_is_what_actor_and_vllm_both_quantize_with(block, tiny_bf16, tmp_path):
+    """A BF16 model.path whose config.json declares a qerl_nvfp4 quantize-at-load block: vLLM quantizes it as the
+    block says (an hf_overrides quantization_config replaces it), and the actor quantized with the qerl defaults
+    (lm_head only, bf16), so rollout and training held different bases without an error."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from verl_qerl.modeling import NVFP4Linear
+    from verl_qerl.verl.integration import convert_for_lora
+    from verl_qerl.vllm.config import QeRLNvFp4Config
+
+    src = _declaring(tiny_bf16, tmp_path / "model", block)
+    cfg = composed("+qerl=nvfp4", "actor_rollout_ref.model.lora_rank=8", f"actor_rollout_ref.model.path={src}")
+    apply_qerl(cfg)
+    override = OmegaConf.select(cfg, f"{HF_OVERRIDES}.quantization_config")
+    vllm = QeRLNvFp4Config.from_config(OmegaConf.to_container(override) if override is not None else block)
+    module = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.float32)  # src's weights
+    qerl = convert_for_lora(module, SimpleNamespace(lora=dict(cfg.actor_rollout_ref.model.lora)))
+    assert qerl.scale_rule == vllm.scale_rule == block.get("scale_rule", "bf16")
+    actor = {n: isinstance(m, NVFP4Linear) for n, m in module.named_modules()
+             if isinstance(m, (torch.nn.Linear, NVFP4Linear)) and n != "lm_head"}
+    assert len(actor) == 14 and not all(actor.values())  # the block keeps some layers BF16
+    assert actor == {n: not vllm.is_skipped(n) for n in actor}
+
+
+def test_an_explicit_qerl_value_against_model_paths_declared_block_is_refused(tiny_bf16, tmp_path):
+    """Only a qerl value left at its default follows the block; one that disagrees with it names both."""
+    from omegaconf import OmegaConf
+
+    path = "actor_rollout_ref.model.path=" + str(_declaring(tiny_bf16, tmp_path / "a", {
+        "quant_method": "qerl_nvfp4", "ignore": ["down_proj"]}))
+    with pytest.raises(QeRLConfigError, match=r"qerl.ignore=\['lm_head', 'o_proj'\] conflicts with .*config.json: "
+                                              r"quantization_config \(ignore=\['down_proj'\], targets=None\)"):
+        apply_qerl(composed("+qerl=nvfp4", path, "qerl.ignore=[lm_head,o_proj]"))
+    # the same layers by another pattern agree; a key the block leaves out (scale_rule) binds nothing
+    cfg = composed("+qerl=nvfp4", path, "qerl.ignore=[lm_head,re:.*mlp.down_proj]", "qerl.scale_rule=fp32")
+    assert apply_qerl(cfg).scale_rule == "fp32"
+    assert OmegaConf.select(cfg, f"{HF_OVERRIDES}.quantization_config.scale_rule") == "fp32"
+    path = "actor_rollout_ref.model.path=" + str(_declaring(tiny_bf16, tmp_path / "b", {
+        "quant_method": "qerl_nvfp4", "scale_rule": "bf16"}))
+    with pytest.raises(QeRLConfigError, match=r"qerl.scale_rule='fp32' conflicts with .*config.json: "
+                                              r"quantization_config.scale_rule='bf16'"):
+        apply_qerl(composed("+qerl=nvfp4", path, "qerl.scale_rule=fp32"))

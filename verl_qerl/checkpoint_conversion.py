@@ -45,7 +45,7 @@ from .nvfp4.checkpoint import (
     matches_pattern,
     write_safetensors,
 )
-from .nvfp4.quant_config import quantize_at_load_layers
+from .nvfp4.quant_config import declared_scale_rule, quantize_at_load_layers
 from .nvfp4.quantize import DEFAULT_SCALE_RULE, check_scale_rule, checked_amax, global_scale_from_amax, quantize
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -88,6 +88,8 @@ class ConversionReport:
     kept: list[str] = field(default_factory=list)
     bytes_in: int = 0
     bytes_out: int = 0
+    #: the NVFP4 scale rule used (the one asked for, else the source's declared one, else the default)
+    scale_rule: str = DEFAULT_SCALE_RULE
 
 
 class DestinationError(ValueError):
@@ -242,18 +244,21 @@ def quantize_checkpoint(
     ignore: Iterable[str] = (),
     force: bool = False,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
-    scale_rule: str = DEFAULT_SCALE_RULE,
+    scale_rule: str | None = None,
     device: str | torch.device = "cpu",
 ) -> ConversionReport:
     """Write an NVFP4A16 compressed-tensors checkpoint of the BF16 checkpoint at ``src`` to ``dst``.
 
     ``ignore``: extra module patterns (exact names, dotted suffixes or ``re:<regex>``) kept in BF16,
     on top of :data:`DEFAULT_IGNORE`. ``progress(iterable, total, desc)`` wraps the loops (tqdm).
-    ``scale_rule``: how scales are computed (``verl_qerl.nvfp4.SCALE_RULES``); recorded in config.json.
+    ``scale_rule``: how scales are computed (``verl_qerl.nvfp4.SCALE_RULES``); recorded in config.json. None: the
+    ``scale_rule`` ``src``'s qerl_nvfp4 quantize-at-load block declares (what vLLM and ``load_nvfp4_model`` use for
+    that folder), else :data:`DEFAULT_SCALE_RULE`; a rule that differs from a declared one is refused.
     ``device``: where the weights are quantized (e.g. ``cuda``: the same bytes, minutes faster at 7B); the
     files are written from the CPU.
     """
-    check_scale_rule(scale_rule, "scale_rule")
+    if scale_rule is not None:
+        check_scale_rule(scale_rule, "scale_rule")
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
@@ -270,6 +275,13 @@ def quantize_checkpoint(
     where = f"{src / 'config.json'}: quantization_config"
     declared_ignore = None if declared_ignore is None else check_patterns(declared_ignore, f"{where}.ignore")
     declared_targets = None if declared_targets is None else check_patterns(declared_targets, f"{where}.targets")
+    declared_rule = declared_scale_rule(reader.quant_config)
+    if scale_rule is not None and declared_rule is not None and scale_rule != declared_rule:
+        raise CheckpointError(f"{where}.scale_rule={declared_rule!r} but scale_rule={scale_rule!r} (--scale-rule) was "
+                              f"asked for: vLLM and load_nvfp4_model quantize this folder with {declared_rule!r}, so "
+                              "the output would differ from theirs; leave --scale-rule out or pass "
+                              f"--scale-rule {declared_rule}")
+    scale_rule = scale_rule or declared_rule or DEFAULT_SCALE_RULE
     patterns = list(dict.fromkeys([*DEFAULT_IGNORE, *(declared_ignore or ()), *ignore]))
     shapes = linear_module_shapes(reader.config)
     linear = list(shapes)
@@ -293,7 +305,7 @@ def quantize_checkpoint(
     tmp, made = make_temp_folder(dst, shown)
     umask = os.umask(0)
     os.umask(umask)
-    report = ConversionReport(src=src, dst=dst)  # DST's absolute real path, as printed
+    report = ConversionReport(src=src, dst=dst, scale_rule=scale_rule)  # DST's absolute real path, as printed
     target_set = set(targets)
     try:
         # Pass 1: per-group global scale, from the largest amax of the group's parts.

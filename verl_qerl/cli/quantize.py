@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep matching modules unquantized: an exact module name, a dotted suffix "
                         "(e.g. 'down_proj') or 're:<regex>'; repeatable. lm_head is always kept.")
     parser.add_argument("--force", action="store_true", help="replace a non-empty DST once the new one is complete")
-    parser.add_argument("--scale-rule", choices=SCALE_RULES, default=DEFAULT_SCALE_RULE,
+    parser.add_argument("--scale-rule", choices=SCALE_RULES, default=None,
                         help="how the global and block scales are rounded (recorded in config.json as "
-                        "'qerl_scale_rule'). bf16 (default): as llm-compressor's NVFP4A16 on a BF16 model, "
+                        "'qerl_scale_rule'). Default: the scale_rule a qerl_nvfp4 quantization_config in SRC's "
+                        "config.json declares (what vLLM uses for SRC; a different --scale-rule is refused), else "
+                        f"{DEFAULT_SCALE_RULE}. bf16: as llm-compressor's NVFP4A16 on a BF16 model, "
                         "bit-exact with llm-compressor 0.14.0.1 / compressed-tensors 0.19.0; fp32: scales in "
                         "float32, bit-exact with compressed-tensors' functions on the float32 weight (0.17.0), "
                         "this tool's output before the bf16 rule. Codes are round-to-nearest-even under both.")
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ratio = report.bytes_out / max(report.bytes_in, 1)
     print(f"qerl-quantize: wrote {report.dst}: {len(report.quantized)} Linear layers in NVFP4, "
           f"{len(report.kept)} tensors kept; {report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB "
-          f"({ratio:.2f}x) in {dt:.1f} s, scale rule {args.scale_rule}")
+          f"({ratio:.2f}x) in {dt:.1f} s, scale rule {report.scale_rule}")
     return 0
 
 

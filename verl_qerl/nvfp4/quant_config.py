@@ -193,6 +193,16 @@ def quantize_at_load_layers(cfg: Mapping[str, Any] | None) -> tuple[list[str] | 
     return ignore, targets
 
 
+def declared_scale_rule(cfg: Mapping[str, Any] | None) -> str | None:
+    """The ``scale_rule`` a ``qerl_nvfp4`` quantize-at-load config declares, or None where it declares none (its
+    readers then use :data:`DEFAULT_SCALE_RULE`). vLLM and ``load_nvfp4_model`` quantize a BF16 folder with it, so
+    ``qerl-quantize`` and verl's config check read it here too: one folder, one set of NVFP4 bytes."""
+    if not cfg or str(cfg.get("quant_method", "")).lower() != QERL_QUANT_METHOD:
+        return None
+    rule = cfg.get("scale_rule")
+    return None if rule is None else str(rule)
+
+
 def _pattern_list(value: Any) -> list[str] | None:
     """A config's pattern list; a single string is one pattern (``list("down_proj")`` would be its characters)."""
     if value is None:

@@ -29,7 +29,9 @@ Where the nvfp4 base weights come from (no BF16 copy of the Linear weights in th
 
 Wherever BF16 weights are quantized (the actor in place, vLLM at load), ``scale_rule`` says how and
 ``ignore`` which layers stay BF16, and both sides use them; non-default values reach vLLM through
-``engine_kwargs.vllm.hf_overrides``. An
+``engine_kwargs.vllm.hf_overrides``. A BF16 ``model.path`` whose config.json declares a ``qerl_nvfp4``
+quantize-at-load block sets them where the ``qerl`` values are the defaults (vLLM reads that block), and refuses
+``qerl`` values that disagree with it. An
 NVFP4 twin must have been made from ``model.path`` with that rule (recorded in its config.json by
 ``qerl-quantize``, otherwise checked on one layer), or the actor and vLLM would hold different weights.
 """
@@ -72,6 +74,8 @@ AQN_NULL_MEANS_DEFAULT = ("include_final_norm", "rounding")
 
 #: Where the engine and the vLLM servers find the block.
 CARRIER_PATH = ("actor_rollout_ref", "model", "lora", "qerl")
+#: vLLM's config overrides; its ``quantization_config`` replaces the one model.path's config.json declares.
+HF_OVERRIDES = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
 
 
 class QeRLConfigError(ValueError):
@@ -382,6 +386,81 @@ def _check_ignore_against_model_path(config: Any, qerl: QeRLConfig) -> None:
     check_ignore_matches(linear, qerl)
 
 
+def _follow_declared_block(config: Any, qerl: QeRLConfig, changes: list[str]) -> QeRLConfig:
+    """``qerl`` with the ignore list / scale rule that a local BF16 ``model.path`` declares in a ``qerl_nvfp4``
+    quantize-at-load ``quantization_config`` of its config.json.
+
+    vLLM quantizes such a folder as its block says, the actor as ``qerl.ignore`` / ``qerl.scale_rule`` say; unless
+    they are one reading the rollout samples from other weights than the ones trained, without an error. A
+    ``qerl`` value left at its default follows the block (and is then passed to vLLM like any other); a value that
+    disagrees with what the block declares is refused naming both, as a conflicting ``hf_overrides`` is. Keys the
+    block leaves out bind nothing; an ``hf_overrides.quantization_config`` replaces the block for vLLM, so then
+    :func:`_vllm_quantize_at_load` ties that one to ``qerl`` instead.
+    """
+    from pathlib import Path
+
+    from ..checkpoint_conversion import linear_module_names
+    from ..nvfp4.checkpoint import read_config_json
+    from ..nvfp4.quant_config import declared_quant_config, declared_scale_rule, quantize_at_load_layers
+
+    path = _get(config, "actor_rollout_ref.model.path")
+    if (qerl.mode != "nvfp4" or checkpoint_format(path) != FORMAT_BF16
+            or _get(config, f"{HF_OVERRIDES}.quantization_config") is not None):
+        return qerl
+    folder = Path(str(path)).expanduser()
+    model_config = read_config_json(folder / "config.json")
+    block = declared_quant_config(model_config, folder)
+    declared_ignore, declared_targets = quantize_at_load_layers(block)
+    declared_rule = declared_scale_rule(block)
+    where = f"{folder / 'config.json'}: quantization_config"
+    found: dict[str, Any] = {}
+    if declared_rule is not None and declared_rule != qerl.scale_rule:
+        if qerl.scale_rule != DEFAULT_SCALE_RULE:
+            raise QeRLConfigError(
+                f"qerl.scale_rule={qerl.scale_rule!r} conflicts with {where}.scale_rule={declared_rule!r} "
+                "(actor_rollout_ref.model.path, which vLLM quantizes at load as its block says): the actor and vLLM "
+                f"would hold different weights; set qerl.scale_rule={declared_rule} or leave it at its default "
+                f"({DEFAULT_SCALE_RULE}, which follows the block)")
+        found["scale_rule"] = declared_rule
+    if declared_ignore is not None or declared_targets is not None:
+        try:
+            declared_ignore = check_patterns(declared_ignore or [], f"{where}.ignore")
+            declared_targets = None if declared_targets is None else check_patterns(declared_targets,
+                                                                                    f"{where}.targets")
+        except PatternError as err:
+            raise QeRLConfigError(str(err)) from err
+        dense = list(dict.fromkeys([*DEFAULT_IGNORE, *declared_ignore]))  # vLLM's LM head is never quantized
+        for key in ("quantization_config", "compression_config"):
+            model_config.pop(key, None)
+        try:
+            linear: list[str] | None = linear_module_names(model_config)
+        except ValueError:
+            linear = None  # an architecture the actor hook refuses with its own message
+        if linear is not None and declared_targets is not None:  # layers no target selects stay BF16 in vLLM
+            dense += [n for n in linear if not matches_pattern(n, dense) and not matches_pattern(n, declared_targets)]
+        if tuple(qerl.ignore) == tuple(DEFAULT_IGNORE):
+            if tuple(dense) != tuple(DEFAULT_IGNORE):
+                found["ignore"] = tuple(dense)
+        else:
+            def kept(patterns: Sequence[str]) -> set[str]:
+                return {n for n in linear if matches_pattern(n, patterns)} if linear is not None else set(patterns)
+
+            only = sorted(kept(qerl.ignore) ^ kept(dense))
+            if only:
+                raise QeRLConfigError(
+                    f"qerl.ignore={list(qerl.ignore)} conflicts with {where} (ignore={declared_ignore}, targets="
+                    f"{declared_targets}) of actor_rollout_ref.model.path, which vLLM quantizes at load as its block "
+                    f"says: only one side keeps {only[:5]} in BF16; set qerl.ignore={dense} or leave it at its "
+                    f"default ({list(DEFAULT_IGNORE)}, which follows the block)")
+    if not found:
+        return qerl
+    for key, value in found.items():
+        if _get(config, "qerl") is not None:  # a later read_qerl of the top-level block sees the same values
+            _set(config, f"qerl.{key}", list(value) if key == "ignore" else value, [])
+        changes.append(f"qerl.{key}={list(value) if key == 'ignore' else value} (declared by {where})")
+    return dataclasses.replace(qerl, **found)
+
+
 def _vllm_quantize_at_load(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
     """Give vLLM's quantize-at-load the actor's scale rule and ignore list (passed only where not the default).
 
@@ -392,7 +471,7 @@ def _vllm_quantize_at_load(config: Any, qerl: QeRLConfig, changes: list[str]) ->
     path_format = checkpoint_format(_get(config, "actor_rollout_ref.model.path"))
     if qerl.mode != "nvfp4" or path_format not in (None, FORMAT_BF16):
         return  # a quantized model.path: vLLM and the actor both read its bytes
-    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides"
+    key = HF_OVERRIDES
     overrides = dict(_plain(_get(config, key, {})) or {})
     have = overrides.get("quantization_config")
     want = {"quant_method": VLLM_QUANTIZATION["nvfp4"], "scale_rule": qerl.scale_rule, "ignore": list(qerl.ignore)}
@@ -457,6 +536,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
                               "one); keep lm_head in qerl.ignore, e.g. qerl.ignore=[lm_head,down_proj]")
     _check_run_length(config, qerl)
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
+    qerl = _follow_declared_block(config, qerl, changes)
     _check_ignore_against_model_path(config, qerl)
     if qerl.mode == "nvfp4":
         _check_twin_folder(qerl)
