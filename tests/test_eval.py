@@ -75,3 +75,32 @@ def test_evaluate_refuses_missing_inputs(tmp_path):
     res = subprocess.run([sys.executable, str(REPO / "examples/eval/evaluate.py"), "--model", str(tmp_path / "nope"),
                           "--data", str(tmp_path / "nope.parquet")], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_max_lora_rank_is_one_vllm_accepts():
+    """vLLM takes only a few max_lora_rank values; max(8, rank) made its constructor refuse a rank-12 adapter."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from verl_qerl.testing.scripts import load_script
+
+    ev = load_script("examples/eval/evaluate.py", "evaluate_script")
+    allowed = set(typing.get_args(MaxLoRARanks))
+    for rank, want in ((1, 1), (4, 8), (8, 8), (12, 16), (24, 32), (48, 64), (320, 320)):
+        assert ev.vllm_max_lora_rank(rank) == want and want in allowed
+    with pytest.raises(ValueError, match="above the largest max_lora_rank"):
+        ev.vllm_max_lora_rank(4096)
+
+
+def test_evaluate_refuses_a_zero_limit_and_an_out_folder_that_does_not_exist(tmp_path):
+    """--limit 0 evaluated every prompt; --out in a missing folder failed only after the whole evaluation."""
+    data, model = tmp_path / "d.parquet", tmp_path / "m"
+    data.write_bytes(b"")
+    model.mkdir()
+    base = [sys.executable, str(REPO / "examples/eval/evaluate.py"), "--model", str(model), "--data", str(data)]
+    res = subprocess.run([*base, "--limit", "0"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--limit 0: give at least 1 prompt" in res.stderr
+    res = subprocess.run([*base, "--out", str(tmp_path / "no" / "r.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "--out" in res.stderr

@@ -42,13 +42,35 @@ def pass_at_1(data_sources: list[str], truths: list[str], completions: list[list
     return per_prompt, sum(per_prompt) / len(per_prompt)
 
 
+#: vLLM's accepted ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``), read from vLLM where it has them
+_VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank`` (vLLM takes only a few values:
+    ``max(8, rank)`` made its constructor refuse adapters of rank 12, 24, 48...)."""
+    allowed = _VLLM_MAX_LORA_RANKS
+    try:
+        import typing
+
+        from vllm.config.lora import MaxLoRARanks
+
+        allowed = tuple(sorted(typing.get_args(MaxLoRARanks))) or allowed
+    except ImportError:  # another vLLM layout: the values above (vLLM 0.24 / 0.32)
+        pass
+    for value in allowed:
+        if value >= rank:
+            return value
+    raise ValueError(f"adapter rank {rank} is above the largest max_lora_rank vLLM accepts ({allowed[-1]})")
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     import pandas as pd
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
     frame = pd.read_parquet(args.data)
-    if args.limit:
+    if args.limit is not None:
         frame = frame.iloc[: args.limit]
     llm_kwargs = dict(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
                       gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
@@ -56,7 +78,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         llm_kwargs["quantization"] = args.quantization
     if args.adapter:
         rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
-        llm_kwargs.update(enable_lora=True, max_lora_rank=max(8, rank), max_loras=1)
+        llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(rank), max_loras=1)
     llm = LLM(**llm_kwargs)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True)
@@ -103,10 +125,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapter and not (Path(args.adapter) / "adapter_config.json").is_file():
         print(f"evaluate: error: --adapter {args.adapter} has no adapter_config.json", file=sys.stderr)
         return 2
+    if args.limit is not None and args.limit < 1:
+        print(f"evaluate: error: --limit {args.limit}: give at least 1 prompt (leave it out for all)", file=sys.stderr)
+        return 2
+    if args.out and not Path(args.out).expanduser().parent.is_dir():  # checked before the whole evaluation runs
+        print(f"evaluate: error: --out {args.out}: folder {Path(args.out).expanduser().parent} does not exist",
+              file=sys.stderr)
+        return 2
+    if args.adapter:
+        rank = json.loads((Path(args.adapter) / "adapter_config.json").read_text())["r"]
+        try:
+            vllm_max_lora_rank(rank)
+        except ValueError as err:
+            print(f"evaluate: error: --adapter {args.adapter}: {err}", file=sys.stderr)
+            return 2
     result = evaluate(args)
     print(json.dumps(result, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        Path(args.out).expanduser().write_text(json.dumps(result, indent=1))
     return 0
 
 
