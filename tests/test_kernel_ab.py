@@ -87,3 +87,11 @@ def test_script_without_a_gpu_stops_at_the_build_and_archives_the_logs(tmp_path:
     with tarfile.open(out / "ab.tgz") as tar:
         assert tar.getnames()  # the archive exists (the refusals are in the call's output)
     assert "is not a staged repository copy" in run.stderr
+
+
+def test_script_refuses_a_bad_round_count(tmp_path: Path) -> None:
+    (tmp_path / "h").mkdir()
+    (tmp_path / "c").mkdir()
+    run = subprocess.run(["bash", str(AB), str(tmp_path / "h"), str(tmp_path / "c")], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ, OUT=str(tmp_path / "out"), AB_ROUNDS="0"))
+    assert run.returncode == 2 and "AB_ROUNDS=0 is not a positive integer" in run.stderr
