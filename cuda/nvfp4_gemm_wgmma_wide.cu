@@ -305,7 +305,9 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
         if (st < count) load_stage((g0 + st) % WD_SLOTS, st);
     }
     if constexpr (kLora) {
-      // the slot the prologue left free (refilled only after the loop's first CTA barrier)
+      // the slot the prologue left free (refilled only after the loop's first CTA barrier). (It is the slot the
+      // previous segment's copy-engine store read from; the LoRA kernel has no such store: were one added, its
+      // store_wait_read would have to come before this.)
       const int free_slot = (g0 + PF) % WD_SLOTS;
       wide_lora_start(acc[0], *lora, smem + free_slot * WD_SLOT_BYTES, smem_base + free_slot * WD_SLOT_BYTES,
                       kb == 0, ntile * WD_ROWS, m0, M, N, gscale);

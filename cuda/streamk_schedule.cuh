@@ -311,7 +311,8 @@ __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int f
 // fix_up_split_tile a two-segment tile's end moves one partial instead of three, and the first segment's write is off
 // the critical path where it ends early (NOTES "Twentieth round"). The last arrival waits only for CTAs that have
 // arrived, so are running and publish without waiting on anything: never for a CTA that may not have started.
-// Counter: +1 per arrival (low 16 bits), +2^16 per published partial; the last re-zeroes it. `sync`, `leader`, `flag`
+// Counter: +1 per arrival (low 16 bits), +2^16 per published partial; the last re-zeroes it (n <= K / 128 stays far
+// below 2^15 for any real layer). `sync`, `leader`, `flag`
 // as in fix_up_split_tile; the caller's barrier after the tile's end protects `flag` from the next segment.
 template <class Sync, class StoreMine, class SumParts>
 __device__ __forceinline__ bool fix_up_arrive_first(int* counters, int tile, int n, bool leader, int& flag,
