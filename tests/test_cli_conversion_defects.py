@@ -268,3 +268,32 @@ def test_quantize_uses_the_sources_declared_scale_rule_and_refuses_another(tiny_
     assert "config.json: quantization_config.scale_rule='fp32' but scale_rule='bf16' (--scale-rule)" in err, err
     assert not (tmp_path / "x").exists()
     assert quantize_checkpoint(src, tmp_path / "same", scale_rule="fp32").scale_rule == "fp32"
+
+
+def assert_ct_readers_see_the_stored_layers(folder: Path) -> None:
+    """compressed-tensors' own ignore matcher (what vLLM's stock loader and transformers apply) on the written
+    ``quantization_config.ignore``: it takes every Linear stored dense as ignored and no NVFP4-stored one."""
+    from compressed_tensors.utils.match import match_name
+
+    reader = CheckpointReader(folder)
+    ignore = reader.config["quantization_config"]["ignore"]
+    nvfp4 = set(reader.nvfp4_modules())
+    dense = [n.removesuffix(".weight") for n in reader.names()
+             if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert nvfp4 and dense
+    for name in dense:
+        assert any(match_name(name, p) for p in ignore), (name, ignore)
+    for name in nvfp4:
+        assert not any(match_name(name, p) for p in ignore), (name, ignore)
+
+
+def test_quantize_writes_an_ignore_list_compressed_tensors_readers_match(tiny_bf16, tmp_path):
+    """``--ignore down_proj`` (a dotted suffix to verl-qerl) was written verbatim into quantization_config.ignore;
+    compressed-tensors, vLLM's stock loader and transformers match ignore entries exactly (or ``re:``), so they took
+    the BF16 down_proj layers for NVFP4 ones (transformers left them random: NaN logits)."""
+    quantize_checkpoint(tiny_bf16, tmp_path / "q", ignore=["down_proj"])
+    assert_ct_readers_see_the_stored_layers(tmp_path / "q")
+    assert sorted(CheckpointReader(tmp_path / "q").quant_config["ignore"]) == [
+        "lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    quantize_checkpoint(tiny_bf16, tmp_path / "re", ignore=["re:.*self_attn.*"])
+    assert_ct_readers_see_the_stored_layers(tmp_path / "re")

@@ -196,7 +196,8 @@ def test_a_misspelled_ignore_pattern_is_refused_by_name(tmp_path, dtype):
         export_merged(pm, tmp_path / "out", dtype=dtype, ignore=["lm_head", "donw_proj"])
     assert not list(tmp_path.iterdir())
     out = export_merged(pm, tmp_path / "ok", dtype="nvfp4", ignore=["lm_head", "down_proj"])
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head", "down_proj"]
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == [
+        "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj", "lm_head"]  # full names, as written
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,3 +293,23 @@ def test_an_export_killed_by_sigterm_leaves_no_half_written_folder_and_a_retry_w
     assert (done / "config.json").is_file() and (done / "tokenizer.json").is_file()
     assert (done / "model.safetensors.index.json").is_file() and not list(done.glob("*.tmp.*"))
     _assert_same_logits(done, _logits(pm))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_nvfp4_export_writes_an_ignore_list_compressed_tensors_readers_match(tmp_path, tied):
+    """``ignore=["lm_head", "down_proj"]`` was written verbatim; compressed-tensors / vLLM's stock loader /
+    transformers read ignore entries as exact names (or ``re:``), so they expected NVFP4 tensors for the BF16
+    down_proj layers. The written list names every Linear kept dense, the tied head included."""
+    from compressed_tensors.utils.match import match_name
+
+    from verl_qerl.modeling import export_merged, get_lora_model, quantize_model
+
+    pm = get_lora_model(quantize_model(_tiny("qwen2", tied=tied), "nvfp4", ignore=["lm_head", "down_proj"]), r=4)
+    out = export_merged(pm, tmp_path / "out", dtype="nvfp4", ignore=["lm_head", "down_proj"])
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    keys = _keys(out)
+    nvfp4 = {k.removesuffix(".weight_packed") for k in keys if k.endswith(".weight_packed")}
+    linear = [n for n, m in _tiny("qwen2", tied=tied).named_modules() if isinstance(m, nn.Linear)]
+    assert nvfp4 and len(nvfp4) == 2 * 6
+    for name in linear:
+        assert any(match_name(name, p) for p in ignore) == (name not in nvfp4), (name, ignore)

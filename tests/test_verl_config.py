@@ -474,7 +474,7 @@ def test_scale_rule_reaches_vllm_only_where_vllm_quantizes(tiny_nvfp4):
     assert OmegaConf.select(cfg, HF_OVERRIDES) is None
 
 
-def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_nvfp4):
+def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_bf16, tmp_path):
     """qerl.ignore decides which layers the actor keeps in BF16; vLLM's quantize-at-load must keep the same ones (it
     read only its own default, lm_head, before: the README's qerl.ignore=[lm_head,down_proj] trained BF16 down_proj
     layers while the rollout sampled from NVFP4 ones)."""
@@ -499,8 +499,12 @@ def test_ignore_list_reaches_vllm_where_vllm_quantizes(tiny_nvfp4):
     with pytest.raises(QeRLConfigError, match=r"conflicts with qerl.scale_rule=bf16 / qerl.ignore=\['lm_head', "
                                               r"'down_proj'\]"):
         apply_qerl(cfg)
-    # NVFP4 model.path: both sides read its bytes and its own ignore list
-    cfg = composed("+qerl=nvfp4", "qerl.ignore=[lm_head,down_proj]", f"actor_rollout_ref.model.path={tiny_nvfp4}")
+    # NVFP4 model.path (made keeping down_proj dense): both sides read its bytes and its own ignore list
+    from verl_qerl.checkpoint_conversion import quantize_checkpoint
+
+    quantize_checkpoint(tiny_bf16, tmp_path / "nvfp4", ignore=["down_proj"])
+    cfg = composed("+qerl=nvfp4", "qerl.ignore=[lm_head,down_proj]",
+                   f"actor_rollout_ref.model.path={tmp_path / 'nvfp4'}")
     apply_qerl(cfg)
     assert OmegaConf.select(cfg, HF_OVERRIDES) is None
 
@@ -649,3 +653,18 @@ def test_an_explicit_qerl_value_against_model_paths_declared_block_is_refused(ti
     with pytest.raises(QeRLConfigError, match=r"qerl.scale_rule='fp32' conflicts with .*config.json: "
                                               r"quantization_config.scale_rule='bf16'"):
         apply_qerl(composed("+qerl=nvfp4", path, "qerl.scale_rule=fp32"))
+
+
+def test_ignore_keeping_layers_the_nvfp4_base_stores_quantized_is_refused_at_the_driver(tiny_nvfp4, tiny_bf16):
+    """README's ``qerl.ignore=[lm_head,down_proj]`` against an NVFP4 checkpoint made with the default ignore: the
+    driver passed it and the actor failed after Ray / vLLM start-up, naming ``ignore=``. Refused now, naming the key,
+    the folder, the layers and the fix; from an NVFP4 model.path and from a qerl.quantized_checkpoint alike."""
+    ignore = "qerl.ignore=[lm_head,down_proj]"
+    with pytest.raises(QeRLConfigError, match=rf"qerl.ignore=\['lm_head', 'down_proj'\] keeps 2 layer\(s\) in BF16 "
+                                              rf"that actor_rollout_ref.model.path='{tiny_nvfp4}' stores in NVFP4 "
+                                              r"\(e.g. model.layers.0.mlp.down_proj.*--ignore down_proj"):
+        apply_qerl(composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tiny_nvfp4}", ignore))
+    with pytest.raises(QeRLConfigError, match=rf"that qerl.quantized_checkpoint='{tiny_nvfp4}' stores in NVFP4"):
+        apply_qerl(composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tiny_bf16}",
+                            f"qerl.quantized_checkpoint={tiny_nvfp4}", ignore))
+    assert apply_qerl(composed("+qerl=nvfp4", f"actor_rollout_ref.model.path={tiny_nvfp4}")).ignore == ("lm_head",)

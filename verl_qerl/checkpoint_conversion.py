@@ -344,8 +344,10 @@ def quantize_checkpoint(
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         config = dict(reader.config)
         config.pop("compression_config", None)
-        untargeted = [m for m in linear if m not in wanted and not matches_pattern(m, patterns)]
-        config["quantization_config"] = ct_quantization_config(patterns + untargeted)
+        # every Linear left dense, by its full name: compressed-tensors, vLLM's stock loader and transformers
+        # match ignore entries exactly (or as re:), so a bare suffix such as "down_proj" matched no layer there
+        # and they read the BF16 down_proj as NVFP4 (transformers left it random); our readers take names too
+        config["quantization_config"] = ct_quantization_config(m for m in linear if m not in target_set)
         config[SCALE_RULE_KEY] = scale_rule
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         for path in sorted(src.iterdir()):

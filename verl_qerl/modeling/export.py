@@ -362,6 +362,7 @@ def export_merged(
     routes = _routes(base)
     layers = _linear_layers(base, routes)
     ignore = _check_ignore(ignore, list(layers))
+    linear_names = list(layers)  # with a tied head, which is written as the embedding alone (dense)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     untie = tied and _head_is_own(base)
     tied = tied and not untie
@@ -380,9 +381,11 @@ def export_merged(
         cfg, have = _bias_config(base, cfg, new_bias)
         biases.update({n: torch.zeros(layers[n].out_features) for n in have if n in layers and biases[n] is None})
     if key == "nvfp4":
-        kept_dense = [n for g, group in groups.items() if not quantized[g] for n in group]
-        dense_linear = [n for n in kept_dense if not any(matches_pattern(n, [p]) for p in ignore)]
-        cfg["quantization_config"] = ct_quantization_config(ignore + dense_linear)
+        # full names of the Linear layers written dense, as llm-compressor writes them: compressed-tensors, vLLM's
+        # stock loader and transformers read ignore entries as exact names (or re:), not the dotted suffixes
+        # ``ignore`` may hold, so "down_proj" there would have them expect NVFP4 tensors of a BF16 layer
+        cfg["quantization_config"] = ct_quantization_config(
+            n for n in linear_names if n not in layers or not quantized[fused_group(n)])
         cfg[SCALE_RULE_KEY] = scale_rule
 
     stage, made = make_temp_folder(out, shown, tag="partial")

@@ -66,7 +66,9 @@ class PatternError(ValueError):
 
 
 def ct_quantization_config(ignore: Iterable[str] = DEFAULT_IGNORE) -> dict:
-    """The ``quantization_config`` block of an NVFP4A16 compressed-tensors checkpoint."""
+    """The ``quantization_config`` block of an NVFP4A16 compressed-tensors checkpoint; ``ignore``: the full names
+    of the Linear layers stored dense (compressed-tensors and vLLM's stock loader take an ignore entry as an exact
+    name or ``re:<regex>`` only, never as the dotted suffix :func:`matches_pattern` also accepts)."""
     weights = {
         "actorder": None,
         "block_structure": None,
@@ -110,7 +112,8 @@ def ct_tensors(module: str, weight: NVFP4Weight) -> dict[str, torch.Tensor]:
 
 
 def matches_pattern(module: str, patterns: Iterable[str]) -> bool:
-    """compressed-tensors' ignore/target rule: an exact module name, a dotted suffix, or ``re:<regex>``."""
+    """verl-qerl's ignore/target rule: an exact module name, a dotted suffix, or ``re:<regex>``. compressed-tensors
+    takes the exact name and ``re:`` forms only, so what is written into a checkpoint is full names."""
     for pat in patterns:
         if pat.startswith("re:"):
             if re.match(pat[3:], module):

@@ -386,6 +386,37 @@ def _check_ignore_against_model_path(config: Any, qerl: QeRLConfig) -> None:
     check_ignore_matches(linear, qerl)
 
 
+def _check_ignore_against_nvfp4_base(config: Any, qerl: QeRLConfig) -> None:
+    """``qerl.ignore`` against the NVFP4 checkpoint the actor's base is read from (an NVFP4 ``model.path``, else
+    ``qerl.quantized_checkpoint``), where the driver sees it: a layer the list keeps in BF16 that the checkpoint stores
+    in NVFP4 has no BF16 weight to train from. Refused here, naming the key, the folder and the layers; the actor
+    would otherwise fail only after Ray and vLLM started, with an error about ``ignore=``. Reads config.json and
+    the shard headers (tensor names) only."""
+    from pathlib import Path
+
+    from ..nvfp4.checkpoint import CheckpointError, CheckpointReader
+
+    path = _get(config, "actor_rollout_ref.model.path")
+    base = nvfp4_base_source(path, qerl)
+    if not base or checkpoint_format(base) in (None, FORMAT_BF16):
+        return  # no NVFP4 base, or one the driver does not see (the actor hook meets it)
+    key = "actor_rollout_ref.model.path" if base == str(path) else "qerl.quantized_checkpoint"
+    try:
+        stored = CheckpointReader(Path(str(base)).expanduser()).nvfp4_modules()
+    except CheckpointError as err:
+        raise QeRLConfigError(f"{key}={str(base)!r}: {err}") from err
+    conflicts = [m for m in stored if matches_pattern(m, qerl.ignore)]
+    if not conflicts:
+        return
+    patterns = [p for p in qerl.ignore if any(matches_pattern(m, [p]) for m in conflicts)]
+    flags = " ".join(f"--ignore {p}" for p in patterns if p not in DEFAULT_IGNORE)
+    raise QeRLConfigError(
+        f"qerl.ignore={list(qerl.ignore)} keeps {len(conflicts)} layer(s) in BF16 that {key}={str(base)!r} stores in "
+        f"NVFP4 (e.g. {', '.join(conflicts[:3])}; pattern(s) {patterns}): the checkpoint holds no BF16 weights for "
+        f"them to train from; drop {patterns} from qerl.ignore, or quantize the BF16 model again keeping them dense "
+        f"(qerl-quantize SRC DST {flags or '--ignore PATTERN'}) and point {key} at that folder")
+
+
 def _follow_declared_block(config: Any, qerl: QeRLConfig, changes: list[str]) -> QeRLConfig:
     """``qerl`` with the ignore list / scale rule that a local BF16 ``model.path`` declares in a ``qerl_nvfp4``
     quantize-at-load ``quantization_config`` of its config.json.
@@ -540,6 +571,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
     _check_ignore_against_model_path(config, qerl)
     if qerl.mode == "nvfp4":
         _check_twin_folder(qerl)
+        _check_ignore_against_nvfp4_base(config, qerl)
         _check_twin_scale_rule(config, qerl)
     rollout = _get(config, "actor_rollout_ref.rollout.name")
     if rollout != "vllm":
