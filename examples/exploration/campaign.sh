@@ -10,6 +10,8 @@
 #   BUDGET_S   total wall seconds (default 540)     SFT_S  SFT training seconds (default 120)
 #   RESERVE_S  seconds kept for summary + packing (default 30)
 #   WORKDIR    scratch (default /tmp/qx; keep it short)   QERL_DEVICE gpu (default) | cpu
+#              Only the script's own entries in it (data model runs logs probe.json exploration-*, marked by
+#              .qerl-campaign) are ever removed; OUT may not lie inside WORKDIR when `problems` starts it afresh.
 #   PROBLEM_ARGS / SFT_ARGS / ARM_ARGS   extra flags for problems.py / sft.py / run_arms.py
 #   PHASES     comma list of problems,sft,probe,arms,summary (default all; probe = entropy_probe.py, the
 #              step-0 paired entropy of bf16 / nvfp4 / nvfp4+AQN on the SFT policy, seconds on a GPU). Without `problems` the data and SFT
@@ -20,20 +22,40 @@
 # Degrades gracefully: runs still going at the deadline are killed (whole process trees) and whatever they
 # logged is summarized; a failed step is reported and the rest still packs.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+die() { echo "campaign.sh: $*" >&2; exit 2; }
 OUT=${OUT:?set OUT to an output folder}
+W=${WORKDIR:-/tmp/qx}
+# absolute (symlinks resolved) before the cd to the repository: relative paths are the caller's
+OUT=$(realpath -m -- "$OUT") && W=$(realpath -m -- "$W") || die "cannot resolve OUT / WORKDIR"
+if [[ ${PYTHON:-} == */* ]]; then PYTHON=$(realpath -m -- "$PYTHON"); fi  # a bare name is looked up on PATH
+cd "$(dirname "$0")/../.." || die "cannot cd to the repository"
 PY=${PYTHON:-python3}
 SEEDS=${SEEDS:-3}; STEPS=${STEPS:-30}; BUDGET_S=${BUDGET_S:-540}; SFT_S=${SFT_S:-120}; RESERVE_S=${RESERVE_S:-30}
 ARMS=${ARMS:-bf16,nvfp4_noaqn,nvfp4}
-W=${WORKDIR:-/tmp/qx}
 DEVICE=${QERL_DEVICE:-gpu}
 T0=$(date +%s); DEADLINE=$((T0 + BUDGET_S))
-mkdir -p "$OUT"
 PHASES=${PHASES:-problems,sft,probe,arms,summary}
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
-if has problems; then rm -rf "$W"; elif [ "${KEEP_RUNS:-0}" = 1 ]; then rm -rf "$W/logs"; else rm -rf "$W/runs" "$W/logs"; fi
-mkdir -p "$W/logs" "$W/runs"
-CLOG="$OUT/campaign.log"; : > "$CLOG"
+# What this script creates in WORKDIR, and so may remove there; never WORKDIR itself nor anything else in it (a
+# WORKDIR of `.` or $HOME keeps its other files). The marker says that these entries were made by this script.
+MARK="$W/.qerl-campaign"
+if has problems; then
+  CLEAN=(data model runs logs probe.json exploration-*.json exploration-*.md exploration-*.png)
+  case "$OUT/" in "${W%/}"/*) die "OUT=$OUT lies inside WORKDIR=$W, which PHASES=$PHASES starts afresh: use an OUT outside it";; esac
+elif [ "${KEEP_RUNS:-0}" = 1 ]; then CLEAN=(logs)
+else CLEAN=(runs logs); fi
+EXISTING=()
+for e in "${CLEAN[@]}"; do
+  for p in "$W"/$e; do [ -e "$p" ] || [ -L "$p" ] && EXISTING+=("$p"); done
+  case "$OUT/" in "${W%/}/$e"/*) die "OUT=$OUT lies inside $W/$e, which this call removes: use an OUT outside it";; esac
+done
+if [ ${#EXISTING[@]} -gt 0 ] && [ ! -f "$MARK" ]; then
+  die "WORKDIR=$W holds ${EXISTING[*]} but no $MARK: not made by this script, so not removed. Use a new or empty WORKDIR (or remove them yourself)"
+fi
+if [ ${#EXISTING[@]} -gt 0 ]; then rm -rf -- "${EXISTING[@]}" || die "cannot clean ${EXISTING[*]}"; fi
+mkdir -p "$OUT" || die "cannot create OUT=$OUT"
+mkdir -p "$W/logs" "$W/runs" && : > "$MARK" || die "cannot create WORKDIR=$W/{logs,runs}"
+CLOG="$OUT/campaign.log"; : > "$CLOG" || die "cannot write $CLOG"
 log() { echo "[campaign +$(( $(date +%s) - T0 ))s] $*" | tee -a "$CLOG"; }
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # shellcheck disable=SC2206

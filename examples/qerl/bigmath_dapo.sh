@@ -12,6 +12,7 @@ SIZE=${1:?SIZE (3B|7B|14B|32B)}; VARIANT=${2:?VARIANT (qerl|nvfp4|lora|qlora)}; 
 DATA=${DATA_DIR:-$HOME/data}
 MAXLEN=${MAX_RESPONSE:-8192}
 qerl_base_args "$SIZE" "$VARIANT"
+TRAIN=$(qerl_hydra_path "$DATA/bigmath/train.parquet"); VAL=$(qerl_hydra_path "$DATA/math500/test.parquet")
 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   algorithm.use_kl_in_reward=False \
@@ -23,7 +24,7 @@ exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
   +reward.reward_kwargs.overlong_buffer_cfg.len=$((MAXLEN / 4)) \
   +reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 \
   +reward.reward_kwargs.overlong_buffer_cfg.log=False \
-  data.train_files="$DATA/bigmath/train.parquet" data.val_files="$DATA/math500/test.parquet" \
+  data.train_files="$TRAIN" data.val_files="$VAL" \
   data.max_prompt_length=1024 data.max_response_length=$MAXLEN \
   actor_rollout_ref.rollout.n=16 \
   actor_rollout_ref.actor.ppo_mini_batch_size=${TRAIN_BATCH_SIZE:-128} \

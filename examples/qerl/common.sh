@@ -12,6 +12,18 @@ qerl_model_path() {  # SIZE -> the Qwen2.5-*-Instruct checkpoint (local folder; 
   echo "${MODEL_PATH:-${MODELS_DIR:-$HOME/models}/Qwen2.5-$1-Instruct}"
 }
 
+qerl_hydra_path() {  # PATH -> the path as a hydra override value (verl_qerl.verl.launch.path_value): quoted where
+  # hydra would misread it (`,` `(` `'` ...) and `${` kept literal for OmegaConf. A plain absolute path is already
+  # its own value (the same answer path_value gives) and needs no interpreter.
+  if [[ $1 == /* && $1 =~ ^[A-Za-z0-9_/.+@%-]+$ ]]; then printf '%s\n' "$1"; return 0; fi
+  local v
+  v=$("${PYTHON:-python3}" -c 'import sys; from verl_qerl.verl.launch import path_value; print(path_value(sys.argv[1]))' \
+      "$1") && [ -n "$v" ] \
+    || { echo "common.sh: cannot quote the path '$1' for hydra with ${PYTHON:-python3} (is verl_qerl installed?)" >&2
+         return 1; }
+  printf '%s\n' "$v"
+}
+
 qerl_vllm_mem() {  # the paper's vLLM memory budget per size (App. J), identical across variants
   case "$1" in 3B) echo 0.20 ;; 7B) echo 0.30 ;; 14B) echo 0.45 ;; 32B) echo 0.40 ;; *) echo 0.40 ;; esac
 }
@@ -28,10 +40,11 @@ qerl_variant_args() {  # VARIANT -> overrides that select the base-weight format
 
 qerl_base_args() {  # SIZE VARIANT -> QERL_ARGS shared by GRPO and DAPO runs
   local size=$1 variant=$2
-  local vargs
+  local vargs model
   vargs=$(qerl_variant_args "$variant")
+  model=$(qerl_hydra_path "$(qerl_model_path "$size")")
   QERL_ARGS=(
-    actor_rollout_ref.model.path="$(qerl_model_path "$size")"
+    actor_rollout_ref.model.path="$model"
     actor_rollout_ref.model.lora_rank=32                # paper: rank 32 in the main experiments
     actor_rollout_ref.model.lora_alpha=32
     actor_rollout_ref.model.enable_gradient_checkpointing=True

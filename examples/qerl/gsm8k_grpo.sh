@@ -9,11 +9,12 @@ source "$HERE/common.sh"
 SIZE=${1:?SIZE (3B|7B|14B|32B)}; VARIANT=${2:?VARIANT (qerl|nvfp4|lora|qlora)}; shift 2
 DATA=${DATA_DIR:-$HOME/data}/gsm8k
 qerl_base_args "$SIZE" "$VARIANT"
+TRAIN=$(qerl_hydra_path "$DATA/train.parquet"); VAL=$(qerl_hydra_path "$DATA/test.parquet")
 exec "${PYTHON:-python3}" -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   algorithm.use_kl_in_reward=False \
   actor_rollout_ref.actor.use_kl_loss=False \
-  data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \
+  data.train_files="$TRAIN" data.val_files="$VAL" \
   data.max_prompt_length=256 data.max_response_length=${MAX_RESPONSE:-4096} \
   actor_rollout_ref.rollout.n=8 \
   actor_rollout_ref.actor.ppo_mini_batch_size=32 \

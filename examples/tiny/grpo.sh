@@ -5,14 +5,30 @@
 # usage: bash examples/tiny/grpo.sh [VARIANT=nvfp4|nvfp4_noaqn|bf16] [extra hydra overrides...]
 # The tiny model is random, so the reward adds a dense shaping term (examples/tiny/reward.py) and the learning
 # rate is high (LR=2e-2): the run shows adapters training and reaching the rollout, not a useful policy.
-#   WORKDIR (default runs/tiny), STEPS (default 3), PYTHON (default .venv/bin/python)
+#   WORKDIR (default runs/tiny), STEPS (default 3), PYTHON (default .venv/bin/python),
+#   VERL_FILE_LOGGER_PATH (default $WORKDIR/metrics-$VARIANT.jsonl)
 set -euo pipefail
+# paths given relative to the caller's folder stay so: made absolute before the cd to the repository
+abs() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
+if [ -n "${WORKDIR:-}" ]; then WORKDIR=$(abs "$WORKDIR"); fi
+if [ -n "${VERL_FILE_LOGGER_PATH:-}" ]; then VERL_FILE_LOGGER_PATH=$(abs "$VERL_FILE_LOGGER_PATH"); fi
+if [[ ${PYTHON:-} == */* ]]; then PYTHON=$(abs "$PYTHON"); fi  # a bare name (python3) is looked up on PATH
 cd "$(dirname "$0")/../.."
 VARIANT=${1:-nvfp4}; [ $# -gt 0 ] && shift
 W=${WORKDIR:-runs/tiny}
 PY=${PYTHON:-.venv/bin/python}
+hydra_path() {  # PATH -> the path as a hydra override value (verl_qerl.verl.launch.path_value): quoted where hydra
+  # would misread it (`,` `(` `'` ...) and `${` kept literal for OmegaConf; a plain absolute path is its own value
+  if [[ $1 == /* && $1 =~ ^[A-Za-z0-9_/.+@%-]+$ ]]; then printf '%s\n' "$1"; return 0; fi
+  local v
+  v=$("$PY" -c 'import sys; from verl_qerl.verl.launch import path_value; print(path_value(sys.argv[1]))' "$1") \
+    && [ -n "$v" ] || { echo "grpo.sh: cannot quote the path '$1' for hydra with $PY" >&2; return 1; }
+  printf '%s\n' "$v"
+}
 "$PY" examples/tiny/prepare.py "$W"
 W=$(realpath "$W")   # Ray workers read these paths from other working directories
+TRAIN=$(hydra_path "$W/data/train.parquet"); VAL=$(hydra_path "$W/data/test.parquet")
+MODEL=$(hydra_path "$W/model"); REWARD=$(hydra_path "$(pwd)/examples/tiny/reward.py")
 DEVICE=${QERL_DEVICE:-$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')}
 # Each run gets its own Ray temp dir (unless RAY_TMPDIR is given), so that afterwards exactly this run's Ray
 # processes can be stopped: `ray stop` would stop every Ray cluster on the machine, other users' runs included.
@@ -46,12 +62,12 @@ set +e
 timeout ${TIMEOUT:-900} "$PY" -m verl.trainer.main_ppo \
   +qerl="$VARIANT" "${AQN_ARGS[@]}" \
   algorithm.adv_estimator=grpo \
-  data.train_files="$W/data/train.parquet" data.val_files="$W/data/test.parquet" \
+  data.train_files="$TRAIN" data.val_files="$VAL" \
   data.train_batch_size=4 data.max_prompt_length=96 data.max_response_length=24 data.dataloader_num_workers=0 \
-  actor_rollout_ref.model.path="$W/model" \
+  actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16 \
   actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=${LR:-2e-2} \
-  reward.custom_reward_function.path="$(pwd)/examples/tiny/reward.py" reward.custom_reward_function.name=compute_score \
+  reward.custom_reward_function.path="$REWARD" reward.custom_reward_function.name=compute_score \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=2 \
