@@ -12,28 +12,66 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+#: The folders this script writes under --workdir; nothing else there is touched.
+OUTPUTS = ("tiny-bf16", "tiny-nvfp4")
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--workdir", default="runs/default", help="where the tiny model and its NVFP4 copy go")
-    args = ap.parse_args()
-    work = Path(args.workdir)
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def write_outputs(work: Path, build: Callable[[Path], None]) -> tuple[Path, Path]:
+    """Have ``build(staging)`` write :data:`OUTPUTS` into a fresh folder, then move them into ``work``.
+
+    Only ``work/tiny-bf16`` and ``work/tiny-nvfp4`` are replaced (each by a rename, once both new ones are
+    complete); other files in ``work`` are kept. If ``build`` fails, ``work`` is left as it was.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".quantize_tiny-", dir=work))
+    try:
+        build(staging)
+        missing = [name for name in OUTPUTS if not (staging / name).is_dir()]
+        if missing:
+            raise RuntimeError(f"{staging}: the build did not write {missing}")
+        for name in OUTPUTS:
+            old = staging / f"{name}.old"
+            if (work / name).exists() or (work / name).is_symlink():
+                (work / name).rename(old)  # out of the way first; removed below with the staging folder
+            (staging / name).rename(work / name)
+    finally:
+        _remove(staging)
+    return work / OUTPUTS[0], work / OUTPUTS[1]
+
+
+def _build(staging: Path) -> None:
     from verl_qerl.testing.tiny import make_tiny_model
 
     t0 = time.perf_counter()
-    bf16 = make_tiny_model(work / "tiny-bf16")
-    print(f"[default] tiny Qwen2 written to {bf16} ({time.perf_counter() - t0:.1f} s)")
-    nvfp4 = work / "tiny-nvfp4"
-    subprocess.run([sys.executable, "-m", "verl_qerl.cli.quantize", str(bf16), str(nvfp4)], check=True)
+    bf16 = make_tiny_model(staging / OUTPUTS[0])
+    print(f"[default] tiny Qwen2 written ({time.perf_counter() - t0:.1f} s)")
+    subprocess.run([sys.executable, "-m", "verl_qerl.cli.quantize", str(bf16), str(staging / OUTPUTS[1])],
+                   check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workdir", default="runs/default",
+                    help="where the tiny model and its NVFP4 copy go (its tiny-bf16 and tiny-nvfp4 folders are "
+                    "replaced; other files there are kept)")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    bf16, nvfp4 = write_outputs(work, _build)
+    print(f"[default] wrote {bf16} and {nvfp4}")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils.quantization_config import CompressedTensorsConfig

@@ -394,8 +394,10 @@ def summarize(runs_dir: Path, out_dir: Path, *, device: str | None = None, early
         "settings": {"early_k": early_k, "horizon": horizon, "seeds": sorted({r["seed"] for r in runs.values()}),
                      "reward_threshold": reward_threshold, "reward_gain": reward_gain,
                      "threshold_smoothing_window": smooth, "metrics": METRICS,
-                     "val_metric": sorted({r["val_key"] for r in runs.values() if r["val_key"]}),
-                     **{k: v for k, v in meta.items() if k in ("steps", "seeds", "lr", "launcher", "budget_s")}},
+                     "val_metric": sorted({r["val_key"] for r in runs.values() if r["val_key"]})},
+        # what the launcher recorded in meta.json (campaign.sh's "seeds" is a per-call seed count, not the
+        # seeds summarized: those are settings.seeds), kept apart so it cannot overwrite the settings above
+        "campaign_meta": {k: v for k, v in meta.items() if k in ("steps", "seeds", "lr", "launcher", "budget_s")},
         "targets": targets(arms, early_k, horizon),
         "arms": arms,
         "paired": pairs,

@@ -70,16 +70,57 @@ def score_level(model, tok, problems, max_new_tokens: int, batch: int, label: st
             "samples": samples}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_levels(text: str) -> list[str]:
+    """``--levels``: comma-separated names of :data:`LEVELS` (spaces around them allowed), each once."""
+    names = [name.strip() for name in text.split(",")]
+    if not names or any(not name for name in names):
+        raise ValueError(f"{text!r}: expected comma-separated level names from {list(LEVELS)}")
+    unknown = [name for name in names if name not in LEVELS]
+    if unknown:
+        raise ValueError(f"{text!r}: unknown level(s) {unknown}; choose from {list(LEVELS)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{text!r}: level(s) {repeated} given more than once")
+    return names
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, checked before any model is loaded (a bad value is an argparse error naming the flag)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="Hugging Face model folder")
-    parser.add_argument("--n", type=int, default=24, help="problems per level")
+    parser.add_argument("--n", type=int, default=24, help="problems per level (>= 1)")
     parser.add_argument("--levels", default=",".join(LEVELS), help=f"comma-separated subset of {list(LEVELS)}")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="write the results JSON here")
+    parser.add_argument("--out", default=None,
+                        help="write the results JSON here (rewritten after each level, so finished levels are kept)")
     args = parser.parse_args(argv)
+    try:
+        args.levels = parse_levels(args.levels)
+    except ValueError as err:
+        parser.error(f"--levels {err}")
+    for flag in ("n", "max_new_tokens", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.out is not None:
+        args.out = Path(args.out)
+        if not args.out.parent.is_dir():
+            parser.error(f"--out {args.out}: folder {args.out.parent} does not exist")
+        if args.out.is_dir():
+            parser.error(f"--out {args.out}: is a folder; give a file name")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     results = {"model": args.model, "n": args.n, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
                "levels": {}}
-    for name in args.levels.split(","):
+    for name in args.levels:
         t0 = time.perf_counter()
         problems = generate(args.n, "test", args.seed, LEVELS[name])
         res = score_level(model, tok, problems, args.max_new_tokens, args.batch, label=name)
@@ -97,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: strict {res['strict']:.2f} boxed {res['boxed']:.2f} numeric {res['numeric']:.2f} "
               f"lenient {res['lenient']:.2f} "
               f"(n={res['n']}, {res['mean_tokens']:.0f} tokens, {res['seconds']:.0f} s)", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        if args.out:  # after each level: an interrupted run keeps the levels it finished
+            write_json(args.out, results)
     return 0
 
 
