@@ -86,8 +86,8 @@ from kernel_variants import (  # noqa: E402
     BASELINE,
     TILE_VARIANTS,
     add_variant_ratios,
-    narrow_wgmma_tiles,
     parse_variants,
+    tile_variant,
     variant_applies,
     variant_lines,
 )
@@ -321,7 +321,7 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
         }
         for v in variants or []:
             if v != BASELINE and variant_applies(ext, v, m, n, k):
-                fns[f"kernel_{v}"] = (narrow_wgmma_tiles(ext, ours(TILE_VARIANTS[v], x)) if v in TILE_VARIANTS
+                fns[f"kernel_{v}"] = (tile_variant(ext, v, ours(TILE_VARIANTS[v], x)) if v in TILE_VARIANTS
                                       else ours(v, x))
         if bnb_mods:
             xb = x.unsqueeze(0) if m == 1 else x

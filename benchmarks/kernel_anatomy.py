@@ -41,12 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernel import ROT, capture_graph, interleaved_graph_ms, rotated_weights, run_header  # noqa: E402
 from kernel_common import DEV, random_nvfp4  # noqa: E402
+from kernel_variants import wide_tile_192  # noqa: E402
 from results_format import report_and_write  # noqa: E402
 
 from verl_qerl import kernels  # noqa: E402
 
 TILE_ROWS = 128    # weight rows per wide-kernel tile (cuda/nvfp4_gemm_wgmma_wide.cu, WD_ROWS)
-TILE_TOKENS = 256  # tokens per wide-kernel tile (WD_T)
 STAGE_K = 128      # K per pipeline stage (QERL_GEMM_BK)
 # N of the 7B GEMMs (qkv, o / down, gate_up) against K from a sixteenth to over five times the 7B hidden size
 SWEEP_NS = (4608, 3584, 37888)
@@ -55,8 +55,9 @@ NCU_SHAPES = ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))  # the 7
 
 
 def stages_per_cta(m: int, n: int, k: int, ctas: int) -> int:
-    """Stages the busiest CTA runs under stream-K (the wide kernel's unit split over ``ctas``)."""
-    tiles = math.ceil(n / TILE_ROWS) * math.ceil(m / TILE_TOKENS)
+    """Stages the busiest CTA runs under stream-K (the wide kernel's unit split over ``ctas``; its token tile
+    192 or 256 by M, as the op picks it)."""
+    tiles = math.ceil(n / TILE_ROWS) * math.ceil(m / (192 if wide_tile_192(m) else 256))
     return math.ceil(tiles * (k // STAGE_K) / ctas)
 
 

@@ -45,13 +45,15 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
             # the stream-K kernel: whole tiles, many partials, half tiles, M tails
             (17, 272, 128, "streamk", 0), (33, 400, 640, "streamk", 0), (100, 1040, 768, "streamk", 0),
             (200, 528, 896, "streamk", 0), (64, 4352, 3584, "streamk", 0),
-            # the register-A wgmma kernel (stream-K / split-K where it is unavailable): both token tiles,
-            # half 256-row tiles, partial segments, M tails
+            # the register-A wgmma kernel (stream-K / split-K where it is unavailable): every token tile,
+            # half 256-row tiles, partial segments, M tails (the wide kernel's 192-token tiles at M = 129 and 300,
+            # its last tile of 108 rows as part boxes; its 256-token tiles at M = 193 and 449)
             (1, 272, 128, "wgmma_rs", 0), (64, 1136, 640, "wgmma_rs", 0), (65, 4352, 3584, "wgmma_rs", 0),
-            (300, 528, 896, "wgmma_rs", 0), (129, 256, 1024, "wgmma_rs", 0),
-            # the 256-token kernel with two segments in some CTAs (stream-K: the next segment's first stages
-            # issued during a segment's end) or a 5-CTA cluster split: small enough for racecheck / synccheck
-            (300, 1024, 1280, "wgmma_rs", 0),
+            (300, 528, 896, "wgmma_rs", 0), (129, 256, 1024, "wgmma_rs", 0), (193, 256, 1024, "wgmma_rs", 0),
+            # the wide kernel (192- and 256-token tiles) with two segments in some CTAs (stream-K: the next
+            # segment's first stages issued during a segment's end) or a 5-CTA cluster split: small enough for
+            # racecheck / synccheck
+            (300, 1024, 1280, "wgmma_rs", 0), (449, 1024, 1280, "wgmma_rs", 0),
             # the 128-token tile on a weight small enough for racecheck / synccheck
             (100, 528, 896, "wgmma_rs", 0),
             # the wgmma SS kernel: the same, plus a tile split among several CTAs

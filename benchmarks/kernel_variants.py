@@ -14,11 +14,20 @@ VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 #: the variant every other one is compared with (always timed, first)
 BASELINE = "splitk"
 #: benchmark-only variants: a kernel the op also runs, with its tile choice moved (variant -> the kernel it times).
-#: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs 256-token ones (M >= 129),
-#: so both tile widths are timed side by side in one run.
-TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs"}
+#: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs its wide ones (M >= 129);
+#: ``wgmma_rs_t256``: the wide kernel held at 256-token tiles where the op runs 192-token ones (wide_tile_192): so
+#: the tile widths are timed side by side in one run.
+TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs", "wgmma_rs_t256": "wgmma_rs"}
 #: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
 NARROW_WIDE_MIN_M = 1 << 40
+#: the M from which the op runs the wide kernel (cuda/qerl_torch.cpp, g_wgmma_wide_min_m)
+WIDE_MIN_M = 129
+
+
+def wide_tile_192(m: int) -> bool:
+    """Whether the op runs the wide kernel's 192-token tiles at M (cuda/qerl_torch.cpp's wide_block_t: where
+    ceil(M / 192) tiles of 192 pad M less than ceil(M / 256) of 256)."""
+    return m >= WIDE_MIN_M and -(-m // 192) * 192 < -(-m // 256) * 256
 
 
 def parse_variants(text: str | None) -> list[str]:
@@ -41,7 +50,8 @@ def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa:
         return True
     if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
         kernel = TILE_VARIANTS[variant]
-        return m >= 129 and variant_applies(ext, kernel, m, n, k)
+        moved = wide_tile_192(m) if variant == "wgmma_rs_t256" else m >= WIDE_MIN_M
+        return moved and variant_applies(ext, kernel, m, n, k)
     return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
 
 
@@ -55,6 +65,23 @@ def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module,
         finally:
             ext.set_wgmma_wide_min_m(prev)
     return run
+
+
+def wide_256_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
+    """``fn`` run with the wide wgmma kernel held at 256-token tiles (no 192-token tiles; read at each call, as
+    narrow_wgmma_tiles)."""
+    def run(r):  # noqa: ANN001, ANN202
+        prev = ext.set_wgmma_wide_192(False)
+        try:
+            return fn(r)
+        finally:
+            ext.set_wgmma_wide_192(prev)
+    return run
+
+
+def tile_variant(ext, variant: str, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
+    """``fn`` run under the tile knob of TILE_VARIANTS entry ``variant``."""
+    return wide_256_tiles(ext, fn) if variant == "wgmma_rs_t256" else narrow_wgmma_tiles(ext, fn)
 
 
 def add_variant_ratios(row: dict, variants: list[str]) -> dict:

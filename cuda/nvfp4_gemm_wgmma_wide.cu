@@ -23,6 +23,7 @@
 //    from cuda/streamk_schedule.cuh; epilogue acc * (128 / global_scale) + bias -> bf16, rows < M and < N only.
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 #include "anatomy_stamps.cuh"
 #include "cluster_splitk.cuh"
@@ -39,25 +40,34 @@ QERL_ANATOMY_TABLE(qerl_anatomy_read_wide)  // (empty unless QERL_ANATOMY_STAMPS
 namespace qerl {
 namespace {
 
-constexpr int WD_T = 256;                     // tokens per tile
 constexpr int WD_ROWS = QERL_GEMM_BN;         // weight rows per tile: one 128-row tile of the repacked layout
 constexpr int WD_THREADS = 256;               // 2 warpgroups
 constexpr int WD_HALF_K = 64;                 // K per wgmma batch (one TMA box of activations)
-constexpr int WD_X_HALF_BYTES = WD_T * WD_HALF_K * 2;           // 32 KB of activations per k64 half
-constexpr int WD_BOX_ROWS = 64;                                 // token rows per TMA box: 4 boxes per k64 half
+constexpr int WD_BOX_ROWS = 64;                                 // token rows per part box (a last tile's)
 constexpr int WD_BOX_BYTES = WD_BOX_ROWS * WD_HALF_K * 2;       // 8 KB, a multiple of the swizzle's 1024 B
 constexpr int WD_W_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 512;  // the stage's weights: 8 KB
 constexpr int WD_S_BYTES = (WD_ROWS / 16) * (QERL_GEMM_BK / 64) * 64;   // its scales: 1 KB
-constexpr int WD_W_OFF = 2 * WD_X_HALF_BYTES;                   // in a slot: activations, weights, scales
-constexpr int WD_S_OFF = WD_W_OFF + WD_W_BYTES;
-constexpr int WD_SLOT_BYTES = ((WD_S_OFF + WD_S_BYTES + 1023) / 1024) * 1024;  // 73 KB
 constexpr int WD_SLOTS = 3;
-constexpr int WD_SMEM_BYTES = WD_SLOTS * WD_SLOT_BYTES + 1024;  // + the 1024-byte alignment of the ring
 static_assert(QERL_GEMM_BK == 2 * WD_HALF_K, "a stage is two k64 halves");
-static_assert(WD_SMEM_BYTES <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
-static_assert(WD_SLOT_BYTES % 1024 == 0 && WD_X_HALF_BYTES % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
-static_assert(WD_X_HALF_BYTES == (WD_T / WD_BOX_ROWS) * WD_BOX_BYTES && WD_BOX_BYTES % 1024 == 0,
-              "a k64 half is whole boxes, each starting a swizzle period (the boxes tile it as one box would)");
+
+// The token tile: T = 256 (m64n256k16), or T = 192 (m64n192k16) where ceil(M / 192) tiles of 192 pad M less than
+// ceil(M / 256) of 256 (M = 129-192, 257-384, ...: qerl_torch.cpp's wgmma_block_t). Why 192: every wgmma multiplies
+// all T token columns whether they exist or not, so at M = 129 the 256-token tile spends half of its tensor work on
+// zeros (7B layer 192 us at M = 129 against 198 at M = 256, BF16 152 / 185: benchmarks/NOTES.md, "Twenty-first
+// round"). The weights and their decode per stage are the same for both.
+template <int T>
+struct WideTile {
+  static constexpr int kXHalfBytes = T * WD_HALF_K * 2;  // activations per k64 half: 32 KB (256), 24 KB (192)
+  static constexpr int kWOff = 2 * kXHalfBytes;          // in a slot: activations, weights, scales
+  static constexpr int kSOff = kWOff + WD_W_BYTES;
+  static constexpr int kSlotBytes = ((kSOff + WD_S_BYTES + 1023) / 1024) * 1024;  // 73 KB (256), 57 KB (192)
+  static constexpr int kSmemBytes = WD_SLOTS * kSlotBytes + 1024;  // + the 1024-byte alignment of the ring
+  static_assert(T == 192 || T == 256, "wide kernel: 192- or 256-token tiles");
+  static_assert(kSmemBytes <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
+  static_assert(kSlotBytes % 1024 == 0 && kXHalfBytes % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
+  static_assert(kXHalfBytes == (T / WD_BOX_ROWS) * WD_BOX_BYTES && WD_BOX_BYTES % 1024 == 0,
+                "a k64 half is whole part boxes, each starting a swizzle period (they tile it as one box would)");
+};
 
 #ifdef QERL_WGMMA_DEVICE
 // D[64 x 256] += A[64 x 16] (registers, bf16) x B[16 x 256] (shared memory, bf16, K-major), FP32 accumulators.
@@ -68,6 +78,25 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
       ", {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
       : QERL_WGMMA_D128_OPS(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// D[64 x 192] += A[64 x 16] (registers, bf16) x B[16 x 192] (shared memory, bf16, K-major), FP32 accumulators.
+__device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[96], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " QERL_WGMMA_D96_PTX
+      ", {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
+      : QERL_WGMMA_D96_OPS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// One m64nTk16 wgmma of the T-token tile.
+template <int T>
+__device__ __forceinline__ void wide_wgmma(float (&d)[T / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (T == 256)
+    wgmma_m64n256k16_rs(d, a, desc);
+  else
+    wgmma_m64n192k16_rs(d, a, desc);
 }
 #endif  // QERL_WGMMA_DEVICE
 
@@ -81,7 +110,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
 // segment starts the tile (kb == 0); elsewhere zeros are staged and the same wgmmas run (a branch around them would
 // make ptxas serialize every wgmma of the kernel: C7515). The caller has the slot free and refills it only after a
 // CTA barrier that follows this function (every wgmma here is retired on return).
-__device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const QerlLoraEpilogue& L, uint8_t* stage,
+template <int T>
+__device__ __forceinline__ void wide_lora_start(float (&acc)[T / 2], const QerlLoraEpilogue& L, uint8_t* stage,
                                                 uint32_t stage_addr, bool here, int row0, int m0, int M, int N,
                                                 const float* gscale) {
   // the thread's indices read here (volatile): ptxas would otherwise keep the kernel's copies live from its prologue
@@ -97,7 +127,7 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
   const __nv_bfloat16* sh = static_cast<const __nv_bfloat16*>(L.shrunk);
   const __nv_bfloat16* mk = static_cast<const __nv_bfloat16*>(L.mask);
   // the staged B operand, one k64 half at a time (8 uint4 per thread each: 256 tokens x 8 pieces of 8 ranks)
-  constexpr int kItems = WD_T * 8 / WD_THREADS;
+  constexpr int kItems = T * 8 / WD_THREADS;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (h >= halves) break;  // CTA-uniform, before any wgmma
@@ -115,7 +145,7 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
 #pragma unroll
     for (int c = 0; c < kItems; ++c) {
       const int i = tid + c * WD_THREADS;
-      stage_masked_shrink(stage + h * WD_X_HALF_BYTES, i >> 3, i & 7, v[c], mv[c]);
+      stage_masked_shrink(stage + h * WideTile<T>::kXHalfBytes, i >> 3, i & 7, v[c], mv[c]);
     }
   }
   fence_proxy_async();  // generic-proxy stores, read by wgmma through the async proxy
@@ -148,16 +178,16 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
     for (int e = 0; e < 4; ++e) fb[jj][e] = lo + jj < hi ? b_frag(lo + jj, e) : 0u;
   auto k_desc = [&](int j) {
     return kWgmmaDescSwizzle128 |
-           uint64_t(((stage_addr + (j >> 2) * WD_X_HALF_BYTES + (j & 3) * 32) >> 4) & 0x3FFF);
+           uint64_t(((stage_addr + (j >> 2) * WideTile<T>::kXHalfBytes + (j & 3) * 32) >> 4) & 0x3FFF);
   };
   wgmma_fence();
 #pragma unroll
-  for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_m64n256k16_rs(acc, fb[jj], k_desc(min(lo + jj, hi - 1)));
+  for (int jj = 0; jj < kKPrefetch; ++jj) wide_wgmma<T>(acc, fb[jj], k_desc(min(lo + jj, hi - 1)));
   for (int j = lo + kKPrefetch; j < hi; ++j) {  // ranks past the registers (rank > 32, or a slice boundary)
     uint32_t f[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = b_frag(j, e);
-    wgmma_m64n256k16_rs(acc, f, k_desc(j));
+    wide_wgmma<T>(acc, f, k_desc(j));
     // f is the same registers every step and a wgmma reads its A registers asynchronously: they may not be written
     // before a wait_group has retired it (PTX ISA, wgmma.mma_async). Without this wait the next step's loads (and
     // the zeros ptxas writes first) overwrite the fragment of a wgmma still queued behind the earlier ones, so that
@@ -169,10 +199,10 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
   wgmma_commit();
   wgmma_wait<0>();
 #pragma unroll
-  for (int i = 0; i < WD_T / 2; ++i) reg_fence(acc[i]);
+  for (int i = 0; i < T / 2; ++i) reg_fence(acc[i]);
   const float inv_alpha = __ldg(gscale) * (1.0f / 128.0f);
 #pragma unroll
-  for (int i = 0; i < WD_T / 2; ++i) acc[i] *= inv_alpha;
+  for (int i = 0; i < T / 2; ++i) acc[i] *= inv_alpha;
 }
 
 // kCluster = false: persistent stream-K over all SMs (units_per_cta: the range length). kCluster = true: one tile per
@@ -180,7 +210,7 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[WD_T / 2], const Qe
 // units_per_cta) of it, the sums reduced on chip (cluster_splitk::reduce_store): no workspace, no counters. kLora: the
 // tile starts from its LoRA term (wide_lora_start; `lora` normalized by lora_valid), else `lora` is unused. x_map's
 // boxes are whole tiles (256 rows), x_part's 64 rows: a last tile of at most 192 rows.
-template <bool kCluster, bool kLora>
+template <int T, bool kCluster, bool kLora>
 __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtensorMap& x_part,
                                           const uint4* __restrict__ qw,
                                           const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -189,10 +219,11 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
                                           int units_per_cta, const QerlLoraEpilogue* lora,
                                           const CUtensorMap* out_tma = nullptr) {
   constexpr int PF = WD_SLOTS - 1;  // stages in flight ahead of the one computed
-  constexpr int WD_ACC = WD_T / 2;   // FP32 accumulators per thread (one m64n256 block)
+  using W = WideTile<T>;
+  constexpr int WD_ACC = T / 2;   // FP32 accumulators per thread (one m64nT block)
   constexpr int WD_STAGE_W_VEC = WD_W_BYTES / 16;  // uint4 per tile-stage: 512
   constexpr int WD_STAGE_S_VEC = WD_S_BYTES / 16;  // 64
-  constexpr int SLOT_FLOATS = WD_T * WD_ROWS;
+  constexpr int SLOT_FLOATS = T * WD_ROWS;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ int s_is_last;
   __shared__ __align__(8) uint64_t full_bar[WD_SLOTS];  // a stage slot's copies landed (TMA transaction count)
@@ -206,7 +237,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
 
   const int S = K / QERL_GEMM_BK;
   const int n_tiles = (N + WD_ROWS - 1) / WD_ROWS;
-  const int m_tiles = (M + WD_T - 1) / WD_T;
+  const int m_tiles = (M + T - 1) / T;
   const streamk::CtaRange range(n_tiles * m_tiles * S, S, units_per_cta);
   const int my_first_tile = range.first_tile();
   const uint32_t smem_base = (smem_u32(smem_raw) + 1023u) & ~1023u;
@@ -229,16 +260,16 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     if (tid != 0) return;
     const int mt = sg.tile / n_tiles;
     const int nt = sg.tile - mt * n_tiles;
-    const int m0 = mt * WD_T;
+    const int m0 = mt * T;
     const uint4* w_seg = qw + (size_t(nt) * S + sg.kb) * WD_STAGE_W_VEC;
     const uint4* s_seg = qs + (size_t(nt) * S + sg.kb) * WD_STAGE_S_VEC;
-    const uint32_t base = smem_base + slot * WD_SLOT_BYTES;
+    const uint32_t base = smem_base + slot * W::kSlotBytes;
     const uint32_t bar = bar0 + 8 * slot;
     const int k0 = (sg.kb + st) * QERL_GEMM_BK;
-    if (M - m0 > WD_T - WD_BOX_ROWS) {  // one 256-row box per k64 half: a full tile, or one needing all 4 boxes
-      tma::mbar_expect_tx(bar, 2 * WD_X_HALF_BYTES + WD_W_BYTES + WD_S_BYTES);
+    if (M - m0 > T - WD_BOX_ROWS) {  // one T-row box per k64 half: a full tile, or one needing all its part boxes
+      tma::mbar_expect_tx(bar, 2 * W::kXHalfBytes + WD_W_BYTES + WD_S_BYTES);
       tma::load_2d(base, &x_map, bar, k0, m0);
-      tma::load_2d(base + WD_X_HALF_BYTES, &x_map, bar, k0 + WD_HALF_K, m0);
+      tma::load_2d(base + W::kXHalfBytes, &x_map, bar, k0 + WD_HALF_K, m0);
     } else {
       // the last tile, at most 192 rows: only the 64-row boxes with a token row < M (zero-filling rows past M
       // costs the copy engine more than loading real rows: NOTES lead 6; four part boxes fill as much as the whole
@@ -248,12 +279,12 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
       tma::mbar_expect_tx(bar, 2 * boxes * WD_BOX_BYTES + WD_W_BYTES + WD_S_BYTES);
       for (int b = 0; b < boxes; ++b) {
         tma::load_2d(base + b * WD_BOX_BYTES, &x_part, bar, k0, m0 + b * WD_BOX_ROWS);
-        tma::load_2d(base + WD_X_HALF_BYTES + b * WD_BOX_BYTES, &x_part, bar, k0 + WD_HALF_K,
+        tma::load_2d(base + W::kXHalfBytes + b * WD_BOX_BYTES, &x_part, bar, k0 + WD_HALF_K,
                      m0 + b * WD_BOX_ROWS);
       }
     }
-    tma::bulk_copy(base + WD_W_OFF, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
-    tma::bulk_copy(base + WD_S_OFF, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
+    tma::bulk_copy(base + W::kWOff, w_seg + size_t(st) * WD_STAGE_W_VEC, WD_W_BYTES, bar);
+    tma::bulk_copy(base + W::kSOff, s_seg + size_t(st) * WD_STAGE_S_VEC, WD_S_BYTES, bar);
   };
   // a segment after the first had its first PF stages issued during the previous segment's end (below), so they are
   // issued here only where g0 == 0 (derived, not a flag: a flag kept across segments spilled in the 255-register
@@ -271,7 +302,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     const int count = seg.count();
     const int mtile = tile / n_tiles;
     const int ntile = tile - mtile * n_tiles;
-    const int m0 = mtile * WD_T;
+    const int m0 = mtile * T;
 
     float acc[1][WD_ACC];  // one m64 block (the layout wgmma_rs::finish_tile takes)
 #pragma unroll
@@ -282,16 +313,16 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     // k64 half t of the stage in `slot`: decode this warp's n16 block (repacked block 2 nb + t of the stage) into 4
     // A fragments (k16 steps j = 0..3), then 4 wgmmas
     auto compute_half = [&](int slot, int t, uint32_t (&a)[4][4]) {
-      const uint8_t* base = smem + slot * WD_SLOT_BYTES;
-      const uint4 wv = reinterpret_cast<const uint4*>(base + WD_W_OFF)[(2 * nb + t) * 32 + lane];
-      const uint2 sv = reinterpret_cast<const uint2*>(base + WD_S_OFF)[(2 * nb + t) * 8 + (lane >> 2)];
+      const uint8_t* base = smem + slot * W::kSlotBytes;
+      const uint4 wv = reinterpret_cast<const uint4*>(base + W::kWOff)[(2 * nb + t) * 32 + lane];
+      const uint2 sv = reinterpret_cast<const uint2*>(base + W::kSOff)[(2 * nb + t) * 8 + (lane >> 2)];
 #pragma unroll
       for (int j = 0; j < 4; ++j) decode_scaled(wv, sv, j, a[j]);
       const uint64_t desc0 = kWgmmaDescSwizzle128 |
-                             uint64_t(((smem_base + slot * WD_SLOT_BYTES + t * WD_X_HALF_BYTES) >> 4) & 0x3FFF);
+                             uint64_t(((smem_base + slot * W::kSlotBytes + t * W::kXHalfBytes) >> 4) & 0x3FFF);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wgmma_m64n256k16_rs(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
+      for (int j = 0; j < 4; ++j) wide_wgmma<T>(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
       wgmma_commit();
       wgmma_wait<1>();
     };
@@ -309,7 +340,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
       // previous segment's copy-engine store read from; the LoRA kernel has no such store: were one added, its
       // store_wait_read would have to come before this.)
       const int free_slot = (g0 + PF) % WD_SLOTS;
-      wide_lora_start(acc[0], *lora, smem + free_slot * WD_SLOT_BYTES, smem_base + free_slot * WD_SLOT_BYTES,
+      wide_lora_start<T>(acc[0], *lora, smem + free_slot * W::kSlotBytes, smem_base + free_slot * W::kSlotBytes,
                       kb == 0, ntile * WD_ROWS, m0, M, N, gscale);
     }
     uint32_t a0[4][4], a1[4][4];
@@ -334,7 +365,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
     QERL_AN_LOOP_END
 
     if constexpr (kCluster) {
-      static_assert(cluster_splitk::ReduceLayout<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOTS * WD_SLOT_BYTES,
+      static_assert(cluster_splitk::ReduceLayout<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOTS * W::kSlotBytes,
                     "the cluster sums do not fit the ring");
       cluster_splitk::reduce_store<1, WD_ACC, WD_THREADS>(acc, smem, smem_base, ntile * WD_ROWS, m0, M, N, gscale,
                                                           bias, out);
@@ -351,12 +382,12 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
           if (st < next.count()) issue_stage(next, (g0 + st) % WD_SLOTS, st);
       }
       // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
-      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES &&
-                        wgmma_rs::TmaStore<1, WD_ACC, WD_THREADS>::kBytes <= WD_SLOT_BYTES,
+      static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= W::kSlotBytes &&
+                        wgmma_rs::TmaStore<1, WD_ACC, WD_THREADS>::kBytes <= W::kSlotBytes,
                     "the staged store does not fit one ring slot");
       wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
                                                               my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
-                                                              bias, out, smem + ((g0 + PF) % WD_SLOTS) * WD_SLOT_BYTES,
+                                                              bias, out, smem + ((g0 + PF) % WD_SLOTS) * W::kSlotBytes,
                                                               out_tma);
       __syncthreads();  // s_is_last is reused by the next segment
       u = u_next;
@@ -368,7 +399,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
 }
 #endif  // QERL_WGMMA_DEVICE
 
-template <bool kCluster>
+template <int T, bool kCluster>
 __global__ void __launch_bounds__(WD_THREADS, 1)
     nvfp4_gemm_wgmma_wide_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                  const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -379,8 +410,8 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 #ifdef QERL_WGMMA_DEVICE
   // the tile's bf16 store by the copy engine where the launcher could encode `out_map` (stream-K only: the cluster
   // split stores its sums from the reduction)
-  wide_body<kCluster, false>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
-                             nullptr, !kCluster && tma_store ? &out_map : nullptr);
+  wide_body<T, kCluster, false>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
+                                nullptr, !kCluster && tma_store ? &out_map : nullptr);
 #else
   __trap();  // not built for sm_90a: the launcher never starts this kernel (ctas_per_sm = 0)
 #endif
@@ -388,7 +419,7 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
 
 // The same kernel with the LoRA term as each tile's starting accumulator: a separate kernel so that the plain one's
 // code stays as measured.
-template <bool kCluster>
+template <int T, bool kCluster>
 __global__ void __launch_bounds__(WD_THREADS, 1)
     nvfp4_gemm_wgmma_wide_lora_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ qw,
                                       const uint4* __restrict__ qs, const float* __restrict__ gscale,
@@ -397,101 +428,136 @@ __global__ void __launch_bounds__(WD_THREADS, 1)
                                       int units_per_cta, const __grid_constant__ QerlLoraEpilogue lora,
                                       const __grid_constant__ CUtensorMap x_part) {
 #ifdef QERL_WGMMA_DEVICE
-  wide_body<kCluster, true>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
-                            &lora);
+  wide_body<T, kCluster, true>(x_map, x_part, qw, qs, gscale, bias, out, ws, counters, M, N, K, units_per_cta,
+                               &lora);
 #else
   __trap();
 #endif
 }
 
-using WideLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<false>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
-using ClusterLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
-using WideLoraLauncher =
-    tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<false>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
-using ClusterLoraLauncher =
-    tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<true>, WD_T, WD_THREADS, WD_SMEM_BYTES, WD_ROWS>;
+template <int T>
+using WideLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<T, false>, T, WD_THREADS, WideTile<T>::kSmemBytes,
+                                   WD_ROWS>;
+template <int T>
+using ClusterLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_kernel<T, true>, T, WD_THREADS,
+                                      WideTile<T>::kSmemBytes, WD_ROWS>;
+template <int T>
+using WideLoraLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<T, false>, T, WD_THREADS,
+                                       WideTile<T>::kSmemBytes, WD_ROWS>;
+template <int T>
+using ClusterLoraLauncher = tma::Launcher<nvfp4_gemm_wgmma_wide_lora_kernel<T, true>, T, WD_THREADS,
+                                          WideTile<T>::kSmemBytes, WD_ROWS>;
 
-// x's map of 64-row boxes, for the last tile when M is not a multiple of 256 (the launchers encode the whole-tile one)
+// x's map of 64-row boxes, for the last tile when M is not a multiple of T (the launchers encode the whole-tile one)
 cudaError_t encode_part(CUtensorMap* x_part, const void* x, int M, int K) {
   return tma::encode_activations(x_part, x, M, K, WD_BOX_ROWS);
 }
 
 // `lora` (normalized) launches the LoRA kernel, NULL the plain one.
+template <int T>
 cudaError_t launch_cluster(const void* x, const void* qweight, const void* qscale, const float* gscale,
                            const void* bias, void* out, int M, int N, int K, int s, int per,
                            const QerlLoraEpilogue* lora, cudaStream_t stream) {
   CUtensorMap x_map, x_part;
-  cudaError_t e = tma::encode_activations(&x_map, x, M, K, WD_T);
+  cudaError_t e = tma::encode_activations(&x_map, x, M, K, T);
   if (e == cudaSuccess) e = encode_part(&x_part, x, M, K);
   if (e != cudaSuccess) return e;
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr;
-  cluster_splitk::config(&cfg, &attr, s, WideLauncher::tiles(M, N), WD_THREADS, WD_SMEM_BYTES, stream);
+  cluster_splitk::config(&cfg, &attr, s, WideLauncher<T>::tiles(M, N), WD_THREADS, WideTile<T>::kSmemBytes, stream);
   const auto* w = static_cast<const uint4*>(qweight);
   const auto* sc = static_cast<const uint4*>(qscale);
   const auto* b = static_cast<const __nv_bfloat16*>(bias);
   auto* o = static_cast<__nv_bfloat16*>(out);
   if (lora != nullptr)
-    return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_lora_kernel<true>, x_map, w, sc, gscale, b, o,
+    return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_lora_kernel<T, true>, x_map, w, sc, gscale, b, o,
                               static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, *lora, x_part);
-  return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<true>, x_map, w, sc, gscale, b, o,
+  return cudaLaunchKernelEx(&cfg, nvfp4_gemm_wgmma_wide_kernel<T, true>, x_map, w, sc, gscale, b, o,
                             static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per, x_part, x_part,
                             0);  // (the cluster split stores from its sums: no output map)
+}
+
+template <int T>
+cudaError_t wide_launch(const void* x, const void* qweight, const void* qscale, const float* global_scale,
+                        const void* bias, void* out, float* workspace, int* counters, int M, int N, int K, int grid,
+                        const QerlLoraEpilogue* lora, cudaStream_t stream) {
+  int per = 0;
+  const int tiles = WideLauncher<T>::tiles(M, N);
+  // the wide kernel tries only the largest cluster (split's smaller_clusters false: NOTES "Outcome of the cluster
+  // candidate")
+  const int s = lora != nullptr ? cluster_splitk::split<ClusterLoraLauncher<T>>(tiles, K, grid, &per, false)
+                                : cluster_splitk::split<ClusterLauncher<T>>(tiles, K, grid, &per, false);
+  if (s > 0) {
+    // (split chose s only after the cluster launcher's prepare() succeeded)
+    const cudaError_t e = streamk::check_launch_args(M, N, K, grid, counters, workspace,
+                                                     WideLauncher<T>::workspace_floats(M, N, K, grid));
+    if (e != cudaSuccess) return e;
+    return launch_cluster<T>(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, lora, stream);
+  }
+  CUtensorMap x_part;
+  const cudaError_t e = encode_part(&x_part, x, M, K);
+  if (e != cudaSuccess) return e;
+  if (lora != nullptr)
+    return WideLoraLauncher<T>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
+                                       grid, stream, false, *lora, x_part);
+  // the output's map for the copy-engine store of whole tiles; where it cannot be encoded (N % 8, alignment) the
+  // tiles leave through the threads' staged store (the map argument is then x_part, unused)
+  CUtensorMap out_map;
+  const bool tma_store = tma::encode_output(&out_map, out, M, N, T) == cudaSuccess;
+  return WideLauncher<T>::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
+                                 stream, false, x_part, tma_store ? out_map : x_part, tma_store ? 1 : 0);
+}
+
+// f<192>() or f<256>() by block_t (the entry points below check block_t first)
+template <class F>
+auto by_tile(int block_t, F&& f) {
+  return block_t == 192 ? f(std::integral_constant<int, 192>{}) : f(std::integral_constant<int, 256>{});
 }
 
 }  // namespace
 }  // namespace qerl
 
-// Internal entry points (qerl_nvfp4.h), reached through the qerl_nvfp4_gemm_wgmma_* functions with block_t = 256.
+// Internal entry points (qerl_nvfp4.h), reached through the qerl_nvfp4_gemm_wgmma_* functions with block_t = 192 or
+// 256 (qerl_nvfp4_gemm_wgmma_wide_tile says which).
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t) { return block_t == 192 || block_t == 256; }
+
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
                                                          const float* global_scale, const void* bias, void* out,
                                                          float* workspace, int* counters, int M, int N, int K,
-                                                         int grid, cudaStream_t stream) {
+                                                         int grid, int block_t, cudaStream_t stream) {
   return qerl_nvfp4_gemm_wgmma_wide_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N,
-                                                K, grid, nullptr, stream);
+                                                K, grid, block_t, nullptr, stream);
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, const void* qweight, const void* qscale,
                                                               const float* global_scale, const void* bias, void* out,
                                                               float* workspace, int* counters, int M, int N, int K,
-                                                              int grid, const QerlLoraEpilogue* lora,
+                                                              int grid, int block_t, const QerlLoraEpilogue* lora,
                                                               cudaStream_t stream) {
-  int per = 0;
-  const int tiles = qerl::WideLauncher::tiles(M, N);
-  // the wide kernel tries only the largest cluster (split's smaller_clusters false: NOTES "Outcome of the cluster
-  // candidate")
-  const int s = lora != nullptr
-                    ? qerl::cluster_splitk::split<qerl::ClusterLoraLauncher>(tiles, K, grid, &per, false)
-                    : qerl::cluster_splitk::split<qerl::ClusterLauncher>(tiles, K, grid, &per, false);
-  if (s > 0) {
-    // (split chose s only after the cluster launcher's prepare() succeeded)
-    const cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
-                                                           qerl::WideLauncher::workspace_floats(M, N, K, grid));
-    if (e != cudaSuccess) return e;
-    return qerl::launch_cluster(x, qweight, qscale, global_scale, bias, out, M, N, K, s, per, lora, stream);
-  }
-  CUtensorMap x_part;
-  const cudaError_t e = qerl::encode_part(&x_part, x, M, K);
-  if (e != cudaSuccess) return e;
-  if (lora != nullptr)
-    return qerl::WideLoraLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K,
-                                          grid, stream, false, *lora, x_part);
-  // the output's map for the copy-engine store of whole tiles; where it cannot be encoded (N % 8, alignment) the
-  // tiles leave through the threads' staged store (the map argument is then x_part, unused)
-  CUtensorMap out_map;
-  const bool tma_store = qerl::tma::encode_output(&out_map, out, M, N, qerl::WD_T) == cudaSuccess;
-  return qerl::WideLauncher::launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N, K, grid,
-                                    stream, false, x_part, tma_store ? out_map : x_part, tma_store ? 1 : 0);
+  if (!qerl_nvfp4_gemm_wgmma_wide_tile(block_t)) return cudaErrorInvalidValue;
+  return qerl::by_tile(block_t, [&](auto t) {
+    return qerl::wide_launch<decltype(t)::value>(x, qweight, qscale, global_scale, bias, out, workspace, counters, M,
+                                                 N, K, grid, lora, stream);
+  });
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_lora_available() {
-  return qerl::WideLoraLauncher::prepare() == cudaSuccess ? 1 : 0;
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_lora_available(int block_t) {
+  if (!qerl_nvfp4_gemm_wgmma_wide_tile(block_t)) return 0;
+  return qerl::by_tile(block_t, [](auto t) {
+    return qerl::WideLoraLauncher<decltype(t)::value>::prepare() == cudaSuccess ? 1 : 0;
+  });
 }
 
-extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid) {
-  return qerl::WideLauncher::workspace_floats(M, N, K, grid);
+extern "C" size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid, int block_t) {
+  return qerl::by_tile(block_t, [&](auto t) {
+    return qerl::WideLauncher<decltype(t)::value>::workspace_floats(M, N, K, grid);
+  });
 }
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N) { return qerl::WideLauncher::tiles(M, N); }
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N, int block_t) {
+  return qerl::by_tile(block_t, [&](auto t) { return qerl::WideLauncher<decltype(t)::value>::tiles(M, N); });
+}
 
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm() { return qerl::WideLauncher::ctas_per_sm(); }
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm(int block_t) {
+  return qerl::by_tile(block_t, [](auto t) { return qerl::WideLauncher<decltype(t)::value>::ctas_per_sm(); });
+}

@@ -121,8 +121,8 @@ int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m);
 int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m);
 
 // Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu, sm_90a builds only): persistent stream-K over 256-row x block_t
-// token tiles, block_t in {64, 128}, or 128-row x 256-token tiles with block_t = 256 (the wide-token kernel,
-// cuda/nvfp4_gemm_wgmma_wide.cu). Same workspace / counter contract as the stream-K launch above.
+// token tiles, block_t in {64, 128}, or 128-row x block_t-token tiles with block_t = 192 or 256 (the wide-token
+// kernel, cuda/nvfp4_gemm_wgmma_wide.cu). Same workspace / counter contract as the stream-K launch above.
 // qerl_nvfp4_gemm_wgmma_ctas_per_sm is 0 where the kernel is not available (not built for sm_90a, not an sm_90
 // device, or too little shared memory): callers then run another kernel.
 cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
@@ -133,24 +133,27 @@ size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int
 int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t);
 int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t);
 
-// The wide-token kernel's own entry points (block_t = 256 of the wgmma functions above forwards to them).
+// The wide-token kernel's own entry points (block_t = 192 / 256 of the wgmma functions above forward to them; each
+// takes the token tile as block_t, 192 or 256: qerl_nvfp4_gemm_wgmma_wide_tile(block_t) says whether it is one).
+int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t);
 cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,
                                               float* workspace, int* counters, int M, int N, int K, int grid,
-                                              cudaStream_t stream);
+                                              int block_t, cudaStream_t stream);
 // The same with the LoRA term of `lora` (normalized by lora_valid, ranks <= 128, shrunk given) as each tile's starting
 // accumulator (the wide LoRA kernel); lora == NULL: exactly qerl_nvfp4_gemm_wgmma_wide_launch.
 cudaError_t qerl_nvfp4_gemm_wgmma_wide_lora_launch(const void* x, const void* qweight, const void* qscale,
                                                    const float* global_scale, const void* bias, void* out,
                                                    float* workspace, int* counters, int M, int N, int K, int grid,
-                                                   const QerlLoraEpilogue* lora, cudaStream_t stream);
-// 1 where the wide LoRA kernel can run (sm_90a build, sm_90 device), else 0.
-int qerl_nvfp4_gemm_wgmma_wide_lora_available();
-size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid);
-int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N);
-int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm();
+                                                   int block_t, const QerlLoraEpilogue* lora, cudaStream_t stream);
+// 1 where the wide LoRA kernel of that token tile can run (sm_90a build, sm_90 device), else 0.
+int qerl_nvfp4_gemm_wgmma_wide_lora_available(int block_t);
+size_t qerl_nvfp4_gemm_wgmma_wide_workspace_floats(int M, int N, int K, int grid, int block_t);
+int qerl_nvfp4_gemm_wgmma_wide_tiles(int M, int N, int block_t);
+int qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm(int block_t);
 
-// The register-A wgmma kernel at 64-token tiles, and the wide one at 256 (block_t 64 / 256), with the LoRA expand of
+// The register-A wgmma kernel at 64-token tiles, and the wide one at 192 / 256 (block_t 64 / 192 / 256), with the LoRA
+// expand of
 // QerlLoraEpilogue (shrunk given, lora_a NULL; at most 128 slices x rank) in the same launch: the term is each tile's
 // starting accumulator, a few wgmmas run by the CTA whose stream-K segment (or cluster rank 0) starts the tile while
 // its first stages' copies are in flight. The same output as the plain launch plus mask * expand, with the shrink's

@@ -304,20 +304,33 @@ int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
 // memory (cuda/nvfp4_gemm_wgmma_ss.cu).
 enum class Wgmma { kNone, kRegA, kSS };
 
-// From this M on the register-A kernel runs its 256-token tiles (cuda/nvfp4_gemm_wgmma_wide.cu: half the decode per
+// From this M on the register-A kernel runs its wide token tiles (cuda/nvfp4_gemm_wgmma_wide.cu: half the decode per
 // tensor cycle of the 128-token tiles); a benchmark hook moves it to time both tile widths side by side.
 std::atomic<int64_t> g_wgmma_wide_min_m{129};
+// Whether the wide kernel may run 192-token tiles (where they pad M less than 256-token tiles); a benchmark hook
+// turns them off to time both side by side.
+std::atomic<bool> g_wgmma_wide_192{true};
 
 int64_t set_wgmma_wide_min_m(int64_t m) {
   QCHECK(m >= 65, "qerl set_wgmma_wide_min_m: M must be >= 65 (64-token tiles serve M <= 64), got ", m);
   return g_wgmma_wide_min_m.exchange(m);
 }
 
+bool set_wgmma_wide_192(bool on) { return g_wgmma_wide_192.exchange(on); }
+
+// The wide kernel's token tile for M: 192 where ceil(M / 192) tiles of 192 hold fewer token rows than ceil(M / 256)
+// of 256 (M = 129-192, 257-384, 513-576, ...), else 256. Every wgmma multiplies the tile's whole width, rows past M
+// too, so the rows a tiling pads are tensor work thrown away (benchmarks/NOTES.md, "Twenty-first round").
+int wide_block_t(int64_t m) {
+  if (!g_wgmma_wide_192.load()) return 256;
+  return (m + 191) / 192 * 192 < (m + 255) / 256 * 256 ? 192 : 256;
+}
+
 // Hopper wgmma kernels: tokens per tile for M, and the CTAs a kernel requests on the current device (SMs x resident
 // CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
 int wgmma_block_t(int64_t m, Wgmma kind) {
   if (m <= 64) return 64;
-  return kind == Wgmma::kRegA && m >= g_wgmma_wide_min_m.load() ? 256 : 128;
+  return kind == Wgmma::kRegA && m >= g_wgmma_wide_min_m.load() ? wide_block_t(m) : 128;
 }
 
 // Resident CTAs per SM of kernel variant `variant` (< kVariants) on the current device: ask(), answered once per
@@ -340,8 +353,8 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   if (kind == Wgmma::kNone) return 0;
   const int block_t = wgmma_block_t(m, kind);
   const int ki = kind == Wgmma::kSS ? 1 : 0;
-  const int b = block_t == 256 ? 2 : block_t == 128 ? 1 : 0;
-  const int per_sm = cached_ctas_per_sm<6>(ki * 3 + b, [&] {
+  const int b = block_t == 256 ? 2 : block_t == 192 ? 3 : block_t == 128 ? 1 : 0;
+  const int per_sm = cached_ctas_per_sm<8>(ki * 4 + b, [&] {
     return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
   });
   const int tiles = kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_tiles(int(m), int(n), block_t)
@@ -366,7 +379,7 @@ int64_t decode_tma_grid(int64_t m, int64_t n, int lora = 0) {
 
 // The fused GEMM the route picks (`decode_tma`: the copy-engine decode kernel first, where it runs). `lora`
 // (qerl::nvfp4_gemm_lora): a LoRA expand for the kernel's epilogue; *lora_done tells whether it ran there (only the
-// split-K, decode and register-A wgmma kernels at 64 / 256 tokens have one, and only for what their *_lora_supported accept): when false the caller adds
+// split-K, decode and register-A wgmma kernels at 64 / 192 / 256 tokens have one, and only for what their *_lora_supported accept): when false the caller adds
 // the LoRA term itself. `pdl` (the ops' argument): the split-K and decode kernels go out as programmatic dependent
 // launches on sm_90+ devices (cuda/qerl_nvfp4.h says what the caller promises); the other kernels ignore it.
 at::Tensor gemm_kernel_cuda(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& qs, const at::Tensor& gs,
@@ -936,9 +949,9 @@ bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
   if (r.kernel && r.wgmma == Wgmma::kRegA && wgmma_grid(m, n, r.wgmma) > 0 &&
-      (wgmma_block_t(m, r.wgmma) == 64 || wgmma_block_t(m, r.wgmma) == 256))
-    return true;  // the register-A wgmma kernel's 64- and 256-token tiles (ranks <= 128): 17-64 tokens and the wide
-                  // kernel's M
+      wgmma_block_t(m, r.wgmma) != 128)
+    return true;  // the register-A wgmma kernel's 64-, 192- and 256-token tiles (ranks <= 128): 17-64 tokens and the
+                  // wide kernel's M
   return splitk_lora_runs(m, n, k, r);
 }
 
@@ -1003,7 +1016,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tuning", &set_tuning, "set (gemm_max_m, split penalty, stream-K min tiles per CTA); negative keeps a value",
         pybind11::arg("gemm_max_m"), pybind11::arg("split_penalty"), pybind11::arg("streamk_min_tiles") = -1.0);
   m.def("set_wgmma_wide_min_m", &set_wgmma_wide_min_m,
-        "M from which the register-A wgmma kernel runs 256-token tiles (default 129); returns the previous value");
+        "M from which the register-A wgmma kernel runs its wide (192- / 256-token) tiles (default 129); returns the "
+        "previous value");
+  m.def("set_wgmma_wide_192", &set_wgmma_wide_192,
+        "whether the wide wgmma kernel may run 192-token tiles where they pad M less (default true); returns the "
+        "previous value");
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");

@@ -13,22 +13,26 @@
 #define QERL_WGMMA_DEVICE 1
 #endif
 
-// The operand lists of one m64n256 wgmma's 128 FP32 accumulators (both n256 kernels): the PTX register list
-// "{%0, .., %127}" and the matching "+f" constraints of d[0..127] (operands 0..127 of the asm statement).
-#define QERL_WGMMA_D128_PTX \
-  "{" \
+// The operand lists of one m64n256 wgmma's 128 FP32 accumulators (both n256 kernels) and of one m64n192 wgmma's 96
+// (the wide kernel's 192-token tiles): the PTX register lists "{%0, .., %127}" / "{%0, .., %95}" and the matching
+// "+f" constraints of d[0..127] / d[0..95] (operands 0..127 / 0..95 of the asm statement).
+#define QERL_WGMMA_REGS_0_95 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"\
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"\
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"\
   "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"\
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"\
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define QERL_WGMMA_D96_PTX "{" QERL_WGMMA_REGS_0_95 "}"
+#define QERL_WGMMA_D128_PTX \
+  "{" QERL_WGMMA_REGS_0_95 ","\
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"\
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127" \
   "}"
 #define QERL_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define QERL_F16(d, i) QERL_F4(d, i), QERL_F4(d, i + 4), QERL_F4(d, i + 8), QERL_F4(d, i + 12)
 #define QERL_F64(d, i) QERL_F16(d, i), QERL_F16(d, i + 16), QERL_F16(d, i + 32), QERL_F16(d, i + 48)
+#define QERL_WGMMA_D96_OPS(d) QERL_F64(d, 0), QERL_F16(d, 64), QERL_F16(d, 80)
 #define QERL_WGMMA_D128_OPS(d) QERL_F64(d, 0), QERL_F64(d, 64)
 
 namespace qerl {

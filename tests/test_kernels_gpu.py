@@ -234,27 +234,33 @@ WGMMA_SHAPES = [
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
 @contextlib.contextmanager
-def wgmma_wide_min_m(m: int):  # noqa: ANN201
-    """The register-A wgmma kernel's 256-token tiles start at M = ``m`` inside the block (restored after)."""
+def wgmma_wide_min_m(m: int, wide_192: bool = True):  # noqa: ANN201
+    """The register-A wgmma kernel's wide tiles start at M = ``m`` inside the block, 192-token ones allowed where
+    they pad M less or not (``wide_192``); both restored after."""
     ext = kernels.extension()
     prev = ext.set_wgmma_wide_min_m(m)
+    prev_192 = ext.set_wgmma_wide_192(wide_192)
     try:
         yield
     finally:
         ext.set_wgmma_wide_min_m(prev)
+        ext.set_wgmma_wide_192(prev_192)
 
 
-#: M values every wgmma test covers: both sides of the 64 / 128 / 256-token tile boundaries, tails, a large M; the
-#: wide kernel's last tile as 1, 2 and 3 of its 64-token part boxes (129, 384, 192) and both sides of the 192-token
-#: edge where it loads the whole 256-token box again (192 / 193, 448 / 449, 255)
+#: M values every wgmma test covers: both sides of the 64 / 128 / 192 / 256-token tile boundaries, tails, a large M;
+#: the 256-token tiles (wgmma_rs_t256) with their last tile as 1, 2 and 3 of its 64-token part boxes (129, 384, 192)
+#: and both sides of the 192-token edge where it loads the whole 256-token box again (192 / 193, 448 / 449, 255); the
+#: 192-token tiles (wgmma_rs, where they pad less: 129-192, 300, 384) whole (129, 192, 384) and as two part boxes
+#: (300: 108 rows)
 WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 192, 193, 255, 256, 300, 384, 448, 449, 1000, 4096)
 
 
-@pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128", "wgmma_rs_streamk"])
+@pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128", "wgmma_rs_t256", "wgmma_rs_streamk"])
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
 def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The Hopper wgmma kernels (modes wgmma_rs, wgmma_ss) at M from 1 to 4096 (every token tile: 64, 128 and the
-    register-A kernel's 256 from M = 129, and ``wgmma_rs_t128``: that kernel held at 128-token tiles; tails in M;
+    register-A kernel's 192 / 256 from M = 129, ``wgmma_rs_t128``: that kernel held at 128-token tiles,
+    ``wgmma_rs_t256``: its wide tiles held at 256 tokens; tails in M;
     whole and partial stream-K segments, and the register-A kernel's tiles split over thread-block clusters where its
     tiles are few; ``wgmma_rs_streamk``: the same with the cluster split off, ``QERL_WGMMA_CLUSTER=0``): float64
     reference, NaN-poisoned outputs, bias, bit-identical repeats."""
@@ -262,7 +268,8 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
         monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")
         variant = "wgmma_rs"
     narrow = variant == "wgmma_rs_t128"
-    variant = "wgmma_rs" if narrow else variant
+    only_256 = variant == "wgmma_rs_t256"
+    variant = "wgmma_rs" if narrow or only_256 else variant
     _needs_wgmma(variant)
     mode = WGMMA_MODES[variant]
     packed, scale, gs = rand_nvfp4(n, k, seed=n + k)
@@ -270,7 +277,7 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
     g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
     bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
     w = reference.dequantize_f64(packed, scale, gs)
-    with wgmma_wide_min_m(1 << 40 if narrow else 129):
+    with wgmma_wide_min_m(1 << 40 if narrow else 129, wide_192=not only_256):
         for m in WGMMA_MS:
             if m * n > 4096 * 4608 or (narrow and m < 129):
                 continue
@@ -280,9 +287,10 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
 @pytest.mark.parametrize(("m", "n", "k", "kernel"), [
     (64, 4608, 3584, "nvfp4_gemm_wgmma_kernel<64,"),
     (128, 4608, 3584, "nvfp4_gemm_wgmma_kernel<128,"),
-    (200, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<"),    # a part token tile: the sums stop at M
-    (256, 3584, 18944, "nvfp4_gemm_wgmma_wide_kernel<"),   # 7B down: 37 stages per rank (split up to 64)
-    (129, 3584, 3584, "nvfp4_gemm_wgmma_wide_kernel<"),    # one token of the tile, shared by 4 ranks
+    (200, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<256,"),    # a part token tile: the sums stop at M
+    (256, 3584, 18944, "nvfp4_gemm_wgmma_wide_kernel<256,"),   # 7B down: 37 stages per rank (split up to 64)
+    (129, 3584, 3584, "nvfp4_gemm_wgmma_wide_kernel<192,"),    # one token past 128, a 192-token tile: 4 ranks
+    (160, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<192,"),
 ])
 def test_wgmma_few_tiles_run_the_cluster_split(m: int, n: int, k: int, kernel: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,11 +334,41 @@ def test_wgmma_wide_min_m_refuses_small_m() -> None:
         assert ext.set_wgmma_wide_min_m(200) == 200
 
 
+@pytest.mark.parametrize("m", [129, 192, 193, 256, 300, 384, 449, 576, 577])
+def test_wgmma_wide_tile_by_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide kernel runs 192-token tiles exactly where they pad M less than 256-token ones (the rule
+    benchmarks/kernel_variants.py's wide_tile_192 mirrors for the benchmark), 256 with the knob off; both outputs
+    within the rounding of the float64 reference."""
+    import re
+
+    from verl_qerl.testing.gpu import kernels_launched
+    from verl_qerl.testing.scripts import load_script
+
+    wide_tile_192 = load_script("benchmarks/kernel_variants.py").wide_tile_192
+    _needs_wgmma()
+    monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")  # one kernel name per launch (stream-K)
+    n, k = 1024, 1280
+    packed, scale, gs = rand_nvfp4(n, k, seed=m)
+    rw = kernels.repack(packed, scale)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    ref = reference.linear_f64(x, packed, scale, gs, None)
+
+    def run() -> torch.Tensor:
+        return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(Mode.WGMMA_RS))
+
+    for wide_192, tokens in ((True, 192 if wide_tile_192(m) else 256), (False, 256)):
+        with wgmma_wide_min_m(129, wide_192=wide_192):
+            names = [nm.replace(" ", "") for nm in kernels_launched(run)]
+            assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_wide_kernel<{tokens},", names[0]), \
+                (m, wide_192, names)
+            assert rel(run(), ref) <= TOL
+
+
 @pytest.mark.parametrize("m", [96, 300])
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 def test_wgmma_graph_capture(variant: str, m: int) -> None:
     """The wgmma kernels with stream-K partials (workspace, shared semaphores) capture and replay in a CUDA graph
-    (M = 300: the register-A kernel's 256-token tiles)."""
+    (M = 300: the register-A kernel's 192-token tiles)."""
     _needs_wgmma(variant)
     n, k = 3584, 3584
     packed, scale, gs = rand_nvfp4(n, k, seed=41)

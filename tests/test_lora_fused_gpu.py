@@ -34,10 +34,10 @@ SHAPES = [(512, 1024, [0, 512], 32), (1024, 1024, [0, 512, 1024], 32), (768, 204
 #: (mode, splits): auto dispatch; the split-K kernel with one split (every CTA runs the epilogue) and with 4 (the
 #: last CTA of each tile runs it, after the deterministic partial sum)
 MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0)]
-#: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 160, 200, 256, 300: other block sizes (the
-#: register-A wgmma kernel's 64-, 128- and 256-token tiles; the last 256-token tile as part boxes at 129 / 160 / 300,
-#: as one whole box at 200), and the fallback where auto picks another kernel
-TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 129, 160, 200, 256, 300]
+#: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 160, 200, 256, 300, 400: other block sizes (the
+#: register-A wgmma kernel's 64-, 128-, 192- and 256-token tiles; 192 at 129 / 160 / 300 (its last tile as part boxes
+#: at 300), 256 at 200 / 256 / 400 (as part boxes at 400), and the fallback where auto picks another kernel
+TOKENS = [1, 2, 3, 7, 8, 9, 16, 17, 64, 100, 129, 160, 200, 256, 300, 400]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,7 +99,7 @@ def epilogue_runs(m: int, n: int, k: int, mode: int) -> bool:
     ext = kernels.extension()
     runs = bool(ext.lora_epilogue_runs(m, n, k, int(mode)))
     # the epilogue where the split-K kernel runs tiles of at most 8 tokens, the decode kernel, or the register-A wgmma
-    # kernel its 64- or 256-token tiles (17-64 tokens; from 129, the wide kernel's default threshold), not its 128
+    # kernel its 64-, 192- or 256-token tiles (17-64 tokens; from 129, the wide kernel's default threshold), not its 128
     choice = ext.gemm_choice(m, n, k, int(mode))
     wgmma_tile = choice == "wgmma_rs" and (m <= 64 or m >= 129)
     assert runs == ((choice == "splitk" and m <= 8) or choice == "decode_tma" or wgmma_tile), (m, n, k, mode, choice)
