@@ -54,6 +54,8 @@ def sanitize_run(modes: set[str] | None = None, max_nk: int | None = None) -> in
             # segment's first stages issued during a segment's end) or a 5-CTA cluster split: small enough for
             # racecheck / synccheck
             (300, 1024, 1280, "wgmma_rs", 0), (449, 1024, 1280, "wgmma_rs", 0),
+            # the wide kernel's 128-token tiles (wgmma_wide at 65-128): a tail, a full tile split over CTAs
+            (65, 4352, 3584, "wgmma_wide", 0), (100, 528, 896, "wgmma_wide", 0), (128, 1024, 1280, "wgmma_wide", 0),
             # the 128-token tile on a weight small enough for racecheck / synccheck
             (100, 528, 896, "wgmma_rs", 0),
             # the wgmma SS kernel: the same, plus a tile split among several CTAs

@@ -27,6 +27,7 @@ QERL_GEMM_MODE(AutoSplitK, 6, "auto_splitk", "by M as auto without a table, the 
 QERL_GEMM_MODE(WgmmaRS, 7, "wgmma_rs", "the register-A Hopper wgmma kernel at every M where it runs (sm_90a build, sm_90 device), as streamk elsewhere")
 QERL_GEMM_MODE(WgmmaSS, 8, "wgmma_ss", "as wgmma_rs with the shared-memory-operand wgmma kernel (experimental, never picked by auto)")
 QERL_GEMM_MODE(DecodeTma, 9, "decode_tma", "the copy-engine decode kernel at M <= 16 where it runs (sm_90a build, sm_90 device; with the LoRA expand in its epilogue), as streamk elsewhere")
+QERL_GEMM_MODE(WgmmaWide, 10, "wgmma_wide", "as wgmma_rs, with the wide kernel's 128-row tiles from M = 65 (its 128-token tiles at 65-128, where wgmma_rs runs the 256-row 128-token kernel)")
 
 QERL_GEMM_KERNEL_DEF(SplitK, 0, "splitk", "split-K mma.sync kernel (cuda/nvfp4_gemm.cu): decode and small M")
 QERL_GEMM_KERNEL_DEF(StreamK, 1, "streamk", "stream-K mma.sync kernel (cuda/nvfp4_gemm_streamk.cu): 256-row tiles, M >= 17")
@@ -34,6 +35,7 @@ QERL_GEMM_KERNEL_DEF(WgmmaRS, 2, "wgmma_rs", "Hopper wgmma kernel, A operand fro
 QERL_GEMM_KERNEL_DEF(DequantCublas, 3, "dequant_cublas", "dequantize to BF16 (cuda/nvfp4_dequant.cu), then cuBLAS")
 QERL_GEMM_KERNEL_DEF(WgmmaSS, 4, "wgmma_ss", "Hopper wgmma kernel, both operands in shared memory (cuda/nvfp4_gemm_wgmma_ss.cu)")
 QERL_GEMM_KERNEL_DEF(DecodeTma, 5, "decode_tma", "Hopper decode kernel, M <= 16, fed by the copy engine (cuda/nvfp4_gemm_decode_tma.cu)")
+QERL_GEMM_KERNEL_DEF(WgmmaWide, 6, "wgmma_wide", "Hopper wgmma kernel, A from registers, 128-row tiles of 128 tokens at M = 65-128 (cuda/nvfp4_gemm_wgmma_wide.cu)")
 
 #undef QERL_GEMM_MODE
 #undef QERL_GEMM_KERNEL_DEF

@@ -539,6 +539,12 @@ int launch_if_cluster(const void* x, const void* qweight, const void* qscale, co
                           static_cast<float*>(nullptr), static_cast<int*>(nullptr), M, N, K, per);
   return 1;
 }
+// The block_t values of the C API below that the wide kernel serves (its 192- / 256-token tiles, and its 128-token
+// ones as QERL_WGMMA_WIDE_128: block_t 128 is this file's kernel), and the token tile they mean there.
+constexpr bool forwards_to_wide(int block_t) {
+  return block_t == 192 || block_t == 256 || block_t == QERL_WGMMA_WIDE_128;
+}
+constexpr int wide_tokens(int block_t) { return block_t == QERL_WGMMA_WIDE_128 ? 128 : block_t; }
 // Ranks (slices x rank) the LoRA epilogue stages: two k64 halves of the ring slot.
 constexpr int kWgLoraMaxRanks = 128;
 using WgEntry = streamk::EntryPoints<WgLauncher<64>, WgLauncher<128>>;
@@ -551,9 +557,9 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* q
                                                     const float* global_scale, const void* bias, void* out,
                                                     float* workspace, int* counters, int M, int N, int K, int grid,
                                                     int block_t, cudaStream_t stream) {
-  if (qerl_nvfp4_gemm_wgmma_wide_tile(block_t))
+  if (qerl::forwards_to_wide(block_t))
     return qerl_nvfp4_gemm_wgmma_wide_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M, N,
-                                             K, grid, block_t, stream);
+                                             K, grid, qerl::wide_tokens(block_t), stream);
   if (block_t == 64 || block_t == 128) {
     cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
                                                      qerl::WgEntry::workspace_floats(M, N, K, grid, block_t));
@@ -570,26 +576,27 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* q
 }
 
 extern "C" size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int block_t) {
-  if (qerl_nvfp4_gemm_wgmma_wide_tile(block_t)) return qerl_nvfp4_gemm_wgmma_wide_workspace_floats(M, N, K, grid, block_t);
+  if (qerl::forwards_to_wide(block_t))
+    return qerl_nvfp4_gemm_wgmma_wide_workspace_floats(M, N, K, grid, qerl::wide_tokens(block_t));
   return qerl::WgEntry::workspace_floats(M, N, K, grid, block_t);
 }
 
 extern "C" int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t) {
-  return qerl_nvfp4_gemm_wgmma_wide_tile(block_t) ? qerl_nvfp4_gemm_wgmma_wide_tiles(M, N, block_t)
-                                                 : qerl::WgEntry::tiles(M, N, block_t);
+  return qerl::forwards_to_wide(block_t) ? qerl_nvfp4_gemm_wgmma_wide_tiles(M, N, qerl::wide_tokens(block_t))
+                                         : qerl::WgEntry::tiles(M, N, block_t);
 }
 
 extern "C" int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t) {
-  return qerl_nvfp4_gemm_wgmma_wide_tile(block_t) ? qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm(block_t)
-                                                 : qerl::WgEntry::ctas_per_sm(block_t);
+  return qerl::forwards_to_wide(block_t) ? qerl_nvfp4_gemm_wgmma_wide_ctas_per_sm(qerl::wide_tokens(block_t))
+                                         : qerl::WgEntry::ctas_per_sm(block_t);
 }
 
 extern "C" int qerl_nvfp4_gemm_wgmma_lora_supported(int N, int block_t, const QerlLoraEpilogue* lora) {
   QerlLoraEpilogue norm;
-  if ((block_t != 64 && !qerl_nvfp4_gemm_wgmma_wide_tile(block_t)) || lora == nullptr || lora->lora_a != nullptr ||
+  if ((block_t != 64 && !qerl::forwards_to_wide(block_t)) || lora == nullptr || lora->lora_a != nullptr ||
       !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
     return 0;
-  if (block_t != 64) return qerl_nvfp4_gemm_wgmma_wide_lora_available(block_t);
+  if (block_t != 64) return qerl_nvfp4_gemm_wgmma_wide_lora_available(qerl::wide_tokens(block_t));
   return qerl::WgLoraLauncher<>::prepare() == cudaSuccess ? 1 : 0;
 }
 
@@ -599,12 +606,12 @@ extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_lora_launch(const void* x, const vo
                                                          int grid, int block_t, const QerlLoraEpilogue* lora,
                                                          cudaStream_t stream) {
   QerlLoraEpilogue norm;
-  if ((block_t != 64 && !qerl_nvfp4_gemm_wgmma_wide_tile(block_t)) || lora == nullptr || lora->lora_a != nullptr ||
+  if ((block_t != 64 && !qerl::forwards_to_wide(block_t)) || lora == nullptr || lora->lora_a != nullptr ||
       !qerl::lora_valid(*lora, N, qerl::kWgLoraMaxRanks, &norm))
     return cudaErrorInvalidValue;
   if (block_t != 64)
     return qerl_nvfp4_gemm_wgmma_wide_lora_launch(x, qweight, qscale, global_scale, bias, out, workspace, counters, M,
-                                                  N, K, grid, block_t, &norm, stream);
+                                                  N, K, grid, qerl::wide_tokens(block_t), &norm, stream);
   cudaError_t e = qerl::streamk::check_launch_args(M, N, K, grid, counters, workspace,
                                                    qerl::WgEntry::workspace_floats(M, N, K, grid, block_t));
   if (e != cudaSuccess) return e;

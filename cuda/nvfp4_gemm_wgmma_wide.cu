@@ -62,7 +62,7 @@ struct WideTile {
   static constexpr int kSOff = kWOff + WD_W_BYTES;
   static constexpr int kSlotBytes = ((kSOff + WD_S_BYTES + 1023) / 1024) * 1024;  // 73 KB (256), 57 KB (192)
   static constexpr int kSmemBytes = WD_SLOTS * kSlotBytes + 1024;  // + the 1024-byte alignment of the ring
-  static_assert(T == 192 || T == 256, "wide kernel: 192- or 256-token tiles");
+  static_assert(T == 128 || T == 192 || T == 256, "wide kernel: 128-, 192- or 256-token tiles");
   static_assert(kSmemBytes <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
   static_assert(kSlotBytes % 1024 == 0 && kXHalfBytes % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
   static_assert(kXHalfBytes == (T / WD_BOX_ROWS) * WD_BOX_BYTES && WD_BOX_BYTES % 1024 == 0,
@@ -90,13 +90,25 @@ __device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[96], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
+// D[64 x 128] += A[64 x 16] (registers, bf16) x B[16 x 128] (shared memory, bf16, K-major), FP32 accumulators.
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " QERL_WGMMA_D64_PTX
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : QERL_F64(d, 0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
 // One m64nTk16 wgmma of the T-token tile.
 template <int T>
 __device__ __forceinline__ void wide_wgmma(float (&d)[T / 2], const uint32_t (&a)[4], uint64_t desc) {
   if constexpr (T == 256)
     wgmma_m64n256k16_rs(d, a, desc);
-  else
+  else if constexpr (T == 192)
     wgmma_m64n192k16_rs(d, a, desc);
+  else
+    wgmma_m64n128k16_rs(d, a, desc);
 }
 #endif  // QERL_WGMMA_DEVICE
 
@@ -508,10 +520,12 @@ cudaError_t wide_launch(const void* x, const void* qweight, const void* qscale, 
                                  stream, false, x_part, tma_store ? out_map : x_part, tma_store ? 1 : 0);
 }
 
-// f<192>() or f<256>() by block_t (the entry points below check block_t first)
+// f<128>(), f<192>() or f<256>() by block_t (the entry points below check block_t first)
 template <class F>
 auto by_tile(int block_t, F&& f) {
-  return block_t == 192 ? f(std::integral_constant<int, 192>{}) : f(std::integral_constant<int, 256>{});
+  return block_t == 128   ? f(std::integral_constant<int, 128>{})
+         : block_t == 192 ? f(std::integral_constant<int, 192>{})
+                          : f(std::integral_constant<int, 256>{});
 }
 
 }  // namespace
@@ -519,7 +533,9 @@ auto by_tile(int block_t, F&& f) {
 
 // Internal entry points (qerl_nvfp4.h), reached through the qerl_nvfp4_gemm_wgmma_* functions with block_t = 192 or
 // 256 (qerl_nvfp4_gemm_wgmma_wide_tile says which).
-extern "C" int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t) { return block_t == 192 || block_t == 256; }
+extern "C" int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t) {
+  return block_t == 128 || block_t == 192 || block_t == 256;
+}
 
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
                                                          const float* global_scale, const void* bias, void* out,

@@ -120,9 +120,13 @@ int qerl_nvfp4_gemm_streamk_tiles(int M, int N, int block_m);
 // memory is too small for its ring, e.g. sm_89: callers fall back to qerl_nvfp4_gemm_launch).
 int qerl_nvfp4_gemm_streamk_ctas_per_sm(int block_m);
 
+// block_t of the wgmma entry points below for the wide kernel's 128-token tiles (128-row x 128-token tiles, the
+// `wgmma_wide` GEMM kernel), as opposed to block_t = 128: the 256-row x 128-token kernel.
+#define QERL_WGMMA_WIDE_128 (-128)
+
 // Hopper wgmma kernel (cuda/nvfp4_gemm_wgmma.cu, sm_90a builds only): persistent stream-K over 256-row x block_t
 // token tiles, block_t in {64, 128}, or 128-row x block_t-token tiles with block_t = 192 or 256 (the wide-token
-// kernel, cuda/nvfp4_gemm_wgmma_wide.cu). Same workspace / counter contract as the stream-K launch above.
+// kernel, cuda/nvfp4_gemm_wgmma_wide.cu; QERL_WGMMA_WIDE_128: its 128-token tiles). Same workspace / counter contract as the stream-K launch above.
 // qerl_nvfp4_gemm_wgmma_ctas_per_sm is 0 where the kernel is not available (not built for sm_90a, not an sm_90
 // device, or too little shared memory): callers then run another kernel.
 cudaError_t qerl_nvfp4_gemm_wgmma_launch(const void* x, const void* qweight, const void* qscale,
@@ -133,8 +137,9 @@ size_t qerl_nvfp4_gemm_wgmma_workspace_floats(int M, int N, int K, int grid, int
 int qerl_nvfp4_gemm_wgmma_tiles(int M, int N, int block_t);
 int qerl_nvfp4_gemm_wgmma_ctas_per_sm(int block_t);
 
-// The wide-token kernel's own entry points (block_t = 192 / 256 of the wgmma functions above forward to them; each
-// takes the token tile as block_t, 192 or 256: qerl_nvfp4_gemm_wgmma_wide_tile(block_t) says whether it is one).
+// The wide-token kernel's own entry points (block_t = 192 / 256 / QERL_WGMMA_WIDE_128 of the wgmma functions above
+// forward to them; each takes the token tile as block_t, 128, 192 or 256: qerl_nvfp4_gemm_wgmma_wide_tile(block_t)
+// says whether it is one).
 int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t);
 cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,
                                               const float* global_scale, const void* bias, void* out,

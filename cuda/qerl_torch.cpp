@@ -300,9 +300,10 @@ int64_t streamk_launch_grid(int64_t m, int64_t n, int64_t k, StreamK policy) {
   return (policy == StreamK::kWhereItApplies || streamk_pays(m, n, k, grid)) ? grid : 0;
 }
 
-// Which Hopper wgmma kernel a route runs: none, register-A (cuda/nvfp4_gemm_wgmma.cu) or both operands in shared
-// memory (cuda/nvfp4_gemm_wgmma_ss.cu).
-enum class Wgmma { kNone, kRegA, kSS };
+// Which Hopper wgmma kernel a route runs: none, register-A (cuda/nvfp4_gemm_wgmma.cu and its wide-token kernel), the
+// same with the wide kernel's 128-token tiles at M = 65-128 (`wgmma_wide`), or both operands in shared memory
+// (cuda/nvfp4_gemm_wgmma_ss.cu).
+enum class Wgmma { kNone, kRegA, kSS, kRegAWide };
 
 // From this M on the register-A kernel runs its wide token tiles (cuda/nvfp4_gemm_wgmma_wide.cu: half the decode per
 // tensor cycle of the 128-token tiles); a benchmark hook moves it to time both tile widths side by side.
@@ -330,7 +331,9 @@ int wide_block_t(int64_t m) {
 // CTAs per SM), or 0 where it is unavailable (not an sm_90a build, not an sm_90 device).
 int wgmma_block_t(int64_t m, Wgmma kind) {
   if (m <= 64) return 64;
-  return kind == Wgmma::kRegA && m >= g_wgmma_wide_min_m.load() ? wide_block_t(m) : 128;
+  const bool reg_a = kind == Wgmma::kRegA || kind == Wgmma::kRegAWide;
+  if (reg_a && m >= g_wgmma_wide_min_m.load()) return wide_block_t(m);
+  return kind == Wgmma::kRegAWide ? QERL_WGMMA_WIDE_128 : 128;
 }
 
 // Resident CTAs per SM of kernel variant `variant` (< kVariants) on the current device: ask(), answered once per
@@ -353,8 +356,8 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   if (kind == Wgmma::kNone) return 0;
   const int block_t = wgmma_block_t(m, kind);
   const int ki = kind == Wgmma::kSS ? 1 : 0;
-  const int b = block_t == 256 ? 2 : block_t == 192 ? 3 : block_t == 128 ? 1 : 0;
-  const int per_sm = cached_ctas_per_sm<8>(ki * 4 + b, [&] {
+  const int b = block_t == 256 ? 2 : block_t == 192 ? 3 : block_t == 128 ? 1 : block_t == QERL_WGMMA_WIDE_128 ? 4 : 0;
+  const int per_sm = cached_ctas_per_sm<10>(ki * 5 + b, [&] {
     return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
   });
   const int tiles = kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_tiles(int(m), int(n), block_t)
@@ -622,6 +625,9 @@ bool table_route(int64_t m, int64_t n, int64_t k, Route* r) {
     case GemmKernel::WgmmaSS:
       *r = {true, StreamK::kNever, Wgmma::kSS};
       return wgmma_grid(m, n, Wgmma::kSS) > 0;
+    case GemmKernel::WgmmaWide:
+      *r = {true, StreamK::kNever, Wgmma::kRegAWide};
+      return wgmma_grid(m, n, Wgmma::kRegAWide) > 0;
     case GemmKernel::DequantCublas:
       *r = {false, StreamK::kNever, Wgmma::kNone};
       return true;
@@ -652,6 +658,8 @@ Route route(int64_t m, int64_t n, int64_t k, at::ScalarType dtype, GemmMode mode
       return {true, StreamK::kWhereItApplies, Wgmma::kRegA};
     case GemmMode::WgmmaSS:
       return {true, StreamK::kWhereItApplies, Wgmma::kSS};
+    case GemmMode::WgmmaWide:
+      return {true, StreamK::kWhereItApplies, Wgmma::kRegAWide};
     case GemmMode::DecodeTma:
       return {true, StreamK::kWhereItApplies, Wgmma::kNone, true};
     case GemmMode::DequantCublas:
@@ -948,10 +956,11 @@ bool lora_shrink_in_launch_runs(int64_t m, int64_t n, int64_t k, int64_t mode, i
 bool lora_epilogue_runs(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl lora_epilogue_runs"));
   if (r.kernel && r.decode_tma && decode_tma_grid(m, n) > 0) return true;  // block_m 8 and 16
-  if (r.kernel && r.wgmma == Wgmma::kRegA && wgmma_grid(m, n, r.wgmma) > 0 &&
+  if (r.kernel && (r.wgmma == Wgmma::kRegA || r.wgmma == Wgmma::kRegAWide) && wgmma_grid(m, n, r.wgmma) > 0 &&
       wgmma_block_t(m, r.wgmma) != 128)
-    return true;  // the register-A wgmma kernel's 64-, 192- and 256-token tiles (ranks <= 128): 17-64 tokens and the
-                  // wide kernel's M
+    return true;  // the register-A wgmma kernels (ranks <= 128): the 64-token tiles at 17-64 tokens, the wide kernel
+                  // above (its 128-token tiles at 65-128 under wgmma_wide; wgmma_rs's 256-row 128-token kernel has no
+                  // LoRA term)
   return splitk_lora_runs(m, n, k, r);
 }
 
@@ -961,7 +970,10 @@ std::string gemm_choice(int64_t m, int64_t n, int64_t k, int64_t mode) {
   const Route r = route(m, n, k, at::kBFloat16, checked_mode(mode, "qerl gemm_choice"));
   if (!r.kernel) return kernel_name(GemmKernel::DequantCublas);
   if (r.decode_tma && decode_tma_grid(m, n) > 0) return kernel_name(GemmKernel::DecodeTma);
-  if (wgmma_grid(m, n, r.wgmma) > 0) return kernel_name(r.wgmma == Wgmma::kSS ? GemmKernel::WgmmaSS : GemmKernel::WgmmaRS);
+  if (wgmma_grid(m, n, r.wgmma) > 0)
+    return kernel_name(r.wgmma == Wgmma::kSS                                           ? GemmKernel::WgmmaSS
+                       : wgmma_block_t(m, r.wgmma) == QERL_WGMMA_WIDE_128 ? GemmKernel::WgmmaWide
+                                                                           : GemmKernel::WgmmaRS);
   return kernel_name(streamk_launch_grid(m, n, k, r.policy) > 0 ? GemmKernel::StreamK : GemmKernel::SplitK);
 }
 

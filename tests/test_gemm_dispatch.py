@@ -94,11 +94,14 @@ def test_shipped_table_is_valid() -> None:
     raw = json.loads(dispatch.DEFAULT_TABLE.read_text())
     assert {p[3] for p in raw["points"]} <= set(NAMES)  # written with the current names, not the former ones
     t = dispatch.load_table(dispatch.DEFAULT_TABLE, NAMES)
-    # a full grid: every GEMM shape of the two benchmark models (8) at every measured M (1, 8, 16, 64 .. 1024, the
-    # wide kernel's 192-token tiles 129, 160, 192 and 320, 384: 13)
+    # a full grid: every GEMM shape of the two benchmark models (8) at every measured M (1, 8, 16, 64, 96 .. 1024, the
+    # wide kernel's 192-token tiles 129, 160, 192 and 320, 384: 14)
     shapes = {(p[0], p[1]) for p in t["points"]}
     ms = {p[2] for p in t["points"]}
-    assert tuple(t["capability"]) == (9, 0) and len(t["points"]) == len(shapes) * len(ms) == 8 * 13
-    assert ms == {1, 8, 16, 64, 128, 129, 160, 192, 256, 320, 384, 512, 1024}
+    assert tuple(t["capability"]) == (9, 0) and len(t["points"]) == len(shapes) * len(ms) == 8 * 14
+    assert ms == {1, 8, 16, 64, 96, 128, 129, 160, 192, 256, 320, 384, 512, 1024}
+    # the wide kernel's 128-token tiles were measured fastest somewhere at 65-128 tokens, and only there
+    assert any(p[3] == "wgmma_wide" for p in t["points"])
+    assert all(65 <= p[2] <= 128 for p in t["points"] if p[3] == "wgmma_wide")
     # the decode kernel is measured only where it runs (M <= 16)
     assert all(p[2] <= 16 for p in t["points"] if p[3] == "decode_tma")

@@ -55,8 +55,9 @@ def test_python_parse_matches_the_compiled_header(tmp_path: Path) -> None:
 
 def test_mode_names_by_role() -> None:
     assert modes.GEMM_MODES == {"auto": 0, "splitk": 1, "dequant_cublas": 2, "auto_streamk": 4, "streamk": 5,
-                                "auto_splitk": 6, "wgmma_rs": 7, "wgmma_ss": 8, "decode_tma": 9}
-    assert modes.GEMM_KERNEL_NAMES == ("splitk", "streamk", "wgmma_rs", "dequant_cublas", "wgmma_ss", "decode_tma")
+                                "auto_splitk": 6, "wgmma_rs": 7, "wgmma_ss": 8, "decode_tma": 9, "wgmma_wide": 10}
+    assert modes.GEMM_KERNEL_NAMES == ("splitk", "streamk", "wgmma_rs", "dequant_cublas", "wgmma_ss", "decode_tma",
+                                       "wgmma_wide")
     assert kernels.GemmMode.SPLITK == 1 and kernels.GemmMode["WGMMA_SS"] == 8
     # every kernel a variant forces is one of the kernels the extension names
     assert set(kernels.GEMM_KERNEL_FORCED_MODES) <= set(modes.GEMM_KERNEL_NAMES)

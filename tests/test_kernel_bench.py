@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import types
 from pathlib import Path
 
@@ -583,3 +584,36 @@ def test_lora_gemm_bench_slices_sums_and_targets():
     old = {k: v for k, v in lay.items() if not k.startswith("linear")}
     (t,) = lg.build_targets([old])
     assert t["measured"] == round(30 / 38, 3) and "shrink + GEMM" in t["name"]
+
+
+def test_retable_sums_the_tables_picks_and_rebuilds_targets(tmp_path):
+    kr = load_script("benchmarks/kernel_retable.py")
+    rows = [
+        {"model": "qwen2.5-7b", "layer": "qkv", "N": 4608, "K": 3584, "M": 128, "bf16_graph_ms": 0.013,
+         "ours_graph_ms": 0.019, "kernel_wgmma_rs_graph_ms": 0.019, "kernel_wgmma_wide_graph_ms": 0.015},
+        {"model": "qwen2.5-7b", "layer": "gate_up", "N": 37888, "K": 3584, "M": 128, "bf16_graph_ms": 0.072,
+         "ours_graph_ms": 0.061, "kernel_wgmma_rs_graph_ms": 0.061, "kernel_wgmma_wide_graph_ms": 0.063},
+        {"model": "qwen2.5-7b", "layer": "sum", "M": 128, "bf16_graph_ms": 0.085, "ours_graph_ms": 0.080},
+    ]
+    table = {"command": "kernel.py ...", "points": [[4608, 3584, 128, "wgmma_wide"], [37888, 3584, 128, "wgmma_rs"]]}
+    result = {"rows": rows, "targets": [{"name": "old", "measured": 1.0, "op": ">=", "target": 1.5}]}
+    assert kr.table_layer_sums(rows, table["points"]) == {("qwen2.5-7b", 128): pytest.approx(0.076)}
+    out = kr.retable(result, table)
+    s = [r for r in out["rows"] if r["layer"] == "sum"][0]
+    assert s["table_graph_ms"] == pytest.approx(0.076) and s["auto_graph_ms_as_run"] == 0.080
+    assert s["ours_graph_ms"] == 0.080  # the as-run column is not rewritten
+    t = [t for t in out["targets"] if "M=128 per-layer speedup vs BF16" in t["name"]]
+    assert len(t) == 1 and t[0]["measured"] == pytest.approx(round(0.085 / 0.076, 3))
+    assert out["targets_auto_as_run"] == result["targets"] and rows[2]["ours_graph_ms"] == 0.080  # input untouched
+    # a pick the row did not time, or a GEMM the table lacks, is named
+    with pytest.raises(ValueError, match="picks decode_tma"):
+        kr.table_layer_sums(rows, [[4608, 3584, 128, "decode_tma"], [37888, 3584, 128, "wgmma_rs"]])
+    with pytest.raises(ValueError, match="no point"):
+        kr.table_layer_sums(rows, [[4608, 3584, 128, "wgmma_wide"]])
+    res, tab = tmp_path / "r.json", tmp_path / "t.json"
+    res.write_text(json.dumps(result))
+    tab.write_text(json.dumps(table))
+    with pytest.raises(SystemExit):
+        kr.main([str(res), str(tab), "--out", str(res)])
+    assert kr.main([str(res), str(tab), "--out", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["rows"][2]["table_graph_ms"] == pytest.approx(0.076)

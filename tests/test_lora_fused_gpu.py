@@ -32,8 +32,9 @@ DEV = "cuda"
 SHAPES = [(512, 1024, [0, 512], 32), (1024, 1024, [0, 512, 1024], 32), (768, 2048, [0, 512, 640, 768], 32),
           (208, 512, [0, 40, 80, 208], 8)]
 #: (mode, splits): auto dispatch; the split-K kernel with one split (every CTA runs the epilogue) and with 4 (the
-#: last CTA of each tile runs it, after the deterministic partial sum)
-MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0)]
+#: last CTA of each tile runs it, after the deterministic partial sum); the register-A wgmma kernels (wgmma_wide: the
+#: wide kernel's LoRA term at 65-128 tokens too)
+MODES = [(Mode.AUTO, 0), (Mode.SPLITK, 1), (Mode.SPLITK, 4), (Mode.WGMMA_RS, 0), (Mode.WGMMA_WIDE, 0)]
 #: decode token counts (block_m 8 and 16), then 17, 64, 100, 129, 160, 200, 256, 300, 400: other block sizes (the
 #: register-A wgmma kernel's 64-, 128-, 192- and 256-token tiles; 192 at 129 / 160 / 300 (its last tile as part boxes
 #: at 300), 256 at 200 / 256 / 400 (as part boxes at 400), and the fallback where auto picks another kernel
@@ -99,9 +100,10 @@ def epilogue_runs(m: int, n: int, k: int, mode: int) -> bool:
     ext = kernels.extension()
     runs = bool(ext.lora_epilogue_runs(m, n, k, int(mode)))
     # the epilogue where the split-K kernel runs tiles of at most 8 tokens, the decode kernel, or the register-A wgmma
-    # kernel its 64-, 192- or 256-token tiles (17-64 tokens; from 129, the wide kernel's default threshold), not its 128
+    # kernel its 64-, 192- or 256-token tiles (17-64 tokens; from 129, the wide kernel's default threshold), or its
+    # 128-token tiles under wgmma_wide, not the 256-row 128-token kernel
     choice = ext.gemm_choice(m, n, k, int(mode))
-    wgmma_tile = choice == "wgmma_rs" and (m <= 64 or m >= 129)
+    wgmma_tile = choice == "wgmma_wide" or (choice == "wgmma_rs" and (m <= 64 or m >= 129))
     assert runs == ((choice == "splitk" and m <= 8) or choice == "decode_tma" or wgmma_tile), (m, n, k, mode, choice)
     return runs
 

@@ -64,20 +64,21 @@ GEMM_K_MULTIPLE = K_STAGE
 #: the calibration table's measured kernel on a device it was measured for, verl_qerl/kernels/dispatch.py; else by
 #: M, the stream-K kernel where it applies and pays, split-K elsewhere), ``splitk`` (the split-K kernel only),
 #: ``streamk`` (stream-K wherever it applies), ``wgmma_rs`` (the register-A Hopper wgmma kernel at every M where it
-#: runs; as ``streamk`` elsewhere), ``wgmma_ss`` (the same with both wgmma operands in shared memory) or
+#: runs; as ``streamk`` elsewhere), ``wgmma_wide`` (the same with the wide kernel's 128-row tiles at M = 65-128 too),
+#: ``wgmma_ss`` (the same with both wgmma operands in shared memory) or
 #: ``decode_tma`` (the copy-engine decode kernel at M <= 16 where it runs; as ``streamk`` elsewhere). Only the
 #: CUDA fused-GEMM dispatch reads it; the torch fallbacks ignore it.
 GEMM_KERNEL_ENV = "QERL_GEMM_KERNEL"
 #: ``$QERL_GEMM_KERNEL`` value -> the ``qerl::nvfp4_gemm`` mode :func:`linear` passes (the auto modes still
 #: dispatch by M; the wgmma ones run the kernel at every M).
 GEMM_KERNEL_MODES = {"auto": GemmMode.AUTO, "splitk": GemmMode.AUTO_SPLITK, "streamk": GemmMode.AUTO_STREAMK,
-                     "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_ss": GemmMode.WGMMA_SS,
+                     "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_wide": GemmMode.WGMMA_WIDE, "wgmma_ss": GemmMode.WGMMA_SS,
                      "decode_tma": GemmMode.DECODE_TMA}
 #: fused kernel -> the mode that *forces* it (no M dispatch; benchmarks and tests); the names are the
 #: kernels' own (:data:`GEMM_KERNEL_NAMES`).
 GEMM_KERNEL_FORCED_MODES = {"splitk": GemmMode.SPLITK, "streamk": GemmMode.STREAMK,
-                            "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_ss": GemmMode.WGMMA_SS,
-                            "decode_tma": GemmMode.DECODE_TMA}
+                            "wgmma_rs": GemmMode.WGMMA_RS, "wgmma_wide": GemmMode.WGMMA_WIDE,
+                            "wgmma_ss": GemmMode.WGMMA_SS, "decode_tma": GemmMode.DECODE_TMA}
 #: Former names still accepted in ``$QERL_GEMM_KERNEL`` (and benchmark ``--variants``), with a warning.
 GEMM_KERNEL_ALIASES = {"v5": "splitk", "wgmma": "wgmma_rs"}
 _warned_aliases: set[str] = set()

@@ -31,7 +31,8 @@ FORMER_NAMES = {"v5": "splitk", "wgmma": "wgmma_rs", "dqmm": "dequant_cublas"}
 #: benchmark row key (CUDA-graph ms) -> kernel name, for the kernels each row forces (``benchmarks/kernel.py``
 #: writes ``kernel_<name>_graph_ms`` and ``dequant_cublas_graph_ms``; the former keys are read too).
 ROW_KEYS = {"kernel_splitk_graph_ms": "splitk", "kernel_streamk_graph_ms": "streamk",
-            "kernel_wgmma_rs_graph_ms": "wgmma_rs", "kernel_wgmma_ss_graph_ms": "wgmma_ss",
+            "kernel_wgmma_rs_graph_ms": "wgmma_rs", "kernel_wgmma_wide_graph_ms": "wgmma_wide",
+            "kernel_wgmma_ss_graph_ms": "wgmma_ss",
             "kernel_decode_tma_graph_ms": "decode_tma",
             "dequant_cublas_graph_ms": "dequant_cublas",
             "kernel_graph_ms": "splitk", "kernel_wgmma_graph_ms": "wgmma_rs", "dqmm_graph_ms": "dequant_cublas"}

@@ -9,7 +9,8 @@ compiler and checks that both sides see the same table.
 
 Names (``QERL_GEMM_KERNEL`` values, benchmark ``--variants``, table entries): ``splitk`` (the split-K mma.sync
 kernel, decode and small M), ``streamk`` (the stream-K mma.sync kernel), ``wgmma_rs`` (Hopper wgmma, A from
-registers), ``wgmma_ss`` (Hopper wgmma, both operands in shared memory), ``decode_tma`` (Hopper, M <= 16: the
+registers), ``wgmma_wide`` (the same with the wide kernel's 128-row tiles at M = 65-128), ``wgmma_ss`` (Hopper
+wgmma, both operands in shared memory), ``decode_tma`` (Hopper, M <= 16: the
 split-K kernel's math fed by the copy engine), ``dequant_cublas`` (dequantize, then cuBLAS).
 """
 
