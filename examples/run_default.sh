@@ -5,10 +5,10 @@
 # WORKDIR (default runs/tiny), PYTHON (default .venv/bin/python) and VERL_FILE_LOGGER_PATH as for examples/tiny/grpo.sh.
 set -euo pipefail
 # paths given relative to the caller's folder stay so: made absolute before the cd to the repository
-abs() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
-if [ -n "${WORKDIR:-}" ]; then export WORKDIR; WORKDIR=$(abs "$WORKDIR"); fi
-if [ -n "${VERL_FILE_LOGGER_PATH:-}" ]; then export VERL_FILE_LOGGER_PATH; VERL_FILE_LOGGER_PATH=$(abs "$VERL_FILE_LOGGER_PATH"); fi
-if [[ ${PYTHON:-} == */* ]]; then export PYTHON; PYTHON=$(abs "$PYTHON"); fi
+source "$(dirname "${BASH_SOURCE[0]}")/lib/paths.sh"
+if [ -n "${WORKDIR:-}" ]; then export WORKDIR; WORKDIR=$(abs_path "$WORKDIR"); fi
+if [ -n "${VERL_FILE_LOGGER_PATH:-}" ]; then export VERL_FILE_LOGGER_PATH; VERL_FILE_LOGGER_PATH=$(abs_path "$VERL_FILE_LOGGER_PATH"); fi
+if [[ ${PYTHON:-} == */* ]]; then export PYTHON; PYTHON=$(abs_path "$PYTHON"); fi
 cd "$(dirname "$0")/.."
 W=${WORKDIR:-runs/tiny}
 PY=${PYTHON:-.venv/bin/python}  # the interpreter grpo.sh runs

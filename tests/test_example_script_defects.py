@@ -126,6 +126,22 @@ def test_run_arms_checkpoint_dir_parses_back_exactly(out):
     assert cfg.d == str(Path(out).resolve() / "bf16-s0" / "ckpt")
 
 
+@pytest.mark.parametrize("project", ["qerl,exploration", "runs-${USER}", "1e-5", "plain-name"])
+def test_run_arms_project_name_parses_back_exactly(project):
+    """``--project`` reached ``trainer.project_name`` unquoted: a ``,`` split the override, ``${USER}`` was resolved
+    and ``1e-5`` became a float."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    args = run_arms.parse_args(["--model", "/m", "--data", "/d", "--out", "/tmp/o", "--dry-run", "--device", "cpu",
+                                "--seeds", "1", "--arms", "bf16", "--project", project])
+    (run,) = run_arms.plan(args)
+    ov = [a for a in run.cmd if "=" in a and not a.startswith("-")]
+    parsed = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(ov)}
+    cfg = OmegaConf.create({"p": parsed["trainer.project_name"]})
+    assert cfg.p == project and isinstance(cfg.p, str)
+
+
 # --- base_accuracy.py: arguments checked before the model loads, --out written per level -----------------------
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -43,6 +43,7 @@ from verl_qerl.verl.launch import (  # noqa: E402
     cpu_platform_overrides,
     grpo_overrides,
     path_value,
+    string_value,
     varlen_overrides,
 )
 from verl_qerl.verl.reward import reward_overrides  # noqa: E402
@@ -120,7 +121,7 @@ def overrides(args: argparse.Namespace, arm: str, seed: int, run_dir: Path, flas
         "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0",
         "actor_rollout_ref.rollout.val_kwargs.n=1",
         "trainer.val_before_train=True", f"trainer.test_freq={args.test_freq}",
-        f"trainer.project_name={args.project}", f"trainer.experiment_name={arm}-s{seed}",
+        f"trainer.project_name={string_value(args.project)}", f"trainer.experiment_name={arm}-s{seed}",
         f"trainer.default_local_dir={path_value(run_dir / 'ckpt')}",
         "+ray_kwargs.ray_init.include_dashboard=False",
         f"+ray_kwargs.ray_init.object_store_memory={args.object_store_mb * 1024 * 1024}",

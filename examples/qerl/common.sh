@@ -12,16 +12,10 @@ qerl_model_path() {  # SIZE -> the Qwen2.5-*-Instruct checkpoint (local folder; 
   echo "${MODEL_PATH:-${MODELS_DIR:-$HOME/models}/Qwen2.5-$1-Instruct}"
 }
 
-qerl_hydra_path() {  # PATH -> the path as a hydra override value (verl_qerl.verl.launch.path_value): quoted where
-  # hydra would misread it (`,` `(` `'` ...) and `${` kept literal for OmegaConf. A plain absolute path is already
-  # its own value (the same answer path_value gives) and needs no interpreter.
-  if [[ $1 == /* && $1 =~ ^[A-Za-z0-9_/.+@%-]+$ ]]; then printf '%s\n' "$1"; return 0; fi
-  local v
-  v=$("${PYTHON:-python3}" -c 'import sys; from verl_qerl.verl.launch import path_value; print(path_value(sys.argv[1]))' \
-      "$1") && [ -n "$v" ] \
-    || { echo "common.sh: cannot quote the path '$1' for hydra with ${PYTHON:-python3} (is verl_qerl installed?)" >&2
-         return 1; }
-  printf '%s\n' "$v"
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/paths.sh"
+
+qerl_hydra_path() {  # PATH -> the path as a hydra override value, asking ${PYTHON:-python3} (examples/lib/paths.sh)
+  hydra_path "${PYTHON:-python3}" "$1"
 }
 
 qerl_vllm_mem() {  # the paper's vLLM memory budget per size (App. J), identical across variants

@@ -9,26 +9,18 @@
 #   VERL_FILE_LOGGER_PATH (default $WORKDIR/metrics-$VARIANT.jsonl)
 set -euo pipefail
 # paths given relative to the caller's folder stay so: made absolute before the cd to the repository
-abs() { case "$1" in /*) printf '%s\n' "$1" ;; *) printf '%s\n' "$PWD/$1" ;; esac; }
-if [ -n "${WORKDIR:-}" ]; then WORKDIR=$(abs "$WORKDIR"); fi
-if [ -n "${VERL_FILE_LOGGER_PATH:-}" ]; then VERL_FILE_LOGGER_PATH=$(abs "$VERL_FILE_LOGGER_PATH"); fi
-if [[ ${PYTHON:-} == */* ]]; then PYTHON=$(abs "$PYTHON"); fi  # a bare name (python3) is looked up on PATH
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/paths.sh"
+if [ -n "${WORKDIR:-}" ]; then WORKDIR=$(abs_path "$WORKDIR"); fi
+if [ -n "${VERL_FILE_LOGGER_PATH:-}" ]; then VERL_FILE_LOGGER_PATH=$(abs_path "$VERL_FILE_LOGGER_PATH"); fi
+if [[ ${PYTHON:-} == */* ]]; then PYTHON=$(abs_path "$PYTHON"); fi  # a bare name (python3) is looked up on PATH
 cd "$(dirname "$0")/../.."
 VARIANT=${1:-nvfp4}; [ $# -gt 0 ] && shift
 W=${WORKDIR:-runs/tiny}
 PY=${PYTHON:-.venv/bin/python}
-hydra_path() {  # PATH -> the path as a hydra override value (verl_qerl.verl.launch.path_value): quoted where hydra
-  # would misread it (`,` `(` `'` ...) and `${` kept literal for OmegaConf; a plain absolute path is its own value
-  if [[ $1 == /* && $1 =~ ^[A-Za-z0-9_/.+@%-]+$ ]]; then printf '%s\n' "$1"; return 0; fi
-  local v
-  v=$("$PY" -c 'import sys; from verl_qerl.verl.launch import path_value; print(path_value(sys.argv[1]))' "$1") \
-    && [ -n "$v" ] || { echo "grpo.sh: cannot quote the path '$1' for hydra with $PY" >&2; return 1; }
-  printf '%s\n' "$v"
-}
 "$PY" examples/tiny/prepare.py "$W"
 W=$(realpath "$W")   # Ray workers read these paths from other working directories
-TRAIN=$(hydra_path "$W/data/train.parquet"); VAL=$(hydra_path "$W/data/test.parquet")
-MODEL=$(hydra_path "$W/model"); REWARD=$(hydra_path "$(pwd)/examples/tiny/reward.py")
+TRAIN=$(hydra_path "$PY" "$W/data/train.parquet"); VAL=$(hydra_path "$PY" "$W/data/test.parquet")
+MODEL=$(hydra_path "$PY" "$W/model"); REWARD=$(hydra_path "$PY" "$(pwd)/examples/tiny/reward.py")
 DEVICE=${QERL_DEVICE:-$("$PY" -c 'import torch; print("gpu" if torch.cuda.is_available() else "cpu")')}
 # Each run gets its own Ray temp dir (unless RAY_TMPDIR is given), so that afterwards exactly this run's Ray
 # processes can be stopped: `ray stop` would stop every Ray cluster on the machine, other users' runs included.

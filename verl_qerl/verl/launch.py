@@ -41,7 +41,12 @@ def path_value(path: str | os.PathLike) -> str:
     A ``${`` is written ``\\${`` (and backslashes right before it doubled): hydra keeps it, and OmegaConf, which
     resolves the composed config, then reads a literal ``${`` instead of an interpolation (``/runs/${USER}/m``).
     """
-    s = os.path.expanduser(os.fspath(path))
+    return string_value(os.path.expanduser(os.fspath(path)))
+
+
+def string_value(s: str) -> str:
+    """A string as a hydra override value that hydra and OmegaConf read back unchanged: bare where that holds,
+    else quoted as :func:`path_value` describes (names such as ``trainer.project_name`` with ``,`` or ``${``)."""
     if _BARE.fullmatch(s) and not _NOT_STRING.fullmatch(s):
         return s
     s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
