@@ -55,28 +55,26 @@ def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa:
     return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
 
 
-def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
-    """``fn`` run with the register-A wgmma kernel held at 128-token tiles (the op reads the knob at each call,
-    so a CUDA graph captured through this keeps them)."""
+def _under_knob(setter, value, fn):  # noqa: ANN001, ANN202 - an extension knob, its value, a timed callable
+    """``fn`` run with ``setter(value)`` in force, the previous value restored after (errors too). The op reads
+    its knobs at each call, so a CUDA graph captured through this keeps the tiles chosen under it."""
     def run(r):  # noqa: ANN001, ANN202
-        prev = ext.set_wgmma_wide_min_m(NARROW_WIDE_MIN_M)
+        prev = setter(value)
         try:
             return fn(r)
         finally:
-            ext.set_wgmma_wide_min_m(prev)
+            setter(prev)
     return run
+
+
+def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
+    """``fn`` run with the register-A wgmma kernel held at 128-token tiles."""
+    return _under_knob(ext.set_wgmma_wide_min_m, NARROW_WIDE_MIN_M, fn)
 
 
 def wide_256_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
-    """``fn`` run with the wide wgmma kernel held at 256-token tiles (no 192-token tiles; read at each call, as
-    narrow_wgmma_tiles)."""
-    def run(r):  # noqa: ANN001, ANN202
-        prev = ext.set_wgmma_wide_192(False)
-        try:
-            return fn(r)
-        finally:
-            ext.set_wgmma_wide_192(prev)
-    return run
+    """``fn`` run with the wide wgmma kernel held at 256-token tiles (no 192-token tiles)."""
+    return _under_knob(ext.set_wgmma_wide_192, False, fn)
 
 
 def tile_variant(ext, variant: str, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable

@@ -75,52 +75,6 @@ struct WgCfg {
 };
 
 #ifdef QERL_WGMMA_DEVICE
-// D[64 x 64] += A[64 x 16] (registers, bf16) x B[16 x 64] (shared memory, bf16, K-major), FP32 accumulators.
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-// D[64 x 128] += A[64 x 16] (registers, bf16) x B[16 x 128] (shared memory, bf16, K-major), FP32 accumulators.
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-template <int T>
-__device__ __forceinline__ void wgmma_rs(float (&d)[T / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (T == 64)
-    wgmma_m64n64k16_rs(d, a, desc);
-  else
-    wgmma_m64n128k16_rs(d, a, desc);
-}
-
 // The kernel's body, inlined into the plain kernel (LORA false, `lora` unused) and the LoRA kernel. kCluster = false:
 // persistent stream-K (units_per_cta: the range length); true: one tile per thread-block cluster of s CTAs, CTA rank r
 // running stages [r units_per_cta, (r + 1) units_per_cta) of tile `cluster_id_x()`, the sums reduced on chip
@@ -257,7 +211,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) wgmma_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
+        for (int h = 0; h < 2; ++h) wgmma_m64k16_rs<T>(acc[h], a[h][j], desc0 + uint64_t((t * T * 128 + j * 32) >> 4));
       wgmma_commit();
       // a wgmma reads its A registers until retired (PTX ISA, wgmma.mma_async): the next decode into the same
       // registers must come after this wait has retired the group that read them (see kInFlight)
@@ -365,12 +319,12 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
             // always kKPrefetch wgmmas (zero fragments past hi, on a staged k-step): a branch around them would
             // serialize the kernel's wgmmas, as above
 #pragma unroll
-            for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_rs<T>(acc[h], fb[h][jj], k_desc(min(lo[h] + jj, hi[h] - 1)));
+            for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_m64k16_rs<T>(acc[h], fb[h][jj], k_desc(min(lo[h] + jj, hi[h] - 1)));
             for (int j = lo[h] + kKPrefetch; j < hi[h]; ++j) {  // ranks past the registers (rank > 32)
               uint32_t f[4];
 #pragma unroll
               for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
-              wgmma_rs<T>(acc[h], f, k_desc(j));
+              wgmma_m64k16_rs<T>(acc[h], f, k_desc(j));
               // retired before the next step's loads write f's registers (a wgmma reads its A registers
               // asynchronously: PTX ISA, wgmma.mma_async; cuda/nvfp4_gemm_wgmma_wide.cu's LoRA loop says more)
               wgmma_commit();

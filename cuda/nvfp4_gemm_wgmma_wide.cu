@@ -70,49 +70,6 @@ struct WideTile {
 };
 
 #ifdef QERL_WGMMA_DEVICE
-// D[64 x 256] += A[64 x 16] (registers, bf16) x B[16 x 256] (shared memory, bf16, K-major), FP32 accumulators.
-__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " QERL_WGMMA_D128_PTX
-      ", {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-      : QERL_WGMMA_D128_OPS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-// D[64 x 192] += A[64 x 16] (registers, bf16) x B[16 x 192] (shared memory, bf16, K-major), FP32 accumulators.
-__device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[96], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 " QERL_WGMMA_D96_PTX
-      ", {%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
-      : QERL_WGMMA_D96_OPS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-// D[64 x 128] += A[64 x 16] (registers, bf16) x B[16 x 128] (shared memory, bf16, K-major), FP32 accumulators.
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " QERL_WGMMA_D64_PTX
-      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-      : QERL_F64(d, 0)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-// One m64nTk16 wgmma of the T-token tile.
-template <int T>
-__device__ __forceinline__ void wide_wgmma(float (&d)[T / 2], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (T == 256)
-    wgmma_m64n256k16_rs(d, a, desc);
-  else if constexpr (T == 192)
-    wgmma_m64n192k16_rs(d, a, desc);
-  else
-    wgmma_m64n128k16_rs(d, a, desc);
-}
-#endif  // QERL_WGMMA_DEVICE
-
-#ifdef QERL_WGMMA_DEVICE
 // The LoRA term mask * (shrunk @ B^T) of a 128-row x 256-token tile as its starting accumulator (the wide LoRA
 // kernel; the 64-token kernel's design, cuda/nvfp4_gemm_wgmma.cu): the tile's tokens' shrink rows times their mask
 // (bf16; 0 / 1 masks are exact) staged in ring slot `slot` in the activations' swizzled layout (R = slices x rank
@@ -194,12 +151,12 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[T / 2], const QerlL
   };
   wgmma_fence();
 #pragma unroll
-  for (int jj = 0; jj < kKPrefetch; ++jj) wide_wgmma<T>(acc, fb[jj], k_desc(min(lo + jj, hi - 1)));
+  for (int jj = 0; jj < kKPrefetch; ++jj) wgmma_m64k16_rs<T>(acc, fb[jj], k_desc(min(lo + jj, hi - 1)));
   for (int j = lo + kKPrefetch; j < hi; ++j) {  // ranks past the registers (rank > 32, or a slice boundary)
     uint32_t f[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = b_frag(j, e);
-    wide_wgmma<T>(acc, f, k_desc(j));
+    wgmma_m64k16_rs<T>(acc, f, k_desc(j));
     // f is the same registers every step and a wgmma reads its A registers asynchronously: they may not be written
     // before a wait_group has retired it (PTX ISA, wgmma.mma_async). Without this wait the next step's loads (and
     // the zeros ptxas writes first) overwrite the fragment of a wgmma still queued behind the earlier ones, so that
@@ -334,7 +291,7 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
                              uint64_t(((smem_base + slot * W::kSlotBytes + t * W::kXHalfBytes) >> 4) & 0x3FFF);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wide_wgmma<T>(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
+      for (int j = 0; j < 4; ++j) wgmma_m64k16_rs<T>(acc[0], a[j], desc0 + uint64_t((j * 32) >> 4));
       wgmma_commit();
       wgmma_wait<1>();
     };
