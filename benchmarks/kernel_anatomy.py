@@ -71,13 +71,26 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _gemm_fns(m: int, n: int, k: int) -> dict:
-    """The three timed methods for one shape, each a callable of the weight-set index r."""
+#: the forced op modes --stamps can read (the register-A kernels; ``wgmma_wide``: the wide kernel from M = 65)
+STAMP_MODES = ("wgmma_rs", "wgmma_wide")
+
+
+def stamp_kernel(m: int, mode: str) -> str:
+    """Which stamp table the forced ``mode`` fills at M: ``wide`` (cuda/nvfp4_gemm_wgmma_wide.cu: from M = 129, and
+    from 65 under ``wgmma_wide``) or ``wgmma`` (the 64- / 128-token kernels)."""
+    if mode not in STAMP_MODES:
+        raise ValueError(f"--mode {mode!r}: one of {', '.join(STAMP_MODES)}")
+    return "wide" if m > 128 or (mode == "wgmma_wide" and m > 64) else "wgmma"
+
+
+def _gemm_fns(m: int, n: int, k: int, mode_name: str = "wgmma_rs") -> dict:
+    """The three timed methods for one shape, each a callable of the weight-set index r (ours forced to
+    ``mode_name``)."""
     ws = rotated_weights(n, k)
     gs = torch.ones((), device=DEV)
     w16 = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(ROT)]
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    mode = int(kernels.GEMM_MODES["wgmma_rs"])
+    mode = int(kernels.GEMM_MODES[mode_name])
 
     def ours(r: int) -> torch.Tensor:
         return torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, mode)
@@ -166,18 +179,18 @@ def stamp_summary(rows: list[list[int]]) -> dict:
     return out
 
 
-def stamps(ms: list[int], reps: int) -> dict:
-    """The stamped build's per-CTA phases for the four 7B GEMMs at each M (the wgmma kernel the op forces there:
-    64 / 128-token tiles up to 128, the wide one above), the cluster split on and off, next to the graph time of the
-    same call (the launch gap is the difference) and BF16 cuBLAS's."""
+def stamps(ms: list[int], reps: int, mode: str = "wgmma_rs") -> dict:
+    """The stamped build's per-CTA phases for the four 7B GEMMs at each M (the wgmma kernel ``mode`` forces there:
+    :func:`stamp_kernel`), the cluster split on and off, next to the graph time of the same call (the launch gap is
+    the difference) and BF16 cuBLAS's."""
     ext = kernels.extension()
     if not hasattr(ext, "anatomy_stamps"):
         raise RuntimeError("--stamps needs the stamped build: run with QERL_ANATOMY_STAMPS=1 (its own JIT name)")
     rows = []
     for m in ms:
-        kern = "wgmma" if m <= 128 else "wide"
+        kern = stamp_kernel(m, mode)
         for n, k in NCU_SHAPES:
-            fns = _gemm_fns(m, n, k)
+            fns = _gemm_fns(m, n, k, mode)
             for cluster in (True, False):
                 ext.anatomy_stamps(kern, anatomy_max_ctas(), True)
                 with _cluster_split(cluster):
@@ -191,7 +204,7 @@ def stamps(ms: list[int], reps: int) -> dict:
                 graphs = {"ours": _capture(fns["wide"], cluster), "bf16": capture_graph(fns["bf16"])}
                 ms_ = interleaved_graph_ms(graphs, reps)
                 del graphs
-                row = {"M": m, "N": n, "K": k, "kernel": kern, "cluster": cluster, **st,
+                row = {"M": m, "N": n, "K": k, "mode": mode, "kernel": kern, "cluster": cluster, **st,
                        "graph_us": round(ms_["ours"] * 1e3, 2), "bf16_graph_us": round(ms_["bf16"] * 1e3, 2)}
                 rows.append(row)
                 print(f"M={m:4d} N={n:6d} K={k:6d} {kern:5s} cluster={int(cluster)} ctas {st['ctas']:4d} seg "
@@ -237,6 +250,8 @@ def main() -> int:
     ap.add_argument("--stamps", action="store_true",
                     help="per-CTA phases of the stamped build (QERL_ANATOMY_STAMPS=1), 7B shapes at --ms")
     ap.add_argument("--ms", default=",".join(map(str, STAMP_MS)), help="with --stamps: comma list of M")
+    ap.add_argument("--mode", default="wgmma_rs", choices=STAMP_MODES,
+                    help="with --stamps: the forced kernel (wgmma_wide: the wide kernel's 128-token tiles at 65-128)")
     ap.add_argument("--m", type=int, default=256, help="tokens (default 256)")
     ap.add_argument("--ns", default=",".join(map(str, SWEEP_NS)), help="comma list of N")
     ap.add_argument("--ks", default=",".join(map(str, SWEEP_KS)), help="comma list of K (multiples of 128)")
@@ -257,7 +272,7 @@ def main() -> int:
     kernels.load_extension()
     t0 = time.time()
     name = torch.cuda.get_device_name(0)
-    part = (stamps([int(v) for v in args.ms.split(",")], args.reps) if args.stamps
+    part = (stamps([int(v) for v in args.ms.split(",")], args.reps, args.mode) if args.stamps
             else sweep(args.m, [int(v) for v in args.ns.split(",")], ks, args.reps))
     res = {**run_header(name), **part, "elapsed_s": round(time.time() - t0, 1), "targets": []}
     out = Path(args.out or "benchmarks/results")

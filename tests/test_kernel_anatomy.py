@@ -107,3 +107,10 @@ def test_cluster_switch_restores_the_callers_setting(ka, monkeypatch: pytest.Mon
     with ka._cluster_split(False):
         assert os.environ["QERL_WGMMA_CLUSTER"] == "0"
     assert "QERL_WGMMA_CLUSTER" not in os.environ
+
+
+def test_stamp_kernel_follows_the_forced_mode(ka) -> None:
+    assert [ka.stamp_kernel(m, "wgmma_rs") for m in (64, 65, 128, 129, 256)] == ["wgmma"] * 3 + ["wide"] * 2
+    assert [ka.stamp_kernel(m, "wgmma_wide") for m in (64, 65, 128, 129)] == ["wgmma"] + ["wide"] * 3
+    with pytest.raises(ValueError, match="--mode 'splitk'"):
+        ka.stamp_kernel(100, "splitk")
