@@ -26,11 +26,11 @@ def test_gemm_kernel_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     # their kernel at every M (decode_tma at M <= 16); the forced modes run one fused kernel at every M
     m = kernels.GEMM_MODES
     assert kernels.GEMM_KERNEL_MODES == {"auto": m["auto"], "splitk": m["auto_splitk"], "streamk": m["auto_streamk"],
-                                         "wgmma_rs": m["wgmma_rs"], "wgmma_ss": m["wgmma_ss"],
-                                         "decode_tma": m["decode_tma"]}
+                                         "wgmma_rs": m["wgmma_rs"], "wgmma_wide": m["wgmma_wide"],
+                                         "wgmma_ss": m["wgmma_ss"], "decode_tma": m["decode_tma"]}
     assert kernels.GEMM_KERNEL_FORCED_MODES == {"splitk": m["splitk"], "streamk": m["streamk"],
-                                                "wgmma_rs": m["wgmma_rs"], "wgmma_ss": m["wgmma_ss"],
-                                                "decode_tma": m["decode_tma"]}
+                                                "wgmma_rs": m["wgmma_rs"], "wgmma_wide": m["wgmma_wide"],
+                                                "wgmma_ss": m["wgmma_ss"], "decode_tma": m["decode_tma"]}
     for bad in ("stream-k", "v6", "marlin", "dqmm"):
         monkeypatch.setenv("QERL_GEMM_KERNEL", bad)
         with pytest.raises(ValueError, match=r"QERL_GEMM_KERNEL='[^']+' is not a GEMM kernel variant.*streamk"):

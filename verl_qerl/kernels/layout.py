@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..nvfp4.format import BLOCK_SIZE
+from ..nvfp4.format import BLOCK_SIZE, block_scale_problem
 
 #: K elements per repacked tile (4 k16 MMA steps).
 K_TILE = 64
@@ -158,9 +158,14 @@ def repack(packed: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 4096
     """compressed-tensors NVFP4 (``packed`` [N, K/2], ``scale`` [N, K/16]) -> kernel layout.
 
     Pure torch, on the tensors' device (CPU or GPU); runs once per weight at load. Works in chunks
-    of rows so the int64 intermediates stay small. N is zero-padded to a multiple of ``N_PAD``.
+    of rows so the int64 intermediates stay small. N is zero-padded to a multiple of ``N_PAD``. NaN or negative
+    block scales are refused (the kernel's scale bytes hold neither: they would become zero blocks here while
+    ``dequantize`` gives NaN / negated weights from the same pair).
     """
     n, k = check_shapes(packed, scale)
+    problem = block_scale_problem(scale)
+    if problem is not None:
+        raise LayoutError(f"repack: {problem}")
     sbytes = scale_as_uint8(scale)
     dev = packed.device
     n_pad = (n + N_PAD - 1) // N_PAD * N_PAD

@@ -29,8 +29,13 @@ _lib.define("lora_expand(Tensor out, Tensor shrunk, Tensor b_t, Tensor mask) -> 
 
 
 def lora_expand_torch(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The reference: ``out + mask * (shrunk @ b_t)`` in torch ops."""
-    return torch.addmm(out, shrunk * mask.reshape(-1, 1).to(shrunk.dtype), b_t)
+    """The reference: ``out + mask * (shrunk @ b_t)`` in torch ops, in ``out``'s dtype. Operands of one dtype run in
+    it (what the CUDA op's cuBLAS route computes, bit for bit); mixed dtypes, which the Triton kernel takes, run in
+    float32 and round once to ``out``'s dtype (``addmm`` itself refuses them)."""
+    if out.dtype == shrunk.dtype == b_t.dtype:
+        return torch.addmm(out, shrunk * mask.reshape(-1, 1).to(shrunk.dtype), b_t)
+    f32 = torch.float32
+    return torch.addmm(out.to(f32), shrunk.to(f32) * mask.reshape(-1, 1).to(f32), b_t.to(f32)).to(out.dtype)
 
 
 def _check(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor) -> None:
@@ -38,7 +43,8 @@ def _check(out: torch.Tensor, shrunk: torch.Tensor, b_t: torch.Tensor, mask: tor
         raise ValueError(f"qerl::lora_expand: out, shrunk, b_t must be 2-D, got {tuple(out.shape)}, "
                          f"{tuple(shrunk.shape)}, {tuple(b_t.shape)}")
     t, n = out.shape
-    if shrunk.shape[0] != t or b_t.shape != (shrunk.shape[1], n) or mask.numel() != t:
+    mask_ok = mask.numel() == t and (mask.dim() == 1 or (mask.dim() == 2 and mask.shape[1] == 1))
+    if shrunk.shape[0] != t or b_t.shape != (shrunk.shape[1], n) or not mask_ok:
         raise ValueError(f"qerl::lora_expand: out {tuple(out.shape)}, shrunk {tuple(shrunk.shape)}, "
                          f"b_t {tuple(b_t.shape)}, mask {tuple(mask.shape)} do not fit [T,N], [T,R], [R,N], [T]")
 

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from . import layout, reference
 from . import lora_expand as _lora_expand  # noqa: F401 - defines qerl::lora_expand, which nvfp4_gemm_lora's CUDA op calls
 from . import lora_shrink as _lora_shrink  # noqa: F401 - defines qerl::lora_shrink, which nvfp4_lora_linear's CUDA op calls
+from .modes import GEMM_MODES
 from .op_library import LIB_NAME, library
 
 _lib = library()
@@ -82,10 +83,43 @@ _lib.define("nvfp4_repack(Tensor packed, Tensor scale) -> (Tensor, Tensor)")
 # ----------------------------------------------------------------------------------- CPU fallbacks
 
 
+class GemmArgumentError(ValueError):
+    """Arguments of the ``qerl::nvfp4_gemm*`` ops that the op refuses; the message names the argument."""
+
+
+def check_gemm_args(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None,
+                    n: int, mode: int, splits: int, who: str) -> None:
+    """The CPU side of the C++ ``check_gemm_args`` (cuda/qerl_torch.cpp): the CPU implementations are also what runs
+    when the CUDA extension is unavailable, so they refuse what the CUDA op refuses, naming the argument, instead of
+    computing something (a 3-D x, an unknown mode, ``splits`` outside split-K, an integer x, a K or ``n`` that does
+    not fit the weight, a bias of another length)."""
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise GemmArgumentError(f"{who}: x must be a 2-D floating-point tensor [M, K], got {x.dtype} "
+                                f"{tuple(x.shape)}")
+    k = qweight.shape[1] * layout.K_STAGE if qweight.dim() == 3 else -1
+    if x.shape[1] != k:
+        raise GemmArgumentError(f"{who}: x has K={x.shape[1]} but the weight has K={k}")
+    rows = qweight.shape[0] * layout.N_PAD
+    if not (n > 0 and n % layout.N_TILE == 0 and rows - layout.N_PAD < n <= rows):
+        raise GemmArgumentError(f"{who}: n={n} does not fit the weight's {rows} padded rows (n must be a multiple "
+                                f"of {layout.N_TILE} in ({rows - layout.N_PAD}, {rows}])")
+    if global_scale.numel() != 1:
+        raise GemmArgumentError(f"{who}: global_scale must hold one value, got shape {tuple(global_scale.shape)}")
+    if bias is not None and bias.numel() != n:
+        raise GemmArgumentError(f"{who}: bias must have n={n} values, got shape {tuple(bias.shape)}")
+    if int(mode) not in GEMM_MODES.values():
+        known = ", ".join(f"{v} {name}" for name, v in GEMM_MODES.items())
+        raise GemmArgumentError(f"{who}: unknown mode {mode} ({known}; cuda/gemm_modes.h)")
+    if splits < 0 or (splits != 0 and int(mode) != GEMM_MODES["splitk"]):
+        raise GemmArgumentError(f"{who}: splits={splits} (K-splits of the split-K kernel) needs mode "
+                                f"{GEMM_MODES['splitk']} (splitk) and must be >= 0")
+
+
 def _gemm_cpu(
     x: torch.Tensor, qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor,
     bias: torch.Tensor | None, n: int, mode: int = 0, splits: int = 0, pdl: bool = False,
 ) -> torch.Tensor:
+    check_gemm_args(x, qweight, global_scale, bias, n, mode, splits, "qerl::nvfp4_gemm")
     w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
     out = x.to(torch.float32) @ w.T
     if bias is not None:
@@ -143,6 +177,7 @@ def _gemm_lora_cpu(
     bias: torch.Tensor | None, n: int, shrunk: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
     slice_bounds: list[int], mode: int = 0, splits: int = 0, pdl: bool = False,
 ) -> torch.Tensor:
+    check_gemm_args(x, qweight, global_scale, bias, n, mode, splits, "qerl::nvfp4_gemm_lora")
     check_lora_operands(x, n, shrunk, lora_b, mask, slice_bounds)
     w = reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, torch.float32)
     out = x.to(torch.float32) @ w.T
@@ -174,6 +209,7 @@ def _lora_linear_cpu(
     bias: torch.Tensor | None, n: int, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor,
     slice_bounds: list[int], mode: int = 0, splits: int = 0, pdl: bool = False,
 ) -> torch.Tensor:
+    check_gemm_args(x, qweight, global_scale, bias, n, mode, splits, "qerl::nvfp4_lora_linear")
     shrunk = x.new_empty((x.shape[0], lora_b.shape[1] if lora_b.dim() == 2 else 0))
     check_lora_operands(x, n, shrunk, lora_b, mask, slice_bounds)  # names lora_b, mask, slice_bounds
     check_lora_a(x, lora_a, lora_b)
@@ -190,6 +226,10 @@ def _dequant_cpu(
 def _dequant_repacked_cpu(
     qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor, n: int, dtype: torch.dtype
 ) -> torch.Tensor:
+    rows = qweight.shape[0] * layout.N_PAD
+    if not (n > 0 and n % layout.N_TILE == 0 and rows - layout.N_PAD < n <= rows):
+        raise GemmArgumentError(f"qerl::nvfp4_dequant_repacked: n={n} does not fit the weight's {rows} padded rows "
+                                f"(n must be a multiple of {layout.N_TILE} in ({rows - layout.N_PAD}, {rows}])")
     return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
 
 
