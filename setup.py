@@ -1,6 +1,31 @@
 """verl-qerl: QeRL (NVFP4 + LoRA + Adaptive Quantization Noise) as a verl plugin and vLLM backend."""
 
+import shutil
+from pathlib import Path
+
 from setuptools import find_namespace_packages, find_packages, setup
+from setuptools.command.build_py import build_py
+
+#: the kernel sources a wheel ships as verl_qerl/kernels/csrc (verl_qerl.kernels.build.source_dir looks there)
+CUDA_SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+
+
+class BuildPyWithCudaSources(build_py):
+    """build_py that also copies the repository's cuda/ into the built package as verl_qerl/kernels/csrc: the
+    kernels JIT-build from those sources on first use, and verl_qerl.kernels reads their gemm_modes.h at import, so
+    a regular (non-editable) install without them could not even import verl_qerl.kernels."""
+
+    def run(self) -> None:
+        super().run()
+        src = Path(__file__).resolve().parent / "cuda"
+        dst = Path(self.build_lib) / "verl_qerl" / "kernels" / "csrc"
+        if not src.is_dir():
+            raise FileNotFoundError(f"setup.py: {src} is missing; the wheel needs the kernel sources")
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in sorted(src.iterdir()):
+            if f.suffix in CUDA_SOURCE_SUFFIXES:
+                shutil.copy2(f, dst / f.name)
+
 
 # The CUDA kernels are built ahead of time when a CUDA torch and nvcc are present, and JIT-built
 # (ninja) on first use otherwise; see verl_qerl/kernels.
@@ -12,6 +37,7 @@ try:  # pragma: no cover - depends on the build machine
     ext_modules, cmdclass = setup_ext_modules()
 except Exception:  # noqa: BLE001 - no torch / no CUDA / no kernels package yet: pure-Python install
     ext_modules, cmdclass = [], {}
+cmdclass = {**cmdclass, "build_py": BuildPyWithCudaSources}
 
 setup(
     name="verl-qerl",
