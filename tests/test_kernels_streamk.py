@@ -45,9 +45,13 @@ def test_tuning_env_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
     kernels.check_tuning_env()
     for name, good in (("QERL_GEMM_MAX_M", "64"), ("QERL_SPLIT_PENALTY", "0.05"),
-                       ("QERL_STREAMK_MIN_TILES_PER_CTA", " 0.3 "), ("QERL_STREAMK_MIN_TILES_PER_CTA", "")):
+                       ("QERL_STREAMK_MIN_TILES_PER_CTA", " 0.3 ")):
         monkeypatch.setenv(name, good)
         kernels.check_tuning_env()
+    monkeypatch.setenv("QERL_STREAMK_MIN_TILES_PER_CTA", "")  # the C++ side reads a set, empty value as 0
+    with pytest.raises(ValueError, match="QERL_STREAMK_MIN_TILES_PER_CTA='' is set but empty"):
+        kernels.check_tuning_env()
+    monkeypatch.delenv("QERL_STREAMK_MIN_TILES_PER_CTA")
     for name, bad in (("QERL_GEMM_MAX_M", "1e3"), ("QERL_GEMM_MAX_M", "-1"), ("QERL_SPLIT_PENALTY", "high"),
                       ("QERL_STREAMK_MIN_TILES_PER_CTA", "nan"), ("QERL_STREAMK_MIN_TILES_PER_CTA", "0,25")):
         monkeypatch.setenv(name, bad)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import warnings
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import layout, ops, reference
+from .build import env_flag
 from .layout import K_STAGE, K_TILE, N_PAD, LayoutError, RepackedWeight
 from .modes import GEMM_KERNEL_NAMES, GEMM_MODES, GemmMode
 
@@ -116,22 +118,30 @@ def pdl_enabled() -> bool:
 #: Its C++ side parses with atoll / atof, which read a typo as 0 and silently change the dispatch, so
 #: :func:`check_tuning_env` validates them first.
 TUNING_ENV = {"QERL_GEMM_MAX_M": int, "QERL_SPLIT_PENALTY": float, "QERL_STREAMK_MIN_TILES_PER_CTA": float}
+#: parser -> the text atoll / atof read whole, as Python reads it: plain ASCII digits (``[0-9]`` is ASCII-only in a
+#: ``re``, unlike ``\d`` or ``int()``, which take other scripts' digits), no ``_`` separators, no sign but ``+``,
+#: no ``nan`` / ``inf`` / hex. Anything else the C++ side reads as a prefix of it (``1_000`` -> 1) or as 0.
+_TUNING_SYNTAX = {int: re.compile(r"\+?[0-9]+"), float: re.compile(r"\+?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")}
+#: What atoll / atof skip before the number (C isspace); trailing ones end the number, so both are stripped.
+_C_SPACE = " \t\n\v\f\r"
 
 
 def check_tuning_env() -> None:
-    """Raise ``ValueError`` naming the variable when a :data:`TUNING_ENV` variable is set to anything but a
-    non-negative number (unset or empty: the extension's default)."""
+    """Raise ``ValueError`` naming the variable and its value when a :data:`TUNING_ENV` variable is set to anything
+    but a non-negative number in plain ASCII (:data:`_TUNING_SYNTAX`; unset: the extension's default). An empty
+    value is refused too: ``getenv`` gives the C++ side ``""``, which it reads as 0, not as its default."""
     for name, parse in TUNING_ENV.items():
-        raw = os.environ.get(name, "").strip()
-        if not raw:
+        raw = os.environ.get(name)
+        if raw is None:
             continue
-        try:
-            value = parse(raw)
-        except ValueError:
-            value = -1
-        if not value >= 0:  # also refuses nan
+        text = raw.strip(_C_SPACE)
+        if not text:
+            raise ValueError(f"{name}={raw!r} is set but empty, which the extension reads as 0; "
+                             "unset it to use the default")
+        if not _TUNING_SYNTAX[parse].fullmatch(text):
             kind = "a non-negative integer" if parse is int else "a non-negative number"
-            raise ValueError(f"{name}={raw!r} is not {kind} (unset it for the default)")
+            raise ValueError(f"{name}={raw!r} is not {kind} in plain ASCII digits, which the extension would read "
+                             "otherwise (unset it for the default)")
 
 
 def _check_mode_table(ext) -> None:  # noqa: ANN001 - the compiled module
@@ -153,11 +163,38 @@ class _State:
     reason = "not loaded yet (call load_extension())"
 
 
+#: Switch (``1`` / ``0``, :func:`verl_qerl.kernels.build.env_flag`) that keeps the CUDA extension unloaded.
+DISABLE_ENV = "VERL_QERL_DISABLE_CUDA_KERNELS"
+
+
+def _load_cuda(verbose: bool):  # noqa: ANN202 - the compiled module
+    """Build or import the extension, check it and give it its workspace and dispatch table; raises on any failure
+    (``ValueError`` for a bad setting)."""
+    if env_flag(DISABLE_ENV):
+        raise RuntimeError(f"disabled by {DISABLE_ENV}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("torch.cuda.is_available() is False")
+    if torch.version.cuda is None:
+        raise RuntimeError(f"torch {torch.__version__} is not a CUDA build")
+    from . import build, dispatch
+
+    ext = build.load(verbose=verbose)
+    _check_mode_table(ext)
+    ext.init_workspace(torch.cuda.current_device())
+    log.info("verl_qerl.kernels: GEMM dispatch: %s", dispatch.install(ext, tuple(torch.cuda.get_device_capability())))
+    return ext
+
+
 def load_extension(verbose: bool = False) -> bool:
     """Build (JIT, cached) or import the CUDA extension once; True when its kernels are registered.
 
-    Never raises: on failure the torch references are registered as the ops' CUDA kernels and
-    :func:`cuda_unavailable_reason` says why. Set ``VERL_QERL_DISABLE_CUDA_KERNELS=1`` to skip.
+    A bad setting raises (a ``ValueError``) and leaves the extension unloaded (the next call tries again): a
+    ``$QERL_GEMM_DISPATCH_TABLE`` that is missing or malformed (``dispatch.DispatchTableError``, as
+    ``dispatch.install`` documents), a switch that is neither on nor off (:func:`~verl_qerl.kernels.build.env_flag`).
+    Why: falling back would run every op on the slow torch reference, with one log line, for a mistake the user
+    can fix. Any other failure (no GPU, no compiler, a failed build) does not raise: the torch references are
+    registered as the ops' CUDA kernels and :func:`cuda_unavailable_reason` says why. Set
+    ``VERL_QERL_DISABLE_CUDA_KERNELS=1`` to skip.
     """
     if _State.tried:
         return _State.ext is not None
@@ -165,24 +202,14 @@ def load_extension(verbose: bool = False) -> bool:
         if _State.tried:
             return _State.ext is not None
         try:
-            if os.environ.get("VERL_QERL_DISABLE_CUDA_KERNELS", "0") not in ("", "0"):
-                raise RuntimeError("disabled by VERL_QERL_DISABLE_CUDA_KERNELS")
-            if not torch.cuda.is_available():
-                raise RuntimeError("torch.cuda.is_available() is False")
-            if torch.version.cuda is None:
-                raise RuntimeError(f"torch {torch.__version__} is not a CUDA build")
-            from . import build
-
-            ext = build.load(verbose=verbose)
-            _check_mode_table(ext)
-            ext.init_workspace(torch.cuda.current_device())
-            from . import dispatch
-
-            log.info("verl_qerl.kernels: GEMM dispatch: %s",
-                     dispatch.install(ext, tuple(torch.cuda.get_device_capability())))
-            _State.ext = ext
+            _State.ext = _load_cuda(verbose)
             _State.reason = ""
-        except Exception as ex:  # noqa: BLE001 - any failure means "use the fallback"
+        except Exception as ex:  # noqa: BLE001 - any other failure means "use the fallback"
+            from .build import SettingError
+            from .dispatch import DispatchTableError
+
+            if isinstance(ex, (SettingError, DispatchTableError)):
+                raise  # a bad setting: the caller's to fix, not a reason to run without the kernels
             _State.reason = f"{type(ex).__name__}: {ex}"
             if torch.cuda.is_available():  # a GPU without our kernels is worth a warning; a CPU box is not
                 log.warning("verl_qerl.kernels: CUDA extension unavailable, using torch fallbacks (%s)", ex)
@@ -278,31 +305,46 @@ def dequantize(
 def dequantize_repacked(
     kernel_weight: RepackedWeight, global_scale: torch.Tensor, n: int, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Dense [n, K] weight from the kernel layout (for large-M paths that keep only that layout)."""
+    """Dense [n, K] weight from the kernel layout (for large-M paths that keep only that layout). ``n`` must be the
+    weight's N (:func:`_check_n`): the layout pads N, so another ``n`` would return fewer rows or another weight's."""
+    _check_global_scale(global_scale, "dequantize_repacked")
+    _check_n(kernel_weight, n, "dequantize_repacked")
     qweight, qscale = kernel_weight
     if _ext_ready(qweight.device):
         return torch.ops.qerl.nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype)
     return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
 
 
-def _check_global_scale(global_scale: torch.Tensor, caller: str) -> None:
-    """One finite value > 0 (the divisor of the format): a zero or NaN one gives inf / NaN weights, a second value
-    a shape error deep inside the op. Meta tensors (shape-only tracing) pass."""
+def _check_global_scale_shape(global_scale: torch.Tensor, caller: str) -> None:
+    """One value (a second one gives a shape error deep inside the op that names nothing). Shape only, so it is
+    safe in a compiled forward or under CUDA-graph capture: no read of the value, no device sync."""
     if global_scale.numel() != 1:
         raise ValueError(f"{caller}: global_scale must hold one value, got shape {tuple(global_scale.shape)}")
-    if not global_scale.is_meta and global_scale.device.type == "cpu":  # (no device sync on the GPU hot path)
-        g = float(global_scale.reshape(()))
-        if not (0 < g < float("inf")):
-            raise ValueError(f"{caller}: global_scale must be finite and > 0, got {g}")
+
+
+def _check_global_scale(global_scale: torch.Tensor, caller: str) -> None:
+    """One finite value > 0 (the divisor of the format): a zero or NaN one gives inf / NaN weights, a second value
+    a shape error deep inside the op. The value is read in eager mode on the CPU only: no device sync on the GPU hot
+    path, and no data-dependent branch for torch.compile to trace; meta tensors (shape-only tracing) pass."""
+    _check_global_scale_shape(global_scale, caller)
+    if torch.compiler.is_compiling() or global_scale.is_meta or global_scale.device.type != "cpu":
+        return
+    g = float(global_scale.reshape(()))
+    if not (0 < g < float("inf")):
+        raise ValueError(f"{caller}: global_scale must be finite and > 0, got {g}")
 
 
 def _check_n(kernel_weight: RepackedWeight, n: int, caller: str) -> None:
     """``n`` (the weight's N) must fit the kernel layout's padded rows: N is padded up to a multiple of
-    ``layout.N_PAD``, so an ``n`` past the padding, or one padding block short, is another weight's N."""
+    ``layout.N_PAD``, so an ``n`` past the padding, or one padding block short, is another weight's N. It must also
+    be a multiple of the layout's row tile ``layout.N_TILE`` (as every N :func:`repack` takes, and as the C++ side's
+    ``check_repacked`` requires)."""
     rows = kernel_weight.qweight.shape[0] * layout.N_PAD  # [N_pad / N_PAD, K / 128, 8192] (layout.repack)
     if not rows - layout.N_PAD < n <= rows:
         raise ValueError(f"{caller}: n={n} does not fit kernel_weight, whose layout holds N in "
                          f"({rows - layout.N_PAD}, {rows}] (N padded to a multiple of {layout.N_PAD})")
+    if n % layout.N_TILE != 0:
+        raise ValueError(f"{caller}: n={n} is not a multiple of {layout.N_TILE}, as the N of every repacked weight is")
 
 
 def linear(
@@ -336,6 +378,7 @@ def linear(
     """
     if not x.is_floating_point():
         raise TypeError(f"linear: x must be a floating-point tensor (bf16, fp16 or fp32), got {x.dtype}")
+    _check_global_scale_shape(global_scale, "linear")  # shape only: this runs in vLLM's compiled forward
     if packed is not None:
         n_out = packed.shape[0]
     elif n is not None:
@@ -395,6 +438,7 @@ def linear_lora(
     """
     if x.dim() != 2:
         raise ValueError(f"linear_lora: x must be 2-D [M, K], got {tuple(x.shape)}")
+    _check_global_scale_shape(global_scale, "linear_lora")  # shape only: this runs in vLLM's compiled forward
     if (shrunk is None) == (lora_a is None):
         raise ValueError("linear_lora: pass exactly one of shrunk (the shrink's output) and lora_a (the A matrices)")
     _check_n(kernel_weight, n, "linear_lora")

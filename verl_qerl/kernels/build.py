@@ -38,6 +38,28 @@ NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
 CXX_FLAGS = ("-O3",)
 
 
+class SettingError(ValueError):
+    """An environment setting of the kernels that is neither unset nor a value they take; the message names it."""
+
+
+#: Values of a boolean switch (:func:`env_flag`), after strip() and lower().
+_FLAG_VALUES = {"0": False, "false": False, "no": False, "off": False, "1": True, "true": True, "yes": True, "on": True}
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """``$name`` as an on/off switch: ``1`` / ``true`` / ``yes`` / ``on`` or ``0`` / ``false`` / ``no`` / ``off`` (any
+    case, surrounding spaces ignored); unset or empty: ``default``. Anything else raises ``ValueError`` naming the
+    variable, because reading every value but ``"0"`` as on turned ``false``, ``off`` or ``" 0"`` into *on*."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return default
+    if value not in _FLAG_VALUES:
+        raise SettingError(f"{name}={raw!r} is not a switch value; expected 1 / true / yes / on or "
+                           "0 / false / no / off (or unset)")
+    return _FLAG_VALUES[value]
+
+
 #: Macro telling the host side of the wgmma kernels (cuda/nvfp4_gemm_wgmma*.cu) that they were compiled for sm_90a.
 SM90A_DEFINE = "-DQERL_HAVE_SM90A=1"
 
@@ -49,10 +71,11 @@ def arch_flags(capabilities: list[tuple[int, int]], arch_list: str | None) -> li
     GEMM needs the architecture-specific sm_90a target (code that runs on sm_90 devices only). So each
     visible device's capability becomes one ``-gencode`` (9.0 -> compute_90a / sm_90a) and, when sm_90a is
     among them, :data:`SM90A_DEFINE` enables the wgmma launcher. An explicit ``TORCH_CUDA_ARCH_LIST`` wins
-    (with ``9.0a`` in it the define is added too).
+    (with ``9.0a`` in it the define is added too; ``9.0a+PTX``, sm_90a plus its PTX to torch, counts as ``9.0a``).
     """
     if arch_list:
-        return [SM90A_DEFINE] if "9.0a" in arch_list.replace(" ", ";").split(";") else []
+        archs = [a.removesuffix("+PTX") for a in arch_list.replace(" ", ";").split(";")]  # torch's own split
+        return [SM90A_DEFINE] if "9.0a" in archs else []
     flags: list[str] = []
     for major, minor in sorted(set(capabilities)):
         num = f"{major}{minor}"
@@ -63,13 +86,24 @@ def arch_flags(capabilities: list[tuple[int, int]], arch_list: str | None) -> li
     return flags
 
 
+#: Environment variable naming the folder of the ``.cu``/``.cpp`` sources (overrides the search in :func:`source_dir`).
+SRC_ENV = "VERL_QERL_CUDA_SRC"
+
+
 def source_dir() -> Path:
     """Where the ``.cu``/``.cpp`` sources are: ``$VERL_QERL_CUDA_SRC``, the package's ``csrc``
-    (a wheel that ships them) or the repository's ``cuda/`` (a source checkout / editable install)."""
-    env = os.environ.get("VERL_QERL_CUDA_SRC")
-    candidates = [Path(env)] if env else []
+    (a wheel that ships them) or the repository's ``cuda/`` (a source checkout / editable install).
+
+    A ``$VERL_QERL_CUDA_SRC`` without the sources raises ``FileNotFoundError`` naming the variable and the folder:
+    falling through to another folder would build (and parse the mode table of) sources the user did not choose."""
+    env = os.environ.get(SRC_ENV, "")
+    if env:
+        if not (Path(env) / CU_SOURCES[0]).is_file():
+            raise FileNotFoundError(f"{SRC_ENV}={env!r}: the folder {Path(env)} holds no CUDA sources "
+                                    f"({CU_SOURCES[0]} missing); point it at the repository's cuda/ folder or unset it")
+        return Path(env)
     here = Path(__file__).resolve().parent
-    candidates += [here / "csrc", here.parent.parent / "cuda"]
+    candidates = [here / "csrc", here.parent.parent / "cuda"]
     for c in candidates:
         if (c / CU_SOURCES[0]).is_file():
             return c
@@ -113,10 +147,10 @@ def setup_ext_modules() -> tuple[list[Any], dict[str, Any]]:
     """``(ext_modules, cmdclass)`` for ``setup.py``: the CUDA extension when a CUDA build of torch and
     ``nvcc`` (``CUDA_HOME``) are present, else ``([], {})`` (pure-Python install; JIT on first use).
 
-    Set ``VERL_QERL_NO_CUDA_BUILD=1`` to skip the ahead-of-time build; ``TORCH_CUDA_ARCH_LIST``
-    (e.g. ``"8.0;8.9;9.0"``) picks the architectures, as for any torch extension.
+    Set ``VERL_QERL_NO_CUDA_BUILD=1`` (a switch, :func:`env_flag`) to skip the ahead-of-time build;
+    ``TORCH_CUDA_ARCH_LIST`` (e.g. ``"8.0;8.9;9.0"``) picks the architectures, as for any torch extension.
     """
-    if os.environ.get("VERL_QERL_NO_CUDA_BUILD", "0") not in ("", "0"):
+    if env_flag("VERL_QERL_NO_CUDA_BUILD"):
         return [], {}
     try:
         import torch
@@ -135,7 +169,7 @@ ANATOMY_DEFINE = "-DQERL_ANATOMY_STAMPS=1"
 def anatomy_build() -> bool:
     """Whether ``QERL_ANATOMY_STAMPS=1`` asks for the stamped timing build (benchmarks/kernel_anatomy.py --stamps):
     JIT-built under its own name, never the ahead-of-time module, so it cannot replace the measured kernels."""
-    return os.environ.get("QERL_ANATOMY_STAMPS", "0") not in ("", "0")
+    return env_flag("QERL_ANATOMY_STAMPS")
 
 
 def load(verbose: bool = False) -> ModuleType:

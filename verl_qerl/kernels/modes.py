@@ -7,11 +7,15 @@ compiler needed), strictly: a line that looks like an entry but does not have ex
 :class:`GemmModesError` naming the file and line. ``tests/test_gemm_modes.py`` compiles the header with the C++
 compiler and checks that both sides see the same table.
 
-Names (``QERL_GEMM_KERNEL`` values, benchmark ``--variants``, table entries): ``splitk`` (the split-K mma.sync
-kernel, decode and small M), ``streamk`` (the stream-K mma.sync kernel), ``wgmma_rs`` (Hopper wgmma, A from
-registers), ``wgmma_wide`` (the same with the wide kernel's 128-row tiles at M = 65-128), ``wgmma_ss`` (Hopper
-wgmma, both operands in shared memory), ``decode_tma`` (Hopper, M <= 16: the
-split-K kernel's math fed by the copy engine), ``dequant_cublas`` (dequantize, then cuBLAS).
+Kernel names (calibration table entries, ``gemm_choice``'s answers): ``splitk`` (the split-K mma.sync kernel,
+decode and small M), ``streamk`` (the stream-K mma.sync kernel), ``wgmma_rs`` (Hopper wgmma, A from registers),
+``wgmma_wide`` (the same with the wide kernel's 128-row tiles at M = 65-128), ``wgmma_ss`` (Hopper wgmma, both
+operands in shared memory), ``decode_tma`` (Hopper, M <= 16: the split-K kernel's math fed by the copy engine) and
+``dequant_cublas`` (dequantize, then cuBLAS).
+
+The fused kernels among them are also the ``QERL_GEMM_KERNEL`` values (with ``auto``, the default; benchmark
+``--variants`` take them too): ``splitk``, ``streamk``, ``wgmma_rs``, ``wgmma_wide``, ``wgmma_ss``, ``decode_tma``.
+The dequantize + cuBLAS path is not one: the auto modes choose it by M, and the op's own mode forces it.
 """
 
 from __future__ import annotations
