@@ -342,11 +342,15 @@ def convert_gguf(gguf_file: Path, out_dir: Path, dtype: str = "bfloat16") -> dic
 
 
 def read_done(folder: Path) -> dict | None:
-    """The ``DONE`` marker's JSON of a finished folder, or None."""
+    """The ``DONE`` marker's JSON object of a finished folder, or None (no marker, or one that is not ours).
+
+    Why: another tool's ``DONE`` may be valid JSON but no object (a timestamp, a list); read as ours it crashed
+    the CLI with an AttributeError instead of its refusal of a foreign non-empty folder."""
     try:
-        return json.loads((folder / DONE_MARKER).read_text())
+        done = json.loads((folder / DONE_MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return done if isinstance(done, dict) else None
 
 
 def is_prepared(folder: Path, model: PretrainedModel) -> bool:

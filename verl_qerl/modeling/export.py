@@ -43,6 +43,9 @@ from .linear import NVFP4Linear, quantize_rows
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32}
 
+#: The key of each dense torch dtype export_merged writes (``dtype=torch.bfloat16`` means ``"bf16"``).
+_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
 #: Tokenizer / generation files copied from ``tokenizer`` when it is a folder.
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -244,6 +247,22 @@ def _bias_config(base: nn.Module, cfg: dict, wanted: list[str]) -> tuple[dict, s
 # checks made before anything is written
 
 
+def _dtype_key(dtype: str | torch.dtype) -> str:
+    """``dtype`` as a lower-case key of :data:`_DTYPES` or ``"nvfp4"``; a ``torch.dtype`` maps to its key.
+
+    Why: ``dtype=torch.bfloat16`` (the type quantize_model and transformers take) failed with an AttributeError
+    naming neither export_merged nor dtype."""
+    if isinstance(dtype, torch.dtype):
+        key = _DTYPE_KEYS.get(dtype)
+    else:
+        key = dtype.lower() if isinstance(dtype, str) else None
+    if key != "nvfp4" and key not in _DTYPES:
+        raise ValueError(f"export_merged: dtype={dtype!r}; expected 'bf16', 'fp16', 'fp32' or 'nvfp4' (or "
+                         "torch.bfloat16, torch.float16, torch.float32)")
+    return key
+
+
+
 def _check_tokenizer(tokenizer: str | os.PathLike | object | None) -> None:
     """A ``tokenizer`` that is neither a tokenizer folder nor has ``save_pretrained`` is refused by name: it used
     to leave the export without a tokenizer, without a word."""
@@ -252,7 +271,7 @@ def _check_tokenizer(tokenizer: str | os.PathLike | object | None) -> None:
     if not isinstance(tokenizer, (str, os.PathLike)):
         raise TypeError(f"export_merged: tokenizer={tokenizer!r}: expected a tokenizer folder or an object with "
                         "save_pretrained")
-    src = Path(tokenizer)
+    src = Path(tokenizer).expanduser()  # "~/tok", as out_dir
     if not src.is_dir():
         raise FileNotFoundError(f"export_merged: tokenizer={str(src)!r}: no such folder")
     if not any((src / name).is_file() for name in _TOKENIZER_FILES):
@@ -328,7 +347,7 @@ class _ShardWriter:
 def export_merged(
     model: nn.Module,
     out_dir: str | os.PathLike,
-    dtype: str = "bf16",
+    dtype: str | torch.dtype = "bf16",
     *,
     ignore: Iterable[str] | str = DEFAULT_IGNORE,
     tokenizer: str | os.PathLike | object | None = None,
@@ -337,21 +356,20 @@ def export_merged(
 ) -> Path:
     """Write ``model`` (a PeftModel or a model with NVFP4Linear / LoRA layers) with adapters merged.
 
-    ``dtype``: ``"bf16"`` (also ``"fp16"``, ``"fp32"``) for a dense checkpoint, ``"nvfp4"`` for a
-    re-quantized compressed-tensors NVFP4A16 one (layers matching ``ignore`` stay dense; a string is one
+    ``dtype``: ``"bf16"`` (also ``"fp16"``, ``"fp32"``, or the torch dtype) for a dense checkpoint, ``"nvfp4"``
+    for a re-quantized compressed-tensors NVFP4A16 one (layers matching ``ignore`` stay dense; a string is one
     pattern, and a pattern of the caller's that matches no Linear layer is refused).
     ``tokenizer``: a folder to copy tokenizer/generation files from, or an object with
     ``save_pretrained``. ``out_dir`` must not exist or be empty; it is written through a hidden folder
-    beside it and appears only when complete. ``scale_rule``: how the ``"nvfp4"`` export computes its
-    scales (``verl_qerl.nvfp4.SCALE_RULES``). Returns the folder.
+    beside it and appears only when complete. ``out_dir`` and a ``tokenizer`` folder may start with ``~``.
+    ``scale_rule``: how the ``"nvfp4"`` export computes its scales (``verl_qerl.nvfp4.SCALE_RULES``). Returns the
+    folder (``~`` expanded).
     """
     check_scale_rule(scale_rule, "export_merged: scale_rule")
-    key = dtype.lower()
-    if key != "nvfp4" and key not in _DTYPES:
-        raise ValueError(f"export_merged: dtype={dtype!r}; expected 'bf16', 'fp16', 'fp32' or 'nvfp4'")
+    key = _dtype_key(dtype)
     dense_dtype = _DTYPES.get(key, torch.bfloat16)
     _check_tokenizer(tokenizer)
-    shown = Path(out_dir)
+    shown = Path(out_dir).expanduser()  # as CheckpointReader and the CLIs: "~/merged" wrote ./~/merged before
     out = check_output_folder(shown, "export_merged")
     if out.is_dir() and any(out.iterdir()):
         raise FileExistsError(f"{shown}: exists and is not empty")
@@ -447,7 +465,7 @@ def _write_side_files(base: nn.Module, out: Path, tokenizer: str | os.PathLike |
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)  # type: ignore[union-attr]
         return
-    src = Path(tokenizer)  # type: ignore[arg-type]
+    src = Path(tokenizer).expanduser()  # type: ignore[arg-type]
     for name in _SIDE_FILES:
         if (src / name).is_file() and not (out / name).exists():
             shutil.copy2(src / name, out / name)

@@ -150,12 +150,15 @@ class NVFP4Linear(nn.Module):
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        name: str | None = None,
     ) -> NVFP4Linear:
-        """A layer holding ``weight`` (e.g. from ``CheckpointReader.read_nvfp4``) and an optional bias."""
-        n, k = weight.shape
+        """A layer holding ``weight`` (e.g. from ``CheckpointReader.read_nvfp4``) and an optional bias; ``name``
+        (the module's name in its model) is what an error about the tensors names."""
+        where = name or "NVFP4Linear.from_nvfp4"
+        n, k = _check_nvfp4(weight, where)
         device = device if device is not None else weight.packed.device
         layer = cls(k, n, bias=bias is not None, device="meta", dtype=dtype)
-        layer.set_nvfp4(weight, device=device)
+        layer.set_nvfp4(weight, device=device, name=where)
         if bias is not None:
             if tuple(bias.shape) != (n,):
                 raise NVFP4FormatError(f"NVFP4Linear: bias shape {tuple(bias.shape)} does not match out_features={n}")
@@ -188,14 +191,18 @@ class NVFP4Linear(nn.Module):
         bias = linear.bias
         if bias is not None and bias.is_meta:
             raise NVFP4FormatError(f"{name}.bias: is on the meta device (no data)")
-        return cls.from_nvfp4(q, bias, dtype=dtype, device=w.device)
+        return cls.from_nvfp4(q, bias, dtype=dtype, device=w.device, name=name)
 
-    def set_nvfp4(self, weight: NVFP4Weight, *, device: torch.device | str | None = None) -> None:
-        """Replace the quantized state (shape-checked) with ``weight``'s tensors as uint8."""
-        n, k = weight.shape
+    def set_nvfp4(self, weight: NVFP4Weight, *, device: torch.device | str | None = None,
+                  name: str | None = None) -> None:
+        """Replace the quantized state with ``weight``'s tensors as uint8, once their dtypes and shapes are checked
+        (:func:`_check_nvfp4`) against each other and the layer: nothing is stored from a malformed weight.
+        ``name``: what an error names (default ``NVFP4Linear.set_nvfp4``)."""
+        n, k = _check_nvfp4(weight, name or "NVFP4Linear.set_nvfp4")
         if (n, k) != (self.out_features, self.in_features):
             raise NVFP4FormatError(
                 f"NVFP4Linear: weight is [{n}, {k}] but the layer is [{self.out_features}, {self.in_features}]"
+                + (f" ({name})" if name else "")
             )
         device = device if device is not None else weight.packed.device
         scale = weight.scale.view(torch.uint8) if weight.scale.dtype == SCALE_DTYPE else weight.scale
@@ -321,6 +328,28 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, nvfp4"
+
+
+def _check_nvfp4(weight: NVFP4Weight, where: str) -> tuple[int, int]:
+    """The [N, K] of ``weight`` once its tensors fit together: ``packed`` uint8 [N, K/2], ``scale`` float8_e4m3fn
+    (or its uint8 bytes) [N, K/16], ``global_scale`` one float value; else an NVFP4FormatError naming ``where`` and
+    the tensor. Dtypes and shapes only (no values read: no device sync, meta tensors pass).
+
+    Why: a scale of the wrong shape or dtype was stored as it was, so the layer and its state dict held it and the
+    error came only at the first forward, naming neither the layer nor the tensor."""
+    packed, scale, gs = weight.packed, weight.scale, weight.global_scale
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise NVFP4FormatError(f"{where}: weight.packed must be uint8 [N, K/2], got {packed.dtype} "
+                               f"{tuple(packed.shape)}")
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if scale.dtype not in (SCALE_DTYPE, torch.uint8) or tuple(scale.shape) != (n, k // BLOCK_SIZE):
+        raise NVFP4FormatError(f"{where}: weight.scale must be float8_e4m3fn (or its uint8 bytes) [N, K/16] = "
+                               f"[{n}, {k // BLOCK_SIZE}] for the packed [{n}, {k}/2], got {scale.dtype} "
+                               f"{tuple(scale.shape)}")
+    if gs.numel() != 1 or not gs.dtype.is_floating_point:
+        raise NVFP4FormatError(f"{where}: weight.global_scale must hold one float value (the fp32 divisor), got "
+                               f"{gs.dtype} {tuple(gs.shape)}")
+    return n, k
 
 
 @functools.cache

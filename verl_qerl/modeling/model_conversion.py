@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Collection, Iterable, Iterator
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -49,6 +48,19 @@ MODES = ("nvfp4", "bf16", "nf4")
 
 class ModelConversionError(ValueError):
     """A model, module or checkpoint that quantize_model cannot convert; the message names it."""
+
+
+def check_dtype(dtype: torch.dtype | str | None, where: str) -> torch.dtype | None:
+    """``dtype`` as a torch floating-point dtype of 16 bits or more: a ``torch.dtype`` or its name, as transformers
+    takes it (``"bfloat16"``, ``"torch.float16"``); None stays None. Anything else is refused naming ``where`` and
+    ``dtype`` (a string used to fail deep inside with an AttributeError naming neither)."""
+    if dtype is None:
+        return None
+    value = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point or value.itemsize < 2:
+        raise ModelConversionError(f"{where}: dtype={dtype!r}; expected a torch floating-point dtype such as "
+                                   "torch.bfloat16, or its name ('bfloat16', 'float16', 'float32')")
+    return value
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -103,11 +115,33 @@ def _select_targets(model: nn.Module, ignore: Iterable[str], targets: Iterable[s
                 f"quantize_model: module {n!r} is a {type(m).__module__}.{type(m).__qualname__}; only plain "
                 "torch.nn.Linear layers can be converted (is the model already quantized, or is this an "
                 "embedding/conv? add it to ignore=)")
+    if targets is not None:
+        _check_target_groups(linear, names, modules)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     if tied and any(n == "lm_head" or n.endswith(".lm_head") for n in names):
         raise ModelConversionError("quantize_model: lm_head is tied to the input embeddings (tie_word_embeddings); "
                                    "keep it in ignore=")
     return [n for n in names if not isinstance(modules[n], NVFP4Linear)]
+
+
+def _check_target_groups(linear: list[str], names: list[str], modules: dict[str, nn.Module]) -> None:
+    """The ``targets`` selection ``names`` (plus the layers already NVFP4) against the fused groups (q/k/v,
+    gate/up): each is converted whole or not at all, the rule :func:`check_ignore` applies to ``ignore``.
+
+    Why: a target such as ``q_proj`` alone quantized it with a global scale of its own while k/v stayed dense, a
+    model no NVFP4 checkpoint or vLLM fused layer can hold; ``ignore=["k_proj"]`` was already refused."""
+    chosen = set(names) | {n for n in linear if isinstance(modules[n], NVFP4Linear)}
+    groups: dict[str, list[str]] = {}
+    for n in linear:
+        groups.setdefault(fused_group(n), []).append(n)
+    for key, members in groups.items():
+        picked = [m for m in members if m in chosen]
+        if picked and len(picked) < len(members):
+            rest = [m for m in members if m not in chosen]
+            leaves = "/".join(m.rpartition(".")[2] for m in members)
+            raise ModelConversionError(f"quantize_model: targets: selects {picked[0]} but not {rest[0]}: {leaves} are "
+                                       f"one fused layer ({key}) in vLLM and share one global scale; target all of "
+                                       "them or none")
 
 
 def _groups(names: list[str]) -> list[list[str]]:
@@ -126,7 +160,7 @@ def quantize_model(
     targets: Iterable[str] | None = None,
     checkpoint: str | os.PathLike | CheckpointReader | None = None,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     strict_arch: bool = True,
     progress: Callable[[Iterable, int, str], Iterable] | None = None,
     scale_rule: str = DEFAULT_SCALE_RULE,
@@ -141,7 +175,8 @@ def quantize_model(
     ``checkpoint``: a BF16 or NVFP4 checkpoint folder (or a ``CheckpointReader``) to take the weights
     from instead of the model (its Linear weights may then be on the meta device; other meta
     parameters are filled from the checkpoint too). ``device``/``dtype``: where the new layers
-    live and their compute dtype (default: those of the replaced layer; CPU for meta layers).
+    live and their compute dtype (default: those of the replaced layer; CPU for meta layers; ``dtype`` may be
+    a torch float dtype or its name, e.g. ``"bfloat16"``).
     ``scale_rule``: how NVFP4 scales are computed when quantizing dense weights (see
     ``verl_qerl.nvfp4.SCALE_RULES``; vLLM's quantize-at-load must use the same). ``compute_device``: where dense
     weights are quantized (e.g. the GPU of a verl worker whose model is still on the CPU: the same torch ops give
@@ -158,6 +193,7 @@ def quantize_model(
         check_scale_rule(scale_rule, "quantize_model: scale_rule")
     except (PatternError, NVFP4FormatError) as exc:
         raise ModelConversionError(str(exc)) from exc
+    dtype = check_dtype(dtype, "quantize_model")
     _check_model(model, strict_arch)
     if mode == "bf16":
         if checkpoint is not None:
@@ -261,7 +297,7 @@ def _quantize_layers(
             q = q.to(w.device)
             bias = biases[n]
             new = NVFP4Linear.from_nvfp4(q, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
-                                         device=w.device)
+                                         device=w.device, name=n)
             _set_module(model, n, new)
             del w, wc, q
 
@@ -384,7 +420,7 @@ def _load_nvfp4_layers(
             raise CheckpointError(f"{reader.folder}: {exc}") from exc
         bias = load[n]
         new = NVFP4Linear.from_nvfp4(w, None if bias is None else bias.data, dtype=_layer_dtype(m, dtype),
-                                     device=_target_device(m, device))
+                                     device=_target_device(m, device), name=n)
         _set_module(model, n, new)
 
 
@@ -476,7 +512,7 @@ def params_on_meta() -> Iterator[None]:
 def load_nvfp4_model(
     path: str | os.PathLike,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     device: torch.device | str = "cpu",
     ignore: Iterable[str] | None = None,
     scale_rule: str | None = None,
@@ -490,11 +526,14 @@ def load_nvfp4_model(
     the checkpoint's own qerl_nvfp4 ``ignore`` list where it has one (the layers vLLM keeps dense),
     else :data:`DEFAULT_IGNORE`. ``scale_rule``: how the scales are computed; by default the
     checkpoint's own qerl_nvfp4 ``scale_rule`` where it has one (what vLLM would use), else
-    :data:`~verl_qerl.nvfp4.DEFAULT_SCALE_RULE`.
+    :data:`~verl_qerl.nvfp4.DEFAULT_SCALE_RULE`. ``dtype``: a torch float dtype or its name (``"bfloat16"``).
+    ``path`` may start with ``~``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = check_dtype(dtype, "load_nvfp4_model")
     reader = CheckpointReader(path)
+    folder = reader.folder  # ``~`` expanded: every file of the checkpoint is read from here
     declared_ignore, declared_targets = quantize_at_load_layers(reader.quant_config)
     user_ignore = ignore is not None
     if ignore is None:
@@ -505,12 +544,12 @@ def load_nvfp4_model(
     for key in ("quantization_config", "compression_config", SCALE_RULE_KEY):
         config.pop(key, None)
     if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ModelConversionError(f"{Path(path)}: model_type={config.get('model_type')!r} is not supported "
+        raise ModelConversionError(f"{folder}: model_type={config.get('model_type')!r} is not supported "
                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     hf_config = AutoConfig.for_model(**config)
     # the folder as the model's name, as from_pretrained records it: peft writes it into a saved adapter's
     # base_model_name_or_path (None made AutoPeftModelForCausalLM look for a hub repository named "None")
-    hf_config._name_or_path = str(reader.folder.resolve())
+    hf_config._name_or_path = str(folder.resolve())
     with torch.device(device), params_on_meta():  # buffers (rotary tables) real on ``device``
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     targets = declared_targets if reader.format == FORMAT_BF16 else None
@@ -518,11 +557,10 @@ def load_nvfp4_model(
         scale_rule = str((reader.quant_config or {}).get("scale_rule", DEFAULT_SCALE_RULE))
     quantize_model(model, "nvfp4", checkpoint=reader, device=device, dtype=dtype, ignore=ignore, targets=targets,
                    scale_rule=scale_rule, ignore_must_match=user_ignore)
-    gen = Path(path) / "generation_config.json"
-    if gen.is_file():
+    if (folder / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(path)
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     model.eval()
     return model
 
@@ -531,7 +569,7 @@ def build_nvfp4_model(
     hf_config,
     checkpoint: str | os.PathLike | CheckpointReader,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | str = torch.bfloat16,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     auto_class=None,
     meta: bool = False,
@@ -550,6 +588,7 @@ def build_nvfp4_model(
     """
     import copy
 
+    dtype = check_dtype(dtype, "build_nvfp4_model")
     if auto_class is None:
         from transformers import AutoModelForCausalLM as auto_class
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
