@@ -87,6 +87,15 @@ class GemmArgumentError(ValueError):
     """Arguments of the ``qerl::nvfp4_gemm*`` ops that the op refuses; the message names the argument."""
 
 
+def check_n_fits(qweight: torch.Tensor, n: int, who: str) -> None:
+    """``n`` must be the repacked weight's N: a multiple of the row tile within its last padding block (the C++
+    ``check_repacked`` rule); another ``n`` would give fewer rows, or another weight's."""
+    rows = qweight.shape[0] * layout.N_PAD
+    if not (n > 0 and n % layout.N_TILE == 0 and rows - layout.N_PAD < n <= rows):
+        raise GemmArgumentError(f"{who}: n={n} does not fit the weight's {rows} padded rows (n must be a multiple "
+                                f"of {layout.N_TILE} in ({rows - layout.N_PAD}, {rows}])")
+
+
 def check_gemm_args(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.Tensor, bias: torch.Tensor | None,
                     n: int, mode: int, splits: int, who: str) -> None:
     """The CPU side of the C++ ``check_gemm_args`` (cuda/qerl_torch.cpp): the CPU implementations are also what runs
@@ -99,10 +108,7 @@ def check_gemm_args(x: torch.Tensor, qweight: torch.Tensor, global_scale: torch.
     k = qweight.shape[1] * layout.K_STAGE if qweight.dim() == 3 else -1
     if x.shape[1] != k:
         raise GemmArgumentError(f"{who}: x has K={x.shape[1]} but the weight has K={k}")
-    rows = qweight.shape[0] * layout.N_PAD
-    if not (n > 0 and n % layout.N_TILE == 0 and rows - layout.N_PAD < n <= rows):
-        raise GemmArgumentError(f"{who}: n={n} does not fit the weight's {rows} padded rows (n must be a multiple "
-                                f"of {layout.N_TILE} in ({rows - layout.N_PAD}, {rows}])")
+    check_n_fits(qweight, n, who)
     if global_scale.numel() != 1:
         raise GemmArgumentError(f"{who}: global_scale must hold one value, got shape {tuple(global_scale.shape)}")
     if bias is not None and bias.numel() != n:
@@ -226,10 +232,7 @@ def _dequant_cpu(
 def _dequant_repacked_cpu(
     qweight: torch.Tensor, qscale: torch.Tensor, global_scale: torch.Tensor, n: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    rows = qweight.shape[0] * layout.N_PAD
-    if not (n > 0 and n % layout.N_TILE == 0 and rows - layout.N_PAD < n <= rows):
-        raise GemmArgumentError(f"qerl::nvfp4_dequant_repacked: n={n} does not fit the weight's {rows} padded rows "
-                                f"(n must be a multiple of {layout.N_TILE} in ({rows - layout.N_PAD}, {rows}])")
+    check_n_fits(qweight, n, "qerl::nvfp4_dequant_repacked")
     return reference.dequantize_repacked_ref(qweight, qscale, global_scale, n, dtype)
 
 
