@@ -105,3 +105,13 @@ def test_shipped_table_is_valid() -> None:
     assert all(65 <= p[2] <= 128 for p in t["points"] if p[3] == "wgmma_wide")
     # the decode kernel is measured only where it runs (M <= 16)
     assert all(p[2] <= 16 for p in t["points"] if p[3] == "decode_tma")
+
+
+def test_a_table_with_two_kernels_for_one_point_is_refused(tmp_path) -> None:
+    """Before: accepted, and the C++ side silently took the first of the two."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"capability": [9, 0], "points": [[256, 512, 64, "splitk"], [256, 512, 64, "streamk"]]}))
+    with pytest.raises(dispatch.DispatchTableError, match=r"\(256, 512, 64\) has two kernels, splitk and streamk"):
+        dispatch.load_table(path, NAMES)
+    path.write_text(json.dumps({"capability": [9, 0], "points": [[256, 512, 64, "splitk"], [256, 512, 64, "v5"]]}))
+    assert len(dispatch.load_table(path, NAMES)["points"]) == 2  # the same kernel twice (a former name) is one answer

@@ -301,3 +301,13 @@ def test_targets_of_whole_fused_groups_are_quantized():
     # a second call completing the model: the groups already in NVFP4 count as selected
     quantize_model(model, "nvfp4", targets=["gate_proj", "up_proj"])
     assert isinstance(mlp.up_proj, NVFP4Linear) and type(mlp.down_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True])
+def test_export_merged_refuses_a_shard_size_that_is_not_a_positive_int(tmp_path, bad):
+    """Before: 0 or -5 was accepted and wrote one shard per tensor."""
+    from verl_qerl.modeling import export_merged
+
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        export_merged(nn.Linear(4, 4), tmp_path / "out", max_shard_bytes=bad)
+    assert not (tmp_path / "out").exists()

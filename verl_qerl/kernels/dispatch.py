@@ -78,6 +78,11 @@ def load_table(path: Path, names: list[str]) -> dict:
             isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in p[:3])
         if not ok or p[3] not in names:
             raise DispatchTableError(f"GEMM dispatch table {path}: bad point {p!r} (want [n, k, m, one of {names}])")
+    seen: dict[tuple[int, int, int], str] = {}
+    for n, k, m, kernel in pts:  # the C++ side takes the first of two points for one (n, k, m): refuse the doubt
+        if seen.setdefault((n, k, m), kernel) != kernel:
+            raise DispatchTableError(f"GEMM dispatch table {path}: (n, k, m) = {(n, k, m)} has two kernels, "
+                                     f"{seen[(n, k, m)]} and {kernel}")
     return table
 
 

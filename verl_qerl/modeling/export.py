@@ -366,6 +366,9 @@ def export_merged(
     folder (``~`` expanded).
     """
     check_scale_rule(scale_rule, "export_merged: scale_rule")
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+        raise ValueError(f"export_merged: max_shard_bytes={max_shard_bytes!r} must be a positive number of bytes "
+                         "(a value <= 0 wrote one shard per tensor)")
     key = _dtype_key(dtype)
     dense_dtype = _DTYPES.get(key, torch.bfloat16)
     _check_tokenizer(tokenizer)
