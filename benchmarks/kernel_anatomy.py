@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernel import ROT, capture_graph, interleaved_graph_ms, rotated_weights, run_header  # noqa: E402
 from kernel_common import DEV, random_nvfp4  # noqa: E402
-from kernel_variants import wide_tile_192  # noqa: E402
+from kernel_variants import wide_tile  # noqa: E402
 from results_format import report_and_write  # noqa: E402
 
 from verl_qerl import kernels  # noqa: E402
@@ -56,8 +56,8 @@ NCU_SHAPES = ((4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944))  # the 7
 
 def stages_per_cta(m: int, n: int, k: int, ctas: int) -> int:
     """Stages the busiest CTA runs under stream-K (the wide kernel's unit split over ``ctas``; its token tile
-    192 or 256 by M, as the op picks it)."""
-    tiles = math.ceil(n / TILE_ROWS) * math.ceil(m / (192 if wide_tile_192(m) else 256))
+    fitted to M as the op fits it)."""
+    tiles = math.ceil(n / TILE_ROWS) * math.ceil(m / wide_tile(m))
     return math.ceil(tiles * (k // STAGE_K) / ctas)
 
 

@@ -15,7 +15,7 @@ VARIANT_KERNEL_MODES = kernels.GEMM_KERNEL_FORCED_MODES
 BASELINE = "splitk"
 #: benchmark-only variants: a kernel the op also runs, with its tile choice moved (variant -> the kernel it times).
 #: ``wgmma_rs_t128``: the register-A wgmma kernel held at 128-token tiles where the op runs its wide ones (M >= 129);
-#: ``wgmma_rs_t256``: the wide kernel held at 256-token tiles where the op runs 192-token ones (wide_tile_192): so
+#: ``wgmma_rs_t256``: the wide kernel held at 256-token tiles where the op fits a narrower one to M (wide_tile): so
 #: the tile widths are timed side by side in one run.
 TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs", "wgmma_rs_t256": "wgmma_rs"}
 #: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
@@ -24,10 +24,15 @@ NARROW_WIDE_MIN_M = 1 << 40
 WIDE_MIN_M = 129
 
 
-def wide_tile_192(m: int) -> bool:
-    """Whether the op runs the wide kernel's 192-token tiles at M (cuda/qerl_torch.cpp's wide_block_t: where
-    ceil(M / 192) tiles of 192 pad M less than ceil(M / 256) of 256)."""
-    return m >= WIDE_MIN_M and -(-m // 192) * 192 < -(-m // 256) * 256
+def wide_tile(m: int) -> int:
+    """The wide kernel's token tile at M >= :data:`WIDE_MIN_M` as the op fits it (cuda/qerl_torch.cpp's
+    wide_block_t): of 160, 192, 224 and 256 the one whose ceil(M / T) tiles hold the fewest rows, the widest of
+    equals."""
+    best = 256
+    for t in (224, 192, 160):
+        if -(-m // t) * t < -(-m // best) * best:
+            best = t
+    return best
 
 
 def parse_variants(text: str | None) -> list[str]:
@@ -50,7 +55,8 @@ def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa:
         return True
     if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
         kernel = TILE_VARIANTS[variant]
-        moved = wide_tile_192(m) if variant == "wgmma_rs_t256" else m >= WIDE_MIN_M
+        moved = wide_tile(m) != 256 if variant == "wgmma_rs_t256" else True
+        moved = moved and m >= WIDE_MIN_M
         return moved and variant_applies(ext, kernel, m, n, k)
     return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
 
@@ -73,8 +79,8 @@ def narrow_wgmma_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module,
 
 
 def wide_256_tiles(ext, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable
-    """``fn`` run with the wide wgmma kernel held at 256-token tiles (no 192-token tiles)."""
-    return _under_knob(ext.set_wgmma_wide_192, False, fn)
+    """``fn`` run with the wide wgmma kernel held at 256-token tiles (no tile fitted to M)."""
+    return _under_knob(ext.set_wgmma_wide_fit, False, fn)
 
 
 def tile_variant(ext, variant: str, fn):  # noqa: ANN001, ANN201 - the extension module, a timed callable

@@ -496,7 +496,7 @@ int launch_if_cluster(const void* x, const void* qweight, const void* qscale, co
 // The block_t values of the C API below that the wide kernel serves (its 192- / 256-token tiles, and its 128-token
 // ones as QERL_WGMMA_WIDE_128: block_t 128 is this file's kernel), and the token tile they mean there.
 constexpr bool forwards_to_wide(int block_t) {
-  return block_t == 192 || block_t == 256 || block_t == QERL_WGMMA_WIDE_128;
+  return block_t == 160 || block_t == 192 || block_t == 224 || block_t == 256 || block_t == QERL_WGMMA_WIDE_128;
 }
 constexpr int wide_tokens(int block_t) { return block_t == QERL_WGMMA_WIDE_128 ? 128 : block_t; }
 // Ranks (slices x rank) the LoRA epilogue stages: two k64 halves of the ring slot.

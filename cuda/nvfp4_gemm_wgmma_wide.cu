@@ -62,11 +62,13 @@ struct WideTile {
   static constexpr int kSOff = kWOff + WD_W_BYTES;
   static constexpr int kSlotBytes = ((kSOff + WD_S_BYTES + 1023) / 1024) * 1024;  // 73 KB (256), 57 KB (192)
   static constexpr int kSmemBytes = WD_SLOTS * kSlotBytes + 1024;  // + the 1024-byte alignment of the ring
-  static_assert(T == 128 || T == 192 || T == 256, "wide kernel: 128-, 192- or 256-token tiles");
+  static_assert(T == 128 || T == 160 || T == 192 || T == 224 || T == 256,
+                "wide kernel: 128-, 160-, 192-, 224- or 256-token tiles");
   static_assert(kSmemBytes <= 227 * 1024, "ring larger than Hopper's per-CTA shared memory");
   static_assert(kSlotBytes % 1024 == 0 && kXHalfBytes % 1024 == 0, "swizzled blocks stay 1024-byte aligned");
-  static_assert(kXHalfBytes == (T / WD_BOX_ROWS) * WD_BOX_BYTES && WD_BOX_BYTES % 1024 == 0,
-                "a k64 half is whole part boxes, each starting a swizzle period (they tile it as one box would)");
+  // (a tile of T - 64 rows or fewer loads ceil(rows / 64) part boxes: < T rows, so they fit the half for any T)
+  static_assert(T % 32 == 0 && WD_BOX_BYTES % 1024 == 0,
+                "part boxes start a swizzle period and lie where the whole box would put their rows");
 };
 
 #ifdef QERL_WGMMA_DEVICE
@@ -350,14 +352,17 @@ __device__ __forceinline__ void wide_body(const CUtensorMap& x_map, const CUtens
         for (int st = 0; st < PF; ++st)
           if (st < next.count()) issue_stage(next, (g0 + st) % WD_SLOTS, st);
       }
-      // ---- partials and the fix-up (CTAs sharing this tile), then the bf16 store
+      // ---- partials and the fix-up (CTAs sharing this tile; in the K-aligned order a range's first tile runs last,
+      // so its last CTA usually arrives last: the sums go in descending CTA order, which lets that CTA sum in place;
+      // not in the LoRA kernel, where the flag spilled in its scalar-store path and rollouts run M <= 256 anyway),
+      // then the bf16 store
       static_assert(wgmma_rs::StagedStore<1, WD_ACC, WD_THREADS>::kBytes <= W::kSlotBytes &&
                         wgmma_rs::TmaStore<1, WD_ACC, WD_THREADS>::kBytes <= W::kSlotBytes,
                     "the staged store does not fit one ring slot");
-      wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS>(acc, range, ws, counters, s_is_last, tile,
+      wgmma_rs::finish_tile<1, WD_ACC, WD_THREADS, SLOT_FLOATS, true>(acc, range, ws, counters, s_is_last, tile,
                                                               my_first_tile, ntile * WD_ROWS, m0, M, N, true, gscale,
                                                               bias, out, smem + ((g0 + PF) % WD_SLOTS) * W::kSlotBytes,
-                                                              out_tma);
+                                                              out_tma, !kLora && k_aligned);
       __syncthreads();  // s_is_last is reused by the next segment
       u = u_next;
     }
@@ -477,11 +482,13 @@ cudaError_t wide_launch(const void* x, const void* qweight, const void* qscale, 
                                  stream, false, x_part, tma_store ? out_map : x_part, tma_store ? 1 : 0);
 }
 
-// f<128>(), f<192>() or f<256>() by block_t (the entry points below check block_t first)
+// f<T>() for block_t = T of 128, 160, 192, 224 or 256 (the entry points below check block_t first)
 template <class F>
 auto by_tile(int block_t, F&& f) {
   return block_t == 128   ? f(std::integral_constant<int, 128>{})
+         : block_t == 160 ? f(std::integral_constant<int, 160>{})
          : block_t == 192 ? f(std::integral_constant<int, 192>{})
+         : block_t == 224 ? f(std::integral_constant<int, 224>{})
                           : f(std::integral_constant<int, 256>{});
 }
 
@@ -491,7 +498,7 @@ auto by_tile(int block_t, F&& f) {
 // Internal entry points (qerl_nvfp4.h), reached through the qerl_nvfp4_gemm_wgmma_* functions with block_t = 192 or
 // 256 (qerl_nvfp4_gemm_wgmma_wide_tile says which).
 extern "C" int qerl_nvfp4_gemm_wgmma_wide_tile(int block_t) {
-  return block_t == 128 || block_t == 192 || block_t == 256;
+  return block_t == 128 || block_t == 160 || block_t == 192 || block_t == 224 || block_t == 256;
 }
 
 extern "C" cudaError_t qerl_nvfp4_gemm_wgmma_wide_launch(const void* x, const void* qweight, const void* qscale,

@@ -308,23 +308,27 @@ enum class Wgmma { kNone, kRegA, kSS, kRegAWide };
 // From this M on the register-A kernel runs its wide token tiles (cuda/nvfp4_gemm_wgmma_wide.cu: half the decode per
 // tensor cycle of the 128-token tiles); a benchmark hook moves it to time both tile widths side by side.
 std::atomic<int64_t> g_wgmma_wide_min_m{129};
-// Whether the wide kernel may run 192-token tiles (where they pad M less than 256-token tiles); a benchmark hook
-// turns them off to time both side by side.
-std::atomic<bool> g_wgmma_wide_192{true};
+// Whether the wide kernel fits its token tile to M (160 / 192 / 224 / 256, wide_block_t); a benchmark hook holds it
+// at 256 to time both side by side.
+std::atomic<bool> g_wgmma_wide_fit{true};
 
 int64_t set_wgmma_wide_min_m(int64_t m) {
   QCHECK(m >= 65, "qerl set_wgmma_wide_min_m: M must be >= 65 (64-token tiles serve M <= 64), got ", m);
   return g_wgmma_wide_min_m.exchange(m);
 }
 
-bool set_wgmma_wide_192(bool on) { return g_wgmma_wide_192.exchange(on); }
+bool set_wgmma_wide_fit(bool on) { return g_wgmma_wide_fit.exchange(on); }
 
-// The wide kernel's token tile for M: 192 where ceil(M / 192) tiles of 192 hold fewer token rows than ceil(M / 256)
-// of 256 (M = 129-192, 257-384, 513-576, ...), else 256. Every wgmma multiplies the tile's whole width, rows past M
-// too, so the rows a tiling pads are tensor work thrown away (benchmarks/NOTES.md, "Twenty-first round").
+// The wide kernel's token tile for M: of 160, 192, 224 and 256 tokens the one whose ceil(M / T) tiles hold the fewest
+// rows (the widest of equals): M = 129-160 -> 160, 161-192 -> 192, 193-224 -> 224, 225-256 -> 256, 257-320 -> 160,
+// ... Every wgmma multiplies the tile's whole width, rows past M too, so the rows a tiling pads are tensor work thrown
+// away (benchmarks/NOTES.md, "Twenty-first round"). With the benchmark knob off: 256 only.
 int wide_block_t(int64_t m) {
-  if (!g_wgmma_wide_192.load()) return 256;
-  return (m + 191) / 192 * 192 < (m + 255) / 256 * 256 ? 192 : 256;
+  if (!g_wgmma_wide_fit.load()) return 256;
+  int best = 256;
+  for (const int t : {224, 192, 160})
+    if ((m + t - 1) / t * t < (m + best - 1) / best * best) best = t;
+  return best;
 }
 
 // Hopper wgmma kernels: tokens per tile for M, and the CTAs a kernel requests on the current device (SMs x resident
@@ -356,8 +360,9 @@ int64_t wgmma_grid(int64_t m, int64_t n, Wgmma kind = Wgmma::kRegA) {
   if (kind == Wgmma::kNone) return 0;
   const int block_t = wgmma_block_t(m, kind);
   const int ki = kind == Wgmma::kSS ? 1 : 0;
-  const int b = block_t == 256 ? 2 : block_t == 192 ? 3 : block_t == 128 ? 1 : block_t == QERL_WGMMA_WIDE_128 ? 4 : 0;
-  const int per_sm = cached_ctas_per_sm<10>(ki * 5 + b, [&] {
+  const int b = block_t == 256 ? 2 : block_t == 192 ? 3 : block_t == 128 ? 1 : block_t == QERL_WGMMA_WIDE_128 ? 4
+              : block_t == 160 ? 5 : block_t == 224 ? 6 : 0;
+  const int per_sm = cached_ctas_per_sm<14>(ki * 7 + b, [&] {
     return kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_ctas_per_sm(block_t) : qerl_nvfp4_gemm_wgmma_ctas_per_sm(block_t);
   });
   const int tiles = kind == Wgmma::kSS ? qerl_nvfp4_gemm_wgmma_ss_tiles(int(m), int(n), block_t)
@@ -1030,9 +1035,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_wgmma_wide_min_m", &set_wgmma_wide_min_m,
         "M from which the register-A wgmma kernel runs its wide (192- / 256-token) tiles (default 129); returns the "
         "previous value");
-  m.def("set_wgmma_wide_192", &set_wgmma_wide_192,
-        "whether the wide wgmma kernel may run 192-token tiles where they pad M less (default true); returns the "
-        "previous value");
+  m.def("set_wgmma_wide_fit", &set_wgmma_wide_fit,
+        "whether the wide wgmma kernel fits its token tile (160 / 192 / 224 / 256) to M (default true; false: 256 "
+        "only); returns the previous value");
   m.def("get_tuning", &get_tuning,
         "(gemm_max_m, split penalty, stream-K min tiles per CTA, stream-K min stages per CTA (fixed))");
   m.def("gemm_choice", &gemm_choice, "what qerl::nvfp4_gemm runs for (M, N, K, mode): one of gemm_kernel_names()");

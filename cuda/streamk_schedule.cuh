@@ -304,18 +304,19 @@ __device__ __forceinline__ bool fix_up_split_tile(int* counters, int tile, int f
 
 // The fix-up of a split tile counted at arrival (the register-A wgmma kernels' finish_tile): a segment that does not
 // arrive last writes its partials (store_mine) and publishes them; the last to arrive waits until the `n - 1` others
-// have published, then sum_parts() makes its sums and it returns true (it stores the tile). With two segments the last
-// writes nothing and sum_parts adds the other's partial to its own accumulators (two FP32 values add to the same bits
-// in either order, so the result does not depend on who arrives first); with three or more it writes its own partial
-// too and sum_parts adds all of them from zero in CTA order (for_each_partial), as fix_up_split_tile does. Against
-// fix_up_split_tile a two-segment tile's end moves one partial instead of three, and the first segment's write is off
-// the critical path where it ends early (NOTES "Twentieth round"). The last arrival waits only for CTAs that have
+// have published, then sum_parts() makes its sums and it returns true (it stores the tile). The sums follow one fixed
+// order of the n segments (the caller's; `pos` is this CTA's place in it, 0-based), so the result does not depend on
+// who arrives last: where the last is first or second in the order it writes nothing and sum_parts adds the others'
+// partials, in order, to its own accumulators (p0 + p1 and p1 + p0 are the same bits); further back it writes its own
+// partial too and sum_parts adds all n from zero in the order. Against fix_up_split_tile a two-segment tile's end
+// moves one partial instead of three, and the first segment's write is off the critical path where it ends early
+// (NOTES "Twentieth round"). The last arrival waits only for CTAs that have
 // arrived, so are running and publish without waiting on anything: never for a CTA that may not have started.
 // Counter: +1 per arrival (low 16 bits), +2^16 per published partial; the last re-zeroes it (n <= K / 128 stays far
 // below 2^15 for any real layer). `sync`, `leader`, `flag`
 // as in fix_up_split_tile; the caller's barrier after the tile's end protects `flag` from the next segment.
 template <class Sync, class StoreMine, class SumParts>
-__device__ __forceinline__ bool fix_up_arrive_first(int* counters, int tile, int n, bool leader, int& flag,
+__device__ __forceinline__ bool fix_up_arrive_first(int* counters, int tile, int n, int pos, bool leader, int& flag,
                                                     Sync&& sync, StoreMine&& store_mine, SumParts&& sum_parts) {
   if (leader) {
     int prev;
@@ -324,7 +325,7 @@ __device__ __forceinline__ bool fix_up_arrive_first(int* counters, int tile, int
   }
   sync();
   const bool last = flag != 0;
-  if (!last || n > 2) store_mine();
+  if (!last || pos >= 2) store_mine();
   QERL_AN_SUB(0)
   if (!last) {
     sync();  // every thread's partials are written before the leader publishes them

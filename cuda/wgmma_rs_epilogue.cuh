@@ -166,12 +166,12 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[kBlocks][kAcc]
 // until the caller's next barrier (the ring), for the staged store; with `out_map` (not null) the tile leaves by the
 // copy engine instead (store_tile_tma: `stage` then needs TmaStore's bytes, 1024-byte aligned, and the caller's
 // waits). Returns after the store (or after publishing a partial when another CTA of the tile stores it).
-template <int kBlocks, int kAcc, int kThreads, int kSlotFloats>
+template <int kBlocks, int kAcc, int kThreads, int kSlotFloats, bool kOrdered = false>
 __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const streamk::CtaRange& range, float* ws,
                                             int* counters, int& s_is_last, int tile, int my_first_tile, int row0,
                                             int m0, int M, int N, bool active, const float* gscale,
                                             const __nv_bfloat16* bias, __nv_bfloat16* out, uint8_t* stage,
-                                            const CUtensorMap* out_map = nullptr) {
+                                            const CUtensorMap* out_map = nullptr, bool descending = false) {
   constexpr int NQ = kAcc / 4;  // float4 partials per m64 block per thread
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -197,8 +197,13 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
   bool do_store = true;
   if (c_first != c_last) {
     const int n = c_last - c_first + 1;
+    // this CTA's place in the sum's order: ascending CTAs, or descending where the kernel runs a range's first tile
+    // last (the K-aligned order), so that the CTA that usually arrives last comes first and sums in place
+    // (kOrdered false: the 64- / 128-token kernels, 255 registers tight, keep the ascending from-zero sum for three or
+    // more CTAs, written as place 2 so that the last arrival writes its own partial; their code stays as measured)
+    const int pos = !kOrdered ? (n > 2 ? 2 : 0) : descending ? c_last - int(blockIdx.x) : int(blockIdx.x) - c_first;
     do_store = streamk::fix_up_arrive_first(
-        counters, tile, n, tid == 0, s_is_last, [] { __syncthreads(); },
+        counters, tile, n, pos, tid == 0, s_is_last, [] { __syncthreads(); },
         [&] {
           float4* mine = streamk::partial_slot<kSlotFloats>(ws, blockIdx.x, range.my_slot(tile, my_first_tile));
           if (active) {
@@ -220,13 +225,33 @@ __device__ __forceinline__ void finish_tile(float (&acc)[kBlocks][kAcc], const s
             for (int h = 0; h < kBlocks; ++h) add_block(slot, h);
             return;
           }
+          if constexpr (!kOrdered) {  // every partial from zero, in CTA order (its own was written)
 #pragma unroll
-          for (int h = 0; h < kBlocks; ++h) {  // more: every partial from zero, in CTA order
+            for (int h = 0; h < kBlocks; ++h) {
 #pragma unroll
-            for (int q = 0; q < NQ; ++q)
-              acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
-            streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last,
-                                                   [&](const float4* slot) { add_block(slot, h); });
+              for (int q = 0; q < NQ; ++q)
+                acc[h][4 * q] = acc[h][4 * q + 1] = acc[h][4 * q + 2] = acc[h][4 * q + 3] = 0.f;
+              streamk::for_each_partial<kSlotFloats>(range, ws, tile, c_first, c_last,
+                                                     [&](const float4* slot) { add_block(slot, h); });
+            }
+            return;
+          }
+          // more: where this CTA is first or second in the order its sums stay in place and the others follow in
+          // order; else its own partial was written too and every partial is summed from zero, in the order
+          if (pos >= 2) {
+#pragma unroll
+            for (int h = 0; h < kBlocks; ++h)
+#pragma unroll
+              for (int q = 0; q < kAcc; ++q) acc[h][q] = 0.f;
+          }
+          const int skip = pos < 2 ? pos : -1;
+#pragma unroll 1
+          for (int i = 0; i < n; ++i) {
+            if (i == skip) continue;
+            const int c = descending ? c_last - i : c_first + i;
+            const float4* slot = streamk::partial_slot<kSlotFloats>(ws, c, range.slot_of(tile, c));
+#pragma unroll
+            for (int h = 0; h < kBlocks; ++h) add_block(slot, h);
           }
         });
   }

@@ -13,31 +13,41 @@
 #define QERL_WGMMA_DEVICE 1
 #endif
 
-// The operand lists of one m64nN wgmma's N / 2 FP32 accumulators (N = 64, 128, 192, 256): the PTX register lists
-// "{%0, .., %<N/2 - 1>}" and the matching "+f" constraints of d[0 .. N/2 - 1] (operands 0 .. N/2 - 1 of the asm).
-#define QERL_WGMMA_REGS_0_31 \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"\
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define QERL_WGMMA_REGS_32_63 \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"\
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define QERL_WGMMA_REGS_64_95 \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"\
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define QERL_WGMMA_REGS_96_127 \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"\
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define QERL_WGMMA_D32_PTX "{" QERL_WGMMA_REGS_0_31 "}"
-#define QERL_WGMMA_D64_PTX "{" QERL_WGMMA_REGS_0_31 "," QERL_WGMMA_REGS_32_63 "}"
-#define QERL_WGMMA_D96_PTX "{" QERL_WGMMA_REGS_0_31 "," QERL_WGMMA_REGS_32_63 "," QERL_WGMMA_REGS_64_95 "}"
-#define QERL_WGMMA_D128_PTX \
-  "{" QERL_WGMMA_REGS_0_31 "," QERL_WGMMA_REGS_32_63 "," QERL_WGMMA_REGS_64_95 "," QERL_WGMMA_REGS_96_127 "}"
+// The operand lists of one m64nN wgmma's N / 2 FP32 accumulators (N = 64 .. 256 in steps of 32): the PTX register
+// lists "{%0, .., %<N/2 - 1>}" (built from groups of 16) and the matching "+f" constraints of d[0 .. N/2 - 1]
+// (operands 0 .. N/2 - 1 of the asm statement).
+#define QERL_WGMMA_REGS_G0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define QERL_WGMMA_REGS_G1 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define QERL_WGMMA_REGS_G2 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define QERL_WGMMA_REGS_G3 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define QERL_WGMMA_REGS_G4 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+#define QERL_WGMMA_REGS_G5 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define QERL_WGMMA_REGS_G6 \
+  "%96, %97, %98, %99, %100, %101, %102, %103, "\
+  "%104, %105, %106, %107, %108, %109, %110, %111"
+#define QERL_WGMMA_REGS_G7 \
+  "%112, %113, %114, %115, %116, %117, %118, %119, "\
+  "%120, %121, %122, %123, %124, %125, %126, %127"
+#define QERL_WGMMA_R32 QERL_WGMMA_REGS_G0 "," QERL_WGMMA_REGS_G1
+#define QERL_WGMMA_R64 QERL_WGMMA_R32 "," QERL_WGMMA_REGS_G2 "," QERL_WGMMA_REGS_G3
+#define QERL_WGMMA_R80 QERL_WGMMA_R64 "," QERL_WGMMA_REGS_G4
+#define QERL_WGMMA_R96 QERL_WGMMA_R80 "," QERL_WGMMA_REGS_G5
+#define QERL_WGMMA_R112 QERL_WGMMA_R96 "," QERL_WGMMA_REGS_G6
+#define QERL_WGMMA_R128 QERL_WGMMA_R112 "," QERL_WGMMA_REGS_G7
+#define QERL_WGMMA_D32_PTX "{" QERL_WGMMA_R32 "}"
+#define QERL_WGMMA_D64_PTX "{" QERL_WGMMA_R64 "}"
+#define QERL_WGMMA_D80_PTX "{" QERL_WGMMA_R80 "}"
+#define QERL_WGMMA_D96_PTX "{" QERL_WGMMA_R96 "}"
+#define QERL_WGMMA_D112_PTX "{" QERL_WGMMA_R112 "}"
+#define QERL_WGMMA_D128_PTX "{" QERL_WGMMA_R128 "}"
 #define QERL_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define QERL_F16(d, i) QERL_F4(d, i), QERL_F4(d, i + 4), QERL_F4(d, i + 8), QERL_F4(d, i + 12)
 #define QERL_F64(d, i) QERL_F16(d, i), QERL_F16(d, i + 16), QERL_F16(d, i + 32), QERL_F16(d, i + 48)
 #define QERL_WGMMA_D32_OPS(d) QERL_F16(d, 0), QERL_F16(d, 16)
 #define QERL_WGMMA_D64_OPS(d) QERL_F64(d, 0)
+#define QERL_WGMMA_D80_OPS(d) QERL_F64(d, 0), QERL_F16(d, 64)
 #define QERL_WGMMA_D96_OPS(d) QERL_F64(d, 0), QERL_F16(d, 64), QERL_F16(d, 80)
+#define QERL_WGMMA_D112_OPS(d) QERL_F64(d, 0), QERL_F16(d, 64), QERL_F16(d, 80), QERL_F16(d, 96)
 #define QERL_WGMMA_D128_OPS(d) QERL_F64(d, 0), QERL_F64(d, 64)
 
 namespace qerl {
@@ -61,9 +71,9 @@ __device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r):
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // D[64 x N] += A[64 x 16] (registers, bf16) x B[16 x N] (shared memory, bf16, K-major), FP32 accumulators:
-// wgmma_m64n<N>k16_rs for the token widths N the register-A kernels use (64 / 128: cuda/nvfp4_gemm_wgmma.cu; 128 /
-// 192 / 256: cuda/nvfp4_gemm_wgmma_wide.cu). Operands after the N / 2 accumulators: A's four registers, the B
-// descriptor, the scale-d predicate (1: accumulate).
+// wgmma_m64n<N>k16_rs for the token widths N the register-A kernels use (64 / 128: cuda/nvfp4_gemm_wgmma.cu;
+// 128 / 160 / 192 / 224 / 256: cuda/nvfp4_gemm_wgmma_wide.cu). Operands after the N / 2 accumulators: A's four
+// registers, the B descriptor, the scale-d predicate (1: accumulate).
 #define QERL_WGMMA_RS(N, ACC, D_PTX, D_OPS, A0, A1, A2, A3, DESC, PRED)                                            \
   __device__ __forceinline__ void wgmma_m64n##N##k16_rs(float (&d)[ACC], const uint32_t (&a)[4], uint64_t desc) { \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #PRED ", 0;\n"                                              \
@@ -74,20 +84,27 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
   }
 QERL_WGMMA_RS(64, 32, QERL_WGMMA_D32_PTX, QERL_WGMMA_D32_OPS, 32, 33, 34, 35, 36, 37)
 QERL_WGMMA_RS(128, 64, QERL_WGMMA_D64_PTX, QERL_WGMMA_D64_OPS, 64, 65, 66, 67, 68, 69)
+QERL_WGMMA_RS(160, 80, QERL_WGMMA_D80_PTX, QERL_WGMMA_D80_OPS, 80, 81, 82, 83, 84, 85)
 QERL_WGMMA_RS(192, 96, QERL_WGMMA_D96_PTX, QERL_WGMMA_D96_OPS, 96, 97, 98, 99, 100, 101)
+QERL_WGMMA_RS(224, 112, QERL_WGMMA_D112_PTX, QERL_WGMMA_D112_OPS, 112, 113, 114, 115, 116, 117)
 QERL_WGMMA_RS(256, 128, QERL_WGMMA_D128_PTX, QERL_WGMMA_D128_OPS, 128, 129, 130, 131, 132, 133)
 #undef QERL_WGMMA_RS
 
 // The m64nNk16 register-A wgmma of a kernel's N-token tile.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(N == 64 || N == 128 || N == 192 || N == 256, "register-A wgmma: N = 64, 128, 192 or 256 tokens");
+  static_assert(N == 64 || N == 128 || N == 160 || N == 192 || N == 224 || N == 256,
+                "register-A wgmma: N = 64, 128, 160, 192, 224 or 256 tokens");
   if constexpr (N == 64)
     wgmma_m64n64k16_rs(d, a, desc);
   else if constexpr (N == 128)
     wgmma_m64n128k16_rs(d, a, desc);
+  else if constexpr (N == 160)
+    wgmma_m64n160k16_rs(d, a, desc);
   else if constexpr (N == 192)
     wgmma_m64n192k16_rs(d, a, desc);
+  else if constexpr (N == 224)
+    wgmma_m64n224k16_rs(d, a, desc);
   else
     wgmma_m64n256k16_rs(d, a, desc);
 }

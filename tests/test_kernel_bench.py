@@ -360,8 +360,8 @@ class FakeWgmmaExt:
         self.knob_log.append(m)
         return prev
 
-    def set_wgmma_wide_192(self, on):  # noqa: ANN001, ANN201
-        prev, self.wide_192 = getattr(self, "wide_192", True), on
+    def set_wgmma_wide_fit(self, on):  # noqa: ANN001, ANN201
+        prev, self.wide_fit = getattr(self, "wide_fit", True), on
         return prev
 
 
@@ -383,23 +383,24 @@ def test_tile_variant_times_narrow_tiles_and_restores(kb_diag, kb_variants):
         kb_diag.profile_modes(["wgmma_rs_t128"], "splitk")
 
 
-def test_wide_192_rule_pads_less_and_t256_variant_restores(kb_variants):
-    # the 192-token tiles exactly where they pad M less than 256-token ones (the rule of cuda/qerl_torch.cpp)
-    got = [m for m in range(1, 1200) if kb_variants.wide_tile_192(m)]
-    want = [m for m in range(129, 1200) if -(-m // 192) * 192 < -(-m // 256) * 256]
-    assert got == want
-    assert [m for m in (128, 129, 160, 192, 193, 256, 257, 384, 385, 512, 513, 576, 577, 768, 769, 960, 961, 1024)
-            if kb_variants.wide_tile_192(m)] == [129, 160, 192, 257, 384, 513, 576, 769, 960]
+def test_wide_tile_fits_m_and_t256_variant_restores(kb_variants):
+    # the token tile whose tiles hold the fewest rows (widest of equals), as cuda/qerl_torch.cpp's wide_block_t
+    for m in range(129, 1200):
+        rows = {t: -(-m // t) * t for t in (160, 192, 224, 256)}
+        least = min(rows.values())
+        assert kb_variants.wide_tile(m) == max(t for t, r in rows.items() if r == least), m
+    assert [kb_variants.wide_tile(m) for m in (129, 160, 161, 192, 193, 224, 225, 256, 257, 320, 384, 448, 1024)] == \
+        [160, 160, 192, 192, 224, 224, 256, 256, 160, 160, 192, 224, 256]
     ext = FakeWgmmaExt()
-    ms = (64, 128, 129, 192, 193, 256, 300, 1024)
-    assert [m for m in ms if kb_variants.variant_applies(ext, "wgmma_rs_t256", m, 512, 256)] == [129, 192, 300]
+    ms = (64, 128, 129, 192, 193, 240, 256, 300, 1024)
+    assert [m for m in ms if kb_variants.variant_applies(ext, "wgmma_rs_t256", m, 512, 256)] == [129, 192, 193, 300]
     seen = []
-    run = kb_variants.tile_variant(ext, "wgmma_rs_t256", lambda r: seen.append((r, ext.wide_192)))
+    run = kb_variants.tile_variant(ext, "wgmma_rs_t256", lambda r: seen.append((r, ext.wide_fit)))
     run(2)
-    assert seen == [(2, False)] and ext.wide_192 is True
+    assert seen == [(2, False)] and ext.wide_fit is True
     with pytest.raises(RuntimeError):
         kb_variants.tile_variant(ext, "wgmma_rs_t256", lambda r: (_ for _ in ()).throw(RuntimeError("boom")))(0)
-    assert ext.wide_192 is True
+    assert ext.wide_fit is True
     assert kb_variants.tile_variant(ext, "wgmma_rs_t128", lambda r: ext.wide_min_m)(0) == kb_variants.NARROW_WIDE_MIN_M
 
 

@@ -236,25 +236,25 @@ WGMMA_SHAPES = [
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES))
 @pytest.mark.parametrize("n,k", WGMMA_SHAPES)
 @contextlib.contextmanager
-def wgmma_wide_min_m(m: int, wide_192: bool = True):  # noqa: ANN201
+def wgmma_wide_min_m(m: int, wide_fit: bool = True):  # noqa: ANN201
     """The register-A wgmma kernel's wide tiles start at M = ``m`` inside the block, 192-token ones allowed where
-    they pad M less or not (``wide_192``); both restored after."""
+    they pad M less or not (``wide_fit``: 160 / 192 / 224 fitted to M, or 256 only); both restored after."""
     ext = kernels.extension()
     prev = ext.set_wgmma_wide_min_m(m)
-    prev_192 = ext.set_wgmma_wide_192(wide_192)
+    prev_fit = ext.set_wgmma_wide_fit(wide_fit)
     try:
         yield
     finally:
         ext.set_wgmma_wide_min_m(prev)
-        ext.set_wgmma_wide_192(prev_192)
+        ext.set_wgmma_wide_fit(prev_fit)
 
 
-#: M values every wgmma test covers: both sides of the 64 / 128 / 192 / 256-token tile boundaries, tails, a large M;
-#: the 256-token tiles (wgmma_rs_t256) with their last tile as 1, 2 and 3 of its 64-token part boxes (129, 384, 192)
-#: and both sides of the 192-token edge where it loads the whole 256-token box again (192 / 193, 448 / 449, 255); the
-#: 192-token tiles (wgmma_rs, where they pad less: 129-192, 300, 384) whole (129, 192, 384) and as two part boxes
-#: (300: 108 rows)
-WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 192, 193, 255, 256, 300, 384, 448, 449, 1000, 4096)
+#: M values every wgmma test covers: both sides of the 64 / 128 / 160 / 192 / 224 / 256-token tile boundaries, tails,
+#: a large M; the 256-token tiles (wgmma_rs_t256) with their last tile as 1, 2 and 3 of its 64-token part boxes (129 /
+#: 160, 384, 192) and both sides of the 192-token edge where it loads the whole 256-token box again (192 / 193, 448 /
+#: 449, 255); the tiles fitted to M (wgmma_rs): 160 at 129 / 160 / 300 / 449 / 800, 192 at 161 / 192 / 384, 224 at
+#: 193 / 224 / 448, 256 at 225 / 255 / 256 / 1000 / 4096
+WGMMA_MS = (1, 7, 63, 64, 65, 128, 129, 160, 161, 192, 193, 224, 225, 255, 256, 300, 384, 448, 449, 800, 1000, 4096)
 
 
 @pytest.mark.parametrize("variant", sorted(WGMMA_MODES) + ["wgmma_rs_t128", "wgmma_rs_t256", "wgmma_rs_streamk"])
@@ -279,7 +279,7 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
     g = torch.Generator(device=DEV).manual_seed(n * 3 + k)
     bias = torch.randn(n, device=DEV, generator=g).to(torch.bfloat16)
     w = reference.dequantize_f64(packed, scale, gs)
-    with wgmma_wide_min_m(1 << 40 if narrow else 129, wide_192=not only_256):
+    with wgmma_wide_min_m(1 << 40 if narrow else 129, wide_fit=not only_256):
         for m in WGMMA_MS:
             if m * n > 4096 * 4608 or (narrow and m < 129):
                 continue
@@ -289,10 +289,10 @@ def test_wgmma_kernel_every_m(n: int, k: int, variant: str, monkeypatch: pytest.
 @pytest.mark.parametrize(("m", "n", "k", "kernel"), [
     (64, 4608, 3584, "nvfp4_gemm_wgmma_kernel<64,"),
     (128, 4608, 3584, "nvfp4_gemm_wgmma_kernel<128,"),
-    (200, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<256,"),    # a part token tile: the sums stop at M
+    (200, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<224,"),    # a part token tile: the sums stop at M
     (256, 3584, 18944, "nvfp4_gemm_wgmma_wide_kernel<256,"),   # 7B down: 37 stages per rank (split up to 64)
-    (129, 3584, 3584, "nvfp4_gemm_wgmma_wide_kernel<192,"),    # one token past 128, a 192-token tile: 4 ranks
-    (160, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<192,"),
+    (129, 3584, 3584, "nvfp4_gemm_wgmma_wide_kernel<160,"),    # one token past 128, a 160-token tile: 4 ranks
+    (176, 4608, 3584, "nvfp4_gemm_wgmma_wide_kernel<192,"),
 ])
 def test_wgmma_few_tiles_run_the_cluster_split(m: int, n: int, k: int, kernel: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,17 +336,17 @@ def test_wgmma_wide_min_m_refuses_small_m() -> None:
         assert ext.set_wgmma_wide_min_m(200) == 200
 
 
-@pytest.mark.parametrize("m", [129, 192, 193, 256, 300, 384, 449, 576, 577])
+@pytest.mark.parametrize("m", [129, 160, 161, 192, 193, 224, 225, 256, 300, 384, 448, 449, 1024])
 def test_wgmma_wide_tile_by_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wide kernel runs 192-token tiles exactly where they pad M less than 256-token ones (the rule
-    benchmarks/kernel_variants.py's wide_tile_192 mirrors for the benchmark), 256 with the knob off; both outputs
+    """The wide kernel runs the 160-, 192-, 224- or 256-token tiles whose tiles pad M least (the rule
+    benchmarks/kernel_variants.py's wide_tile mirrors for the benchmark), 256 with the knob off; both outputs
     within the rounding of the float64 reference."""
     import re
 
     from verl_qerl.testing.gpu import kernels_launched
     from verl_qerl.testing.scripts import load_script
 
-    wide_tile_192 = load_script("benchmarks/kernel_variants.py").wide_tile_192
+    wide_tile = load_script("benchmarks/kernel_variants.py").wide_tile
     _needs_wgmma()
     monkeypatch.setenv("QERL_WGMMA_CLUSTER", "0")  # one kernel name per launch (stream-K)
     n, k = 1024, 1280
@@ -358,11 +358,11 @@ def test_wgmma_wide_tile_by_m(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     def run() -> torch.Tensor:
         return torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(Mode.WGMMA_RS))
 
-    for wide_192, tokens in ((True, 192 if wide_tile_192(m) else 256), (False, 256)):
-        with wgmma_wide_min_m(129, wide_192=wide_192):
+    for wide_fit, tokens in ((True, wide_tile(m)), (False, 256)):
+        with wgmma_wide_min_m(129, wide_fit=wide_fit):
             names = [nm.replace(" ", "") for nm in kernels_launched(run)]
             assert len(names) == 1 and re.search(rf"nvfp4_gemm_wgmma_wide_kernel<{tokens},", names[0]), \
-                (m, wide_192, names)
+                (m, wide_fit, names)
             assert rel(run(), ref) <= TOL
 
 
