@@ -4,8 +4,15 @@
 # sm_80 / sm_89 (the mma.sync kernels must build there too; the wgmma kernel builds to a stub there).
 # Fails loudly: any nvcc error, any ptxas spill or stack frame in a kernel, wgmma instructions ptxas serialized,
 # or a missing nvcc.
+# QERL_SOURCE_ROOT=DIR compiles DIR/cuda instead of this checkout's (benchmarks/gpu/stage_candidates.sh checks a staged
+# candidate with it before the candidate costs a GPU call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO_ROOT=$(pwd)
+if [ -n "${QERL_SOURCE_ROOT:-}" ]; then
+  [ -d "$QERL_SOURCE_ROOT/cuda" ] || { echo "compile_cuda.sh: FAIL: QERL_SOURCE_ROOT=$QERL_SOURCE_ROOT has no cuda/" >&2; exit 2; }
+  cd "$QERL_SOURCE_ROOT"
+fi
 NVCC="${NVCC:-nvcc}"
 if ! command -v "$NVCC" >/dev/null 2>&1; then
   echo "compile_cuda.sh: FAIL: nvcc not found (set NVCC=/path/to/nvcc)" >&2
@@ -15,6 +22,9 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 status=0
+fail_fast() {  # QERL_COMPILE_FAIL_FAST=1: stop at the first failure (stage_candidates.sh: one error is enough to refuse)
+  if [ "${QERL_COMPILE_FAIL_FAST:-0}" = 1 ]; then echo "compile_cuda.sh: FAILED" >&2; exit 1; fi
+}
 shopt -s nullglob
 sources=(cuda/*.cu)
 if [ "${#sources[@]}" -eq 0 ]; then
@@ -32,12 +42,14 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}" >&2
       cat "$log" >&2
       status=1
+      fail_fast
       continue
     fi
     if grep -E "[1-9][0-9]* bytes (spill stores|spill loads|stack frame)" "$log" >/dev/null; then
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}: register spills / stack frame" >&2
       grep -E "Compiling entry|bytes (spill|stack)" "$log" >&2
       status=1
+      fail_fast
       continue
     fi
     # ptxas serializes a kernel's wgmmas (an info line, C7510-C7515, not a warning) when registers run short or
@@ -46,6 +58,7 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
       echo "compile_cuda.sh: FAIL: $src for ${arch##*=}: ptxas serialized wgmma instructions" >&2
       cat "$tmp/serialized" >&2
       status=1
+      fail_fast
       continue
     fi
     regs="$(grep -oE "Used [0-9]+ registers" "$log" | awk '{print $2}' | sort -n | tail -1)"
@@ -55,13 +68,13 @@ done
 # The torch binding (cuda/qerl_torch.cpp) is JIT-built only on the GPU machine; check its C++ here against the
 # installed torch's headers, with stubs (.ci/stubs) for the CUDA math-library headers that torch's CUDA headers
 # include (the CI machine has nvcc but not cuBLAS / cuSPARSE / cuSOLVER). Syntax and semantics only, no object.
-PY="${PYTHON:-.venv/bin/python}"
+PY="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
 if [ -x "$PY" ] && ti="$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))' 2>/dev/null)"; then
   pyi="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   # nvcc's own include flags (it may be a wrapper script outside the toolkit: ask it rather than guess)
   cuda_inc="$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ INCLUDES="\([^"]*\)".*/\1/p')"
   # shellcheck disable=SC2086  # cuda_inc is a list of -I flags
-  if g++ -std=c++17 -fsyntax-only -I.ci/stubs -I"$ti" -I"$ti/torch/csrc/api/include" $cuda_inc -I"$pyi" -Icuda \
+  if g++ -std=c++17 -fsyntax-only -I"$REPO_ROOT/.ci/stubs" -I"$ti" -I"$ti/torch/csrc/api/include" $cuda_inc -I"$pyi" -Icuda \
       -DTORCH_EXTENSION_NAME=qerl_binding_check -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE cuda/qerl_torch.cpp >"$tmp/binding.log" 2>&1; then
     echo "ok   cuda/qerl_torch.cpp (g++ -fsyntax-only against torch $("$PY" -c 'import torch; print(torch.__version__)'))"
   else

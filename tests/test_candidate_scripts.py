@@ -166,7 +166,7 @@ def test_stage_applies_a_patch_to_head_without_touching_the_checkout(tmp_path):
     patch = _patch_for_header(tmp_path, "#pragma once", "#pragma once\n// candidate marker")
     dest = tmp_path / "cand"
     out = subprocess.run(["bash", str(STAGE), str(patch)], capture_output=True, text=True,
-                         env=dict(os.environ, DEST=str(dest)), timeout=120)
+                         env=dict(os.environ, DEST=str(dest), STAGE_COMPILE="0"), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "// candidate marker" in (dest / "cand" / "cuda" / "qerl_nvfp4.h").read_text()
     assert "// candidate marker" not in (REPO / "cuda" / "qerl_nvfp4.h").read_text()
@@ -175,9 +175,35 @@ def test_stage_applies_a_patch_to_head_without_touching_the_checkout(tmp_path):
     bad = tmp_path / "bad.patch"
     bad.write_text(patch.read_text().replace("#pragma once", "#pragma twice"))
     out = subprocess.run(["bash", str(STAGE), str(bad)], capture_output=True, text=True,
-                         env=dict(os.environ, DEST=str(tmp_path / "c2")), timeout=60)
+                         env=dict(os.environ, DEST=str(tmp_path / "c2"), STAGE_COMPILE="0"), timeout=60)
     assert out.returncode == 2 and "bad.patch does not apply to HEAD" in out.stderr
     assert not (tmp_path / "c2" / "bad").exists()
+
+
+def test_stage_refuses_a_patch_that_does_not_compile(tmp_path):
+    """A patched copy is compiled before it is staged (.ci/compile_cuda.sh on the copy, stopping at the first error):
+    one that does not build is refused, naming the patch, with nothing staged, so it cannot cost a GPU call (a
+    candidate once reached the GPU machine with a broken string literal in the binding)."""
+    import difflib
+    import shutil
+
+    if not _git_ok():
+        pytest.skip("not a git checkout")
+    if shutil.which(os.environ.get("NVCC", "nvcc")) is None:
+        pytest.skip("no nvcc")
+    text = subprocess.run(["git", "-C", str(REPO), "show", "HEAD:cuda/nvfp4_dequant.cu"], capture_output=True,
+                          text=True).stdout
+    assert text, "cuda/nvfp4_dequant.cu is the first source compile_cuda.sh builds"
+    lines = text.splitlines(keepends=True)
+    broken = ["#error this candidate does not build\n"] + lines
+    patch = tmp_path / "broken.patch"
+    patch.write_text("".join(difflib.unified_diff(lines, broken, "a/cuda/nvfp4_dequant.cu", "b/cuda/nvfp4_dequant.cu")))
+    dest = tmp_path / "c3"
+    out = subprocess.run(["bash", str(STAGE), str(patch)], capture_output=True, text=True,
+                         env=dict(os.environ, DEST=str(dest)), timeout=300)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "broken.patch does not compile" in out.stderr and "this candidate does not build" in out.stderr
+    assert not (dest / "broken").exists() and not (dest / "broken.tmp").exists()
 
 
 @pytest.mark.parametrize("patch", sorted((REPO / "benchmarks" / "candidates").glob("*.patch")), ids=lambda p: p.stem)

@@ -119,7 +119,8 @@ def test_an_n_outside_the_kernel_layout_is_refused():
     rw = kernels.repack(q.packed, q.scale)
     x = torch.randn(2, 128, dtype=torch.bfloat16)
     assert kernels.linear(x, None, None, q.global_scale, kernel_weight=rw, n=48).shape == (2, 48)
-    with pytest.raises(ValueError, match=r"n=300 does not fit kernel_weight, whose layout holds N in \(0, 128\]"):
+    fits = r"n=300 does not fit the weight's 128 padded rows \(n must be a multiple of 16 in \(0, 128\]\)"
+    with pytest.raises(ValueError, match=fits):
         kernels.linear(x, None, None, q.global_scale, kernel_weight=rw, n=300)
 
 

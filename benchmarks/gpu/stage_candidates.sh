@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu/stage_candidates.sh HEAD benchmarks/candidates/wide-k16-pipeline.patch   # -> .xfer-cand/<name>/
 # A FILE.patch argument stages HEAD with that patch applied (as a commit object made without touching the working
 # tree or the index; the folder is named after the patch): candidates kept on main as patches, because branches do
-# not outlive a session here.
+# not outlive a session here. A patched copy is compiled first (.ci/compile_cuda.sh on the copy: every .cu for sm_90a /
+# sm_80 / sm_89 and the binding's C++, ~2 min) and refused if it does not build, so a broken candidate does not cost a
+# GPU call; STAGE_COMPILE=0 skips that.
 # Each folder holds what the kernel tests and benchmarks need at that commit: cuda/, verl_qerl/, benchmarks/kernel*.py,
 # benchmarks/lora_*bench.py, benchmarks/results_format.py, benchmarks/gpu/, tests/test_*gpu.py, tests/conftest.py,
 # pytest.ini. It prints the run call to make: carry=['.xfer-cand'] (one path, under the 64 MiB a call sends), then
@@ -38,6 +40,15 @@ for rev in "$@"; do
     $(git ls-tree --name-only "$sha" benchmarks/ \
       | grep -E '^benchmarks/(kernel[a-z_]*|lora_[a-z_]*bench|results_format)\.py$') \
     | tar -x -C "$DEST/$name.tmp"
+  if [[ "$rev" == *.patch ]] && [ "${STAGE_COMPILE:-1}" != 0 ]; then
+    if ! QERL_SOURCE_ROOT="$DEST/$name.tmp" QERL_COMPILE_FAIL_FAST=1 bash .ci/compile_cuda.sh > "$DEST/$name.compile.log" 2>&1; then
+      rm -rf "${DEST:?}/$name.tmp"
+      echo "stage_candidates: $rev does not compile (log: $DEST/$name.compile.log); nothing staged for it" >&2
+      grep -E "FAIL|error" "$DEST/$name.compile.log" | head -20 >&2
+      exit 2
+    fi
+    rm -f "$DEST/$name.compile.log"
+  fi
   rm -rf "${DEST:?}/$name" && mv "$DEST/$name.tmp" "$DEST/$name"  # no half-written folder under the final name
   names+=("$DEST/$name")
   echo "staged $rev -> $DEST/$name ($(du -sh "$DEST/$name" | cut -f1))"

@@ -306,9 +306,10 @@ def dequantize_repacked(
     kernel_weight: RepackedWeight, global_scale: torch.Tensor, n: int, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Dense [n, K] weight from the kernel layout (for large-M paths that keep only that layout). ``n`` must be the
-    weight's N (:func:`_check_n`): the layout pads N, so another ``n`` would return fewer rows or another weight's."""
+    weight's N (:func:`ops.check_n_fits`): the layout pads N, so another ``n`` would return fewer rows or another
+    weight's."""
     _check_global_scale(global_scale, "dequantize_repacked")
-    _check_n(kernel_weight, n, "dequantize_repacked")
+    ops.check_n_fits(kernel_weight.qweight, n, "dequantize_repacked")
     qweight, qscale = kernel_weight
     if _ext_ready(qweight.device):
         return torch.ops.qerl.nvfp4_dequant_repacked(qweight, qscale, global_scale, n, dtype)
@@ -332,19 +333,6 @@ def _check_global_scale(global_scale: torch.Tensor, caller: str) -> None:
     g = float(global_scale.reshape(()))
     if not (0 < g < float("inf")):
         raise ValueError(f"{caller}: global_scale must be finite and > 0, got {g}")
-
-
-def _check_n(kernel_weight: RepackedWeight, n: int, caller: str) -> None:
-    """``n`` (the weight's N) must fit the kernel layout's padded rows: N is padded up to a multiple of
-    ``layout.N_PAD``, so an ``n`` past the padding, or one padding block short, is another weight's N. It must also
-    be a multiple of the layout's row tile ``layout.N_TILE`` (as every N :func:`repack` takes, and as the C++ side's
-    ``check_repacked`` requires)."""
-    rows = kernel_weight.qweight.shape[0] * layout.N_PAD  # [N_pad / N_PAD, K / 128, 8192] (layout.repack)
-    if not rows - layout.N_PAD < n <= rows:
-        raise ValueError(f"{caller}: n={n} does not fit kernel_weight, whose layout holds N in "
-                         f"({rows - layout.N_PAD}, {rows}] (N padded to a multiple of {layout.N_PAD})")
-    if n % layout.N_TILE != 0:
-        raise ValueError(f"{caller}: n={n} is not a multiple of {layout.N_TILE}, as the N of every repacked weight is")
 
 
 def linear(
@@ -386,7 +374,7 @@ def linear(
     else:
         raise ValueError("linear: give packed (or n together with kernel_weight)")
     if kernel_weight is not None:
-        _check_n(kernel_weight, n_out, "linear")
+        ops.check_n_fits(kernel_weight.qweight, n_out, "linear")
     k = x.shape[-1]
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
@@ -441,7 +429,7 @@ def linear_lora(
     _check_global_scale_shape(global_scale, "linear_lora")  # shape only: this runs in vLLM's compiled forward
     if (shrunk is None) == (lora_a is None):
         raise ValueError("linear_lora: pass exactly one of shrunk (the shrink's output) and lora_a (the A matrices)")
-    _check_n(kernel_weight, n, "linear_lora")
+    ops.check_n_fits(kernel_weight.qweight, n, "linear_lora")
     if bias is not None and bias.dtype != x.dtype:
         bias = bias.to(x.dtype)
     mode = 0
