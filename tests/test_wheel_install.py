@@ -30,6 +30,11 @@ def test_wheel_ships_the_kernel_sources_and_imports_outside_the_repository(tmp_p
     names = set(zipfile.ZipFile(whl).namelist())
     sources = sorted(p.name for p in (REPO / "cuda").iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
     assert sources and all(f"verl_qerl/kernels/csrc/{s}" in names for s in sources), sorted(names)[:20]
+    # the `+qerl=...` config group and the hydra plugin that puts it on every hydra app's search path
+    groups = sorted(p.name for p in (REPO / "verl_qerl" / "verl" / "hydra" / "qerl").glob("*.yaml"))
+    assert groups and all(f"verl_qerl/verl/hydra/qerl/{g}" in names for g in groups), sorted(names)[:20]
+    assert "hydra_plugins/verl_qerl/verl_qerl_searchpath.py" in names
+    assert any(n.startswith("verl_qerl/kernels/gemm_dispatch_") and n.endswith(".json") for n in names)
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],
                    check=True, capture_output=True, text=True)
