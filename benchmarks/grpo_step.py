@@ -111,7 +111,7 @@ from grpo_step_settings import (  # noqa: E402 - benchmarks/: variants, presets,
     lr_for,
 )
 from memory_table import MODELS as SHAPES  # noqa: E402 - rollout.py's 7b/32b + the Qwen2.5-72B shape
-from results_format import target_status  # noqa: E402, F401 - re-exported, as PARITY_METRICS above
+from results_format import target_status, write_json  # noqa: E402, F401 - target_status re-exported
 from rollout import BenchError, device_name, tokenizer_identity, versions, write_random_checkpoint  # noqa: E402
 
 from verl_qerl.testing.procs import kill_process_trees  # noqa: E402
@@ -433,9 +433,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, default in GENERIC.items():
         if getattr(args, key) is None:
             setattr(args, key, preset.get(key, default))
-    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+    repeated = sorted({v for v in variants if variants.count(v) > 1})
+    if repeated:
+        p.error(f"--variants {args.variants}: {repeated} named more than once (each variant is one run)")
+    for key in ("steps", "batch", "n", "prompt_length", "response_length", "micro_batch", "lora_rank", "tp"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} {getattr(args, key)}: must be a positive integer")
+    if args.timeout <= 0:
+        p.error(f"--timeout {args.timeout}: must be a positive number of seconds")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if args.compare == "gpus" and args.gpus < 2:
+        p.error(f"--compare gpus --gpus {args.gpus}: the multi-GPU run needs --gpus >= 2 (it is compared with a "
+                "1-GPU run)")
     if args.batch * args.n % args.micro_batch:
         p.error(f"--batch {args.batch} x --n {args.n} must be a multiple of --micro-batch {args.micro_batch}")
     if not 0 < args.replay_poll_s <= 10:
@@ -501,8 +515,7 @@ def write_result(args: argparse.Namespace, result: dict, out: Path) -> Path:
     tag = args.tag or f"{model_tag}-{args.preset + '-' if args.preset else ''}{args.compare}"
     dev = result["device"].lower().replace(" ", "-").split("(")[0].strip("-")
     path = out / f"grpo_step-{tag}-{dev}.json"
-    path.write_text(json.dumps(result, indent=2, default=str))
-    return path
+    return write_json(path, result, indent=2, default=str)  # whole or not at all: never a truncated results file
 
 
 

@@ -81,6 +81,9 @@ def baseline_origin(paths: list[str]) -> tuple[str, dict]:
             res = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
             raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
+        if not isinstance(res, dict):
+            raise StepBenchError(f"--baseline {path}: not a grpo_step.py results JSON (a JSON "
+                                 f"{type(res).__name__}, not an object)")
         found.append((path, res.get("device"), res.get("versions") or {}))
     devices = {dev for _, dev, _ in found}
     if len(devices) != 1 or None in devices:

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_format import target_met, target_status  # benchmarks/: this script's own folder
+from results_format import positive_ints, target_met, target_status  # benchmarks/: this script's own folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -120,6 +120,16 @@ def select_models(text: str | None) -> dict:
     if bad:
         raise ValueError(f"--models: unknown model(s) {bad}; known: {sorted(MODELS)}")
     return {k: v for k, v in MODELS.items() if k in names}
+
+
+def parse_nks(text: str) -> set[tuple[int, int]]:
+    """``--profile-nk`` ("3584x3584,4608x3584") -> {(N, K)}; an item that is not two positive integers joined by x
+    raises ValueError naming the option and the bad items."""
+    items = [v.strip().lower() for v in text.split(",")]
+    bad = [v for v in items if len(v.split("x")) != 2 or not all(d.isdigit() and int(d) > 0 for d in v.split("x"))]
+    if bad:
+        raise ValueError(f"--profile-nk {text!r}: expected a comma list of NxK, e.g. 3584x3584 (bad: {bad})")
+    return {(int(v.split("x")[0]), int(v.split("x")[1])) for v in items}
 
 
 def layer_shapes(c: dict[str, int]) -> list[tuple[str, int, int]]:
@@ -434,7 +444,9 @@ def main() -> int:
     try:
         variants = parse_variants(args.variants)
         models = select_models(args.models)
-        ms_arg = [int(v) for v in args.ms.split(",")] if args.ms else None
+        ms_arg = positive_ints(args.ms, "--ms") if args.ms else None
+        profile_ms = set(positive_ints(args.profile_m, "--profile-m")) if args.profile_m else None
+        nks = parse_nks(args.profile_nk) if args.profile_nk else None
         sanitize_modes = parse_modes(args.sanitize_modes) if args.sanitize_modes else None
         swept = parse_splits(args.sweep_splits) if args.sweep_splits is not None else None
     except ValueError as ex:
@@ -452,10 +464,7 @@ def main() -> int:
     if swept:
         return sweep_splits_run(models, ms_arg or [1, 16], swept, args.out)
     if args.profile:
-        keep = {int(v) for v in args.profile_m.split(",")} if args.profile_m else None
-        nks = ({tuple(int(d) for d in v.lower().split("x")) for v in args.profile_nk.split(",")}
-               if args.profile_nk else None)
-        return profile_run(marlin=args.profile_marlin, ms=keep, variants=variants if args.variants else None,
+        return profile_run(marlin=args.profile_marlin, ms=profile_ms, variants=variants if args.variants else None,
                            nks=nks)
     torch.backends.cuda.matmul.allow_tf32 = True
     if not kernels.load_extension(verbose=False):

@@ -19,7 +19,10 @@ Key = tuple[str, str, int]
 
 def load_rows(path: str | Path) -> dict[Key, dict]:
     """kernel.py's rows by (model, layer, M); a file without rows is an error naming it."""
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except ValueError as exc:  # not JSON (OSError, e.g. a missing file, already names it)
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
     rows = data.get("rows") if isinstance(data, dict) else None
     if not rows:
         raise ValueError(f"{path}: no 'rows' (not a benchmarks/kernel.py results file?)")

@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from results_format import write_json  # noqa: E402 - benchmarks/: this script's own folder
+
 from verl_qerl.kernels.dispatch import ROW_KEYS  # noqa: E402
 
 #: kernel name -> the row key of its CUDA-graph time (the current keys of dispatch.ROW_KEYS)
@@ -65,6 +67,19 @@ def retable(result: dict, table: dict) -> dict:
     return out
 
 
+def read_json(path: str, what: str, key: str) -> dict:
+    """The JSON object at ``path`` with a list under ``key`` (``rows`` of a kernel.py results file, ``points`` of a
+    dispatch table); anything else raises ValueError naming the argument (``what``) and the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what} {path}: cannot read it ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        kind = "a benchmarks/kernel.py results JSON" if key == "rows" else "a gemm_dispatch-*.json table"
+        raise ValueError(f"{what} {path}: not {kind} (no '{key}' list)")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", help="a benchmarks/kernel.py results JSON")
@@ -73,9 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if Path(args.out).resolve() == Path(args.results).resolve():
         ap.error("--out must not be the results file itself (the as-run file is kept)")
-    result = json.loads(Path(args.results).read_text())
-    out = retable(result, json.loads(Path(args.table).read_text()))
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if Path(args.out).resolve() == Path(args.table).resolve():
+        ap.error(f"--out {args.out}: that is the dispatch table given as input, which it would overwrite")
+    try:
+        result = read_json(args.results, "results", "rows")
+        table = read_json(args.table, "table", "points")
+        out = retable(result, table)
+    except ValueError as exc:
+        ap.error(str(exc))
+    write_json(Path(args.out), out, end="\n")  # whole or not at all
     for t in out["targets"]:
         print(f"{t['name']}: {t['measured']} {t['op']} {t['target']}")
     print(f"wrote {args.out}")

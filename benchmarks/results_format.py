@@ -33,11 +33,24 @@ def report_and_write(path: Path, result: dict) -> Path:
     to a temporary file beside it, then renamed, so an interrupted run leaves no half-written results file."""
     for t in result.get("targets", []):
         print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
+    write_json(path, result)
+    print(f"# wrote {path}")
+    return path
+
+
+def write_json(path: Path, obj, *, indent: int = 1, default=None, end: str = "") -> Path:
+    """``obj`` as JSON at ``path``, whole or not at all: written to a temporary file beside it (folders made), then
+    renamed over ``path``, so a run killed or out of disk mid-write leaves the previous file (or none), never a
+    truncated one. ``default`` / ``end``: json.dumps's ``default`` and text after the JSON (e.g. a newline)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
-    print(f"# wrote {path}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=indent, default=default) + end)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -60,3 +73,14 @@ def read_earlier(path: str, *, flag: str, script: str, section: str, device: str
     if diff:
         raise ValueError(f"{flag} {path}: measured otherwise: " + "; ".join(diff))
     return res
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A comma list of positive integers (``--batches 1,8,64``, ``--ms 1,16,64``) -> the integers in order; anything
+    else (an empty item as in ``64,,256``, 0, a negative or non-integer value) raises ValueError naming ``flag`` and
+    the bad items."""
+    items = [v.strip() for v in text.split(",")]
+    bad = [v for v in items if not v.isdigit() or int(v) < 1]
+    if bad:
+        raise ValueError(f"{flag} {text!r}: expected a comma list of positive integers (bad: {bad})")
+    return [int(v) for v in items]

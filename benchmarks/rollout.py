@@ -77,7 +77,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from results_format import target_status  # benchmarks/: this script's own folder
+from results_format import positive_ints, target_status, write_json  # benchmarks/: this script's own folder
 from rollout_engine import (  # the child's job: one backend in one engine, timed
     ROW_PREFIX,
     _shutdown,  # noqa: F401 - re-exported: lora_profile.py and tp_parity.py reach it as rollout._shutdown
@@ -252,9 +252,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t = args.tiny
     args.models = (args.models or ("tiny" if t else "7b,32b")).split(",")
     args.backends = (args.backends or ",".join(BACKENDS)).split(",")  # on CPU the GPU-only ones are skipped
-    args.batches = [int(x) for x in (args.batches or ("1,2" if t else "1,8,64,256")).split(",")]
-    args.prompt_tokens = args.prompt_tokens or (16 if t else 256)
-    args.new_tokens = args.new_tokens or (8 if t else 1024)
+    try:
+        args.batches = positive_ints(args.batches or ("1,2" if t else "1,8,64,256"), "--batches")
+    except ValueError as exc:
+        p.error(str(exc))
+    # None = not given (the default); an explicit 0 is an error below, not the default
+    args.prompt_tokens = (16 if t else 256) if args.prompt_tokens is None else args.prompt_tokens
+    args.new_tokens = (8 if t else 1024) if args.new_tokens is None else args.new_tokens
     if args.no_lora and args.lora_split:
         p.error("--no-lora and --lora-split exclude each other")
     bad = [b for b in args.backends if b not in BACKENDS]
@@ -264,8 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.models if m not in allowed]
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {list(allowed)}")
-    if any(b < 1 for b in args.batches) or args.new_tokens < 2 or args.prompt_tokens < 1:
-        p.error("batches >= 1, --new-tokens >= 2 and --prompt-tokens >= 1 required")
+    if args.new_tokens < 2:
+        p.error(f"--new-tokens {args.new_tokens}: must be >= 2 (the decode rate is measured after the first token)")
+    if args.prompt_tokens < 1:
+        p.error(f"--prompt-tokens {args.prompt_tokens}: must be >= 1")
+    if args.timeout <= 0:
+        p.error(f"--timeout {args.timeout}: must be a positive number of seconds")
     if args.max_num_seqs is not None and args.max_num_seqs < max(args.batches):
         p.error(f"--max-num-seqs {args.max_num_seqs} is below the largest batch {max(args.batches)}")
     return args
@@ -318,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> dict:
         result["skipped"] = [{"model": m, "backend": b, "reason": r} for (m, b), r in skipped.items()]
         final = merge_previous(result, previous, args.models, args.batches)
-        out_file.write_text(json.dumps(final, indent=1))
+        write_json(out_file, final)  # whole: a run killed mid-write keeps the previous save, not half of this one
         return final
 
     lora_variants = [False] if args.no_lora else [True, False] if args.lora_split else [True]
@@ -397,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {t['name']}: {m} {t['op']} {t['target']} {target_status(t)}")
     print(f"\nrollout, {dev}, prompt {args.prompt_tokens}, new {args.new_tokens}, "
           f"LoRA {'off' if args.no_lora else f'r{LORA_RANK} and off' if args.lora_split else f'r{LORA_RANK}'}")
-    print(ratio_table(final["rows"], final["workload"]["models"], final["workload"]["batches"]), flush=True)
+    print(ratio_table(final["rows"], final["workload"]["models"], final["workload"]["batches"],
+                      lora=not args.no_lora), flush=True)
     return 1 if result["errors"] else 0
 
 

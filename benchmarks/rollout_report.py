@@ -43,11 +43,14 @@ def _ratio(rows: dict, model: str, b: int, num: str, den: str, key: str = "tok_s
     return a[key] / c[key]
 
 
-def make_targets(rows: list[dict], models: list[str], batches: list[int], skipped: dict) -> list[dict]:
+def make_targets(rows: list[dict], models: list[str], batches: list[int], skipped: dict,
+                 lora: bool = True) -> list[dict]:
     """Issue 8's cross-backend targets, on the LoRA rows where there are any (else on the no-LoRA rows, and
-    labelled so), and issue 19's with / without LoRA targets where both kinds of qerl_nvfp4 rows exist."""
+    labelled so), and issue 19's with / without LoRA targets where both kinds of qerl_nvfp4 rows exist.
+    ``lora``: whether the run had the adapter, for the labels when there are no rows at all (``--no-lora``: the
+    unmeasured targets are labelled "no LoRA", not "LoRA")."""
     idx = _index(rows)
-    lora = any(_row_lora(r) for r in rows) or not rows
+    lora = any(_row_lora(r) for r in rows) if rows else lora
     label = "LoRA" if lora else "no LoRA"
     targets = []
 
@@ -136,15 +139,17 @@ def merge_previous(result: dict, previous: list[tuple[str, dict]], models: list[
     return {**result, "workload": {**result["workload"], "models": all_models, "batches": batch_list},
             "models": {**info, **result["models"]}, "rows": rows,
             "skipped": [{"model": m, "backend": b, "reason": why} for (m, b), why in skipped.items()],
-            "targets": make_targets(rows, all_models, batch_list, skipped),
+            "targets": make_targets(rows, all_models, batch_list, skipped,
+                                    lora=result["workload"].get("lora_rank") is not None),
             "merged_from": [path for path, _ in previous]}
 
 
-def ratio_table(rows: list[dict], models: list[str], batches: list[int]) -> str:
+def ratio_table(rows: list[dict], models: list[str], batches: list[int], lora: bool = True) -> str:
     """Markdown tables: per metric, each backend with and/or without LoRA and ours over the others; where a
-    backend ran both ways, its with / without LoRA ratios."""
+    backend ran both ways, its with / without LoRA ratios. ``lora``: the LoRA column's label when there are no
+    rows (whether the run had the adapter)."""
     idx = _index(rows)
-    lora_kinds = [k for k in (True, False) if any(_row_lora(r) == k for r in rows)] or [True]
+    lora_kinds = [k for k in (True, False) if any(_row_lora(r) == k for r in rows)] or [lora]
     lines = []
 
     def fmt(x, ratio=False):
