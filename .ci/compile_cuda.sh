@@ -65,25 +65,49 @@ for arch in "compute_90a,code=sm_90a" "compute_80,code=sm_80" "compute_89,code=s
     echo "ok   $src ${arch##*=} (max ${regs:-?} registers/thread, no spills)"
   done
 done
-# The torch binding (cuda/qerl_torch.cpp) is JIT-built only on the GPU machine; check its C++ here against the
-# installed torch's headers, with stubs (.ci/stubs) for the CUDA math-library headers that torch's CUDA headers
-# include (the CI machine has nvcc but not cuBLAS / cuSPARSE / cuSOLVER). Syntax and semantics only, no object.
+# The torch binding (cuda/qerl_torch.cpp: the ops; cuda/gemm_route.cpp: the dispatch they run) is JIT-built only on
+# the GPU machine; compile both here against the installed torch's headers, with stubs (.ci/stubs) for the CUDA
+# math-library headers that torch's CUDA headers include (the CI machine has nvcc but not cuBLAS / cuSPARSE /
+# cuSOLVER), to objects that are not linked; then check that every qerl_binding symbol one of them uses is defined
+# in the other (a declaration in cuda/gemm_route.h without its definition would otherwise fail only at the GPU
+# machine's link / import).
 PY="${PYTHON:-$REPO_ROOT/.venv/bin/python}"
+BINDING_SOURCES=(cuda/qerl_torch.cpp cuda/gemm_route.cpp)
 if [ -x "$PY" ] && ti="$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))' 2>/dev/null)"; then
   pyi="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
   # nvcc's own include flags (it may be a wrapper script outside the toolkit: ask it rather than guess)
   cuda_inc="$("$NVCC" -dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ INCLUDES="\([^"]*\)".*/\1/p')"
-  # shellcheck disable=SC2086  # cuda_inc is a list of -I flags
-  if g++ -std=c++17 -fsyntax-only -I"$REPO_ROOT/.ci/stubs" -I"$ti" -I"$ti/torch/csrc/api/include" $cuda_inc -I"$pyi" -Icuda \
-      -DTORCH_EXTENSION_NAME=qerl_binding_check -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE cuda/qerl_torch.cpp >"$tmp/binding.log" 2>&1; then
-    echo "ok   cuda/qerl_torch.cpp (g++ -fsyntax-only against torch $("$PY" -c 'import torch; print(torch.__version__)'))"
-  else
-    echo "compile_cuda.sh: FAIL: cuda/qerl_torch.cpp" >&2
-    grep -E "error" "$tmp/binding.log" | head -20 >&2
-    status=1
+  tv="$("$PY" -c 'import torch; print(torch.__version__)')"
+  objs_ok=1
+  for src in "${BINDING_SOURCES[@]}"; do
+    # shellcheck disable=SC2086  # cuda_inc is a list of -I flags
+    if g++ -std=c++17 -c -O0 -I"$REPO_ROOT/.ci/stubs" -I"$ti" -I"$ti/torch/csrc/api/include" $cuda_inc -I"$pyi" -Icuda \
+        -DTORCH_EXTENSION_NAME=qerl_binding_check -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE "$src" \
+        -o "$tmp/$(basename "$src" .cpp).o" >"$tmp/binding.log" 2>&1; then
+      echo "ok   $src (g++ -c against torch $tv)"
+    else
+      echo "compile_cuda.sh: FAIL: $src" >&2
+      grep -E "error" "$tmp/binding.log" | head -20 >&2
+      status=1; objs_ok=0
+      fail_fast
+    fi
+  done
+  if [ "$objs_ok" = 1 ]; then
+    # (C++-demangled names; `U`: used here, defined elsewhere; `T`: defined here)
+    nm -C --undefined-only "$tmp/qerl_torch.o" | sed -n 's/^ *U \(qerl_binding::.*\)$/\1/p' | sort -u > "$tmp/used"
+    nm -C --defined-only "$tmp/gemm_route.o" | sed -n 's/^[0-9a-f]* [TW] \(qerl_binding::.*\)$/\1/p' | sort -u \
+      > "$tmp/defined"
+    missing="$(comm -23 "$tmp/used" "$tmp/defined")"
+    if [ -n "$missing" ]; then
+      echo "compile_cuda.sh: FAIL: cuda/qerl_torch.cpp uses qerl_binding symbols cuda/gemm_route.cpp does not define:" >&2
+      echo "$missing" >&2
+      status=1
+    else
+      echo "ok   the binding's two translation units: $(wc -l < "$tmp/used") shared symbols, all defined"
+    fi
   fi
 else
-  echo "skip cuda/qerl_torch.cpp: no torch at $PY (set PYTHON=...)"
+  echo "skip the torch binding (cuda/*.cpp): no torch at $PY (set PYTHON=...)"
 fi
 if [ "$status" -ne 0 ]; then
   echo "compile_cuda.sh: FAILED" >&2

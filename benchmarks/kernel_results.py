@@ -117,7 +117,7 @@ def table_lines(rows: list[dict], device_name: str) -> list[str]:
 
 def streamk_calibration(rows: list[dict], rule: float, rule_stages: float = float("inf")) -> dict:
     """How well auto's rule -- stream-K when tiles >= ``rule`` x CTAs or each CTA's range has >= ``rule_stages``
-    K stages (cuda/qerl_torch.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
+    K stages (cuda/gemm_route.cpp, ``streamk_pays``) -- picks between the forced kernels on the timed GEMMs.
 
     Per GEMM row with both ``kernel_splitk_graph_ms`` and ``kernel_streamk_graph_ms``: its tiles per CTA
     (``streamk_tiles`` / ``streamk_grid``, both recorded from the extension when the row was timed), stages per

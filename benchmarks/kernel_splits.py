@@ -1,5 +1,5 @@
 """``benchmarks/kernel.py --sweep-splits 1,2,3,4,6,8,12,16``: the split-K kernel at decode M timed at each split count
-of the list, next to the count the heuristic picks (``pick_splits`` in cuda/qerl_torch.cpp), per GEMM of a decoder
+of the list, next to the count the heuristic picks (``pick_splits`` in cuda/gemm_route.cpp), per GEMM of a decoder
 layer, in one run.
 
 Why: at M <= 16 the kernel moves its FP4 bytes at about half the rate cuBLAS moves BF16 ones (7B gate_up at M = 1:

@@ -20,12 +20,12 @@ BASELINE = "splitk"
 TILE_VARIANTS = {"wgmma_rs_t128": "wgmma_rs", "wgmma_rs_t256": "wgmma_rs"}
 #: the M from which ``wgmma_rs_t128`` keeps the 128-token tiles (far above any benchmarked M)
 NARROW_WIDE_MIN_M = 1 << 40
-#: the M from which the op runs the wide kernel (cuda/qerl_torch.cpp, g_wgmma_wide_min_m)
+#: the M from which the op runs the wide kernel (cuda/gemm_route.cpp, g_wgmma_wide_min_m)
 WIDE_MIN_M = 129
 
 
 def wide_tile(m: int) -> int:
-    """The wide kernel's token tile at M >= :data:`WIDE_MIN_M` as the op fits it (cuda/qerl_torch.cpp's
+    """The wide kernel's token tile at M >= :data:`WIDE_MIN_M` as the op fits it (cuda/gemm_route.cpp's
     wide_block_t): of 160, 192, 224 and 256 the one whose ceil(M / T) tiles hold the fewest rows, the widest of
     equals."""
     best = 256

@@ -15,7 +15,8 @@ from verl_qerl import kernels
 from verl_qerl.kernels import modes
 
 ROOT = Path(__file__).resolve().parent.parent
-BINDING = ROOT / "cuda" / "qerl_torch.cpp"
+#: the torch binding's sources: the ops (qerl_torch.cpp) and the dispatch they run (gemm_route.h / .cpp)
+BINDING = tuple(ROOT / "cuda" / f for f in ("qerl_torch.cpp", "gemm_route.h", "gemm_route.cpp"))
 
 # Prints every entry the way the C++ side sees it after the preprocessor (the X-macro expansions of the binding).
 PRINTER = r"""
@@ -65,7 +66,7 @@ def test_mode_names_by_role() -> None:
 
 def test_binding_routes_by_name_not_number() -> None:
     """route() and the checks name modes through the enum: no integer mode literals left in the binding."""
-    text = BINDING.read_text()
+    text = "\n".join(p.read_text() for p in BINDING)
     assert '#include "gemm_modes.h"' in text
     assert not re.findall(r"mode\s*(==|!=|>=|<=|>|<)\s*\d", text)
     assert not re.findall(r"mode\s*-\s*16|mode_value\s*-\s*\d", text)

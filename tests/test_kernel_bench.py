@@ -384,7 +384,7 @@ def test_tile_variant_times_narrow_tiles_and_restores(kb_diag, kb_variants):
 
 
 def test_wide_tile_fits_m_and_t256_variant_restores(kb_variants):
-    # the token tile whose tiles hold the fewest rows (widest of equals), as cuda/qerl_torch.cpp's wide_block_t
+    # the token tile whose tiles hold the fewest rows (widest of equals), as cuda/gemm_route.cpp's wide_block_t
     for m in range(129, 1200):
         rows = {t: -(-m // t) * t for t in (160, 192, 224, 256)}
         least = min(rows.values())

@@ -114,7 +114,7 @@ def pdl_enabled() -> bool:
     return raw != "0"
 
 
-#: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/qerl_torch.cpp): name -> parser.
+#: Tuning variables the CUDA extension reads once, at its first GEMM (cuda/gemm_route.cpp): name -> parser.
 #: Its C++ side parses with atoll / atof, which read a typo as 0 and silently change the dispatch, so
 #: :func:`check_tuning_env` validates them first.
 TUNING_ENV = {"QERL_GEMM_MAX_M": int, "QERL_SPLIT_PENALTY": float, "QERL_STREAMK_MIN_TILES_PER_CTA": float}

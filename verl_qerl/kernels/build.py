@@ -30,8 +30,8 @@ CU_SOURCES = (
     "nvfp4_gemm_decode_tma.cu",
     "nvfp4_dequant.cu",
 )
-#: The thin torch binding.
-CPP_SOURCES = ("qerl_torch.cpp",)
+#: The thin torch binding: the ops and their registration, and the GEMM dispatch they run.
+CPP_SOURCES = ("qerl_torch.cpp", "gemm_route.cpp")
 JIT_NAME = "qerl_nvfp4_jit"
 # No -std flag: torch's cpp_extension picks the C++ standard its own headers need.
 NVCC_FLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")

@@ -6,7 +6,7 @@ cuBLAS ``dequant_cublas``) cross over at M and shape points that depend on the G
 time a kernel changes. ``benchmarks/kernel.py`` times all of them per GEMM shape and M (CUDA-graph timing) and
 writes the winners as a table (:func:`table_from_rows`); the package ships the table measured on an H200
 (``gemm_dispatch_h200.json``) and :func:`install` hands it to the extension for devices of the capability it was
-measured on. The C++ side (``table_pick`` in cuda/qerl_torch.cpp) takes the nearest measured weight shape (log N,
+measured on. The C++ side (``table_pick`` in cuda/gemm_route.cpp) takes the nearest measured weight shape (log N,
 log K) and then its nearest measured M (log M). Without a table (other GPUs), the op keeps its rule-based dispatch.
 
 File format (JSON): ``{"device": str, "capability": [major, minor], "command": str, "points": [[n, k, m, kernel],

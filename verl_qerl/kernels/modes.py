@@ -2,7 +2,7 @@
 
 Why a parse and not a copy: ``qerl::nvfp4_gemm`` takes an integer ``mode``, and the calibration table, ``gemm_choice``
 and the benchmarks name the kernels; a second list in Python drifts from the C++ one. The header is an X-macro list
-that ``cuda/qerl_torch.cpp`` expands into its enums; this module reads the same lines at import (no CUDA, no
+that ``cuda/gemm_route.h`` expands into its enums; this module reads the same lines at import (no CUDA, no
 compiler needed), strictly: a line that looks like an entry but does not have exactly the entry's form raises
 :class:`GemmModesError` naming the file and line. ``tests/test_gemm_modes.py`` compiles the header with the C++
 compiler and checks that both sides see the same table.
