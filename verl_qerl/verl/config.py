@@ -114,10 +114,22 @@ class QeRLConfig:
                                   f"{', '.join(SCALE_RULES)}")
         if self.quantized_checkpoint is not None and self.mode != "nvfp4":
             raise QeRLConfigError(f"qerl.quantized_checkpoint is only used with qerl.mode=nvfp4, not {self.mode!r}")
+        if self.mode != "nvfp4":
+            # read by the nvfp4 path only: elsewhere a changed value would be dropped without a word
+            unused = [f"qerl.{key}={value!r}" for key, value, default in (
+                ("scale_rule", self.scale_rule, DEFAULT_SCALE_RULE), ("shard_base", self.shard_base, True))
+                if value != default]
+            if unused:
+                raise QeRLConfigError(f"{unused[0]} is only used with qerl.mode=nvfp4 (it sets how the NVFP4 base is "
+                                      f"quantized / stored), not {self.mode!r}; leave it at its default")
         try:
             object.__setattr__(self, "ignore", tuple(check_patterns(self.ignore, "qerl.ignore")))
         except PatternError as err:
             raise QeRLConfigError(str(err)) from err
+        if self.mode == "bf16" and self.ignore != tuple(DEFAULT_IGNORE):
+            raise QeRLConfigError(f"qerl.ignore={list(self.ignore)} with qerl.mode=bf16: nothing is quantized in this "
+                                  "mode, so the list would be ignored; leave qerl.ignore at its default "
+                                  f"({list(DEFAULT_IGNORE)})")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QeRLConfig:
@@ -492,6 +504,31 @@ def _follow_declared_block(config: Any, qerl: QeRLConfig, changes: list[str]) ->
     return dataclasses.replace(qerl, **found)
 
 
+def _check_no_quantize_at_load_block(config: Any, qerl: QeRLConfig) -> None:
+    """Modes other than nvfp4 on a BF16 ``model.path`` whose config.json declares a ``qerl_nvfp4`` quantize-at-load
+    ``quantization_config``: vLLM follows that block (it quantizes the folder to NVFP4 with no ``quantization``
+    argument, and took it over a ``bitsandbytes`` one) while the actor trains on the BF16 (or NF4) weights, so the
+    rollout would sample from other weights than the ones trained, without an error. Refused here, naming both."""
+    from pathlib import Path
+
+    from ..nvfp4.checkpoint import read_config_json
+    from ..nvfp4.quant_config import declared_quant_config
+
+    path = _get(config, "actor_rollout_ref.model.path")
+    if qerl.mode == "nvfp4" or checkpoint_format(path) != FORMAT_BF16:
+        return
+    folder = Path(str(path)).expanduser()
+    block = declared_quant_config(read_config_json(folder / "config.json"), folder)
+    if not block or str(block.get("quant_method", "")).lower() != METHOD_NAME:
+        return
+    raise QeRLConfigError(
+        f"actor_rollout_ref.model.path={str(path)!r} declares a {METHOD_NAME} quantization_config in its config.json "
+        f"({block}): vLLM would quantize it to NVFP4 at load while qerl.mode={qerl.mode} trains "
+        f"{'BF16' if qerl.mode == 'bf16' else 'NF4'} weights, so the rollout would sample from other weights than the "
+        f"ones trained; use qerl.mode=nvfp4 with this folder, or point model.path at a copy whose config.json has no "
+        "quantization_config")
+
+
 def _vllm_quantize_at_load(config: Any, qerl: QeRLConfig, changes: list[str]) -> None:
     """Give vLLM's quantize-at-load the actor's scale rule and ignore list (passed only where not the default).
 
@@ -567,6 +604,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
                               "one); keep lm_head in qerl.ignore, e.g. qerl.ignore=[lm_head,down_proj]")
     _check_run_length(config, qerl)
     nvfp4_base_source(_get(config, "actor_rollout_ref.model.path"), qerl)
+    _check_no_quantize_at_load_block(config, qerl)
     qerl = _follow_declared_block(config, qerl, changes)
     _check_ignore_against_model_path(config, qerl)
     if qerl.mode == "nvfp4":

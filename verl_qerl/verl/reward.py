@@ -23,6 +23,7 @@ source listed in :data:`NUMERIC_SOURCES` go to verl's default scorer unchanged.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
@@ -31,6 +32,8 @@ from typing import Any
 #: Answer forms this scorer can read; each names a pattern in :func:`find_answers`.
 FORMS = ("boxed", "hash", "answer_is")
 DEFAULT_FORMS = FORMS
+#: keyword arguments verl's reward managers add to a custom reward function's call (with a reward model router)
+VERL_CALL_KWARGS = ("reward_router_address", "reward_model_tokenizer")
 #: data sources whose ground truth is one number (verl's GSM8K rows, and the generated arithmetic).
 NUMERIC_SOURCES = ("openai/gsm8k",)
 
@@ -138,9 +141,17 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
                   **kwargs: Any) -> float:
     """verl custom reward entry point (``reward.custom_reward_function.name=compute_score``).
 
-    ``forms``, ``score`` and ``format_score`` come from ``reward.custom_reward_function.reward_kwargs``.
+    ``forms``, ``score`` and ``format_score`` come from ``reward.custom_reward_function.reward_kwargs``; any other
+    key there is refused (verl itself passes only :data:`VERL_CALL_KWARGS`, which are accepted and not used).
     Other data sources are scored by verl's default scorer.
     """
+    unknown = sorted(set(kwargs) - set(VERL_CALL_KWARGS))
+    if unknown:
+        raise RewardConfigError(f"reward_kwargs.{unknown[0]}: unknown key of this reward (a misspelling would be "
+                                f"dropped without a word); its keys are forms, score, format_score")
+    for key, value in (("score", score), ("format_score", format_score)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RewardConfigError(f"reward_kwargs.{key}={value!r}: must be a finite number")
     enabled = check_forms(forms)
     if data_source not in NUMERIC_SOURCES:
         from verl.utils.reward_score import default_compute_score

@@ -27,7 +27,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -264,11 +263,13 @@ class QeRLNvFp4Config(QuantizationConfig):
         """Claim NVFP4 checkpoints when the user asked for ``qerl_nvfp4`` (vLLM probes custom methods first).
 
         Never claims anything the user did not ask for, so stock ``compressed-tensors`` /
-        ``modelopt_fp4`` loads are untouched. Asked for ``qerl_nvfp4`` on a checkpoint it cannot
-        serve, it raises with the reason rather than vLLM's generic "does not match".
+        ``modelopt_fp4`` loads are untouched; nor a ``qerl_nvfp4`` checkpoint where the user asked for another
+        method (``quantization="bitsandbytes"`` was silently replaced by NVFP4: vLLM now says the two disagree).
+        Asked for ``qerl_nvfp4`` on a checkpoint it cannot serve, it raises with the reason rather than vLLM's
+        generic "does not match".
         """
         if str(hf_quant_cfg.get("quant_method", "")).lower() == METHOD_NAME:
-            return METHOD_NAME
+            return METHOD_NAME if user_quant in (None, METHOD_NAME) else None
         if user_quant != METHOD_NAME:
             return None
         classify_quant_config(hf_quant_cfg)  # raises for what we cannot serve
@@ -366,8 +367,14 @@ def check_architecture(hf_config: Any) -> str:
     archs = list(getattr(hf_config, "architectures", None) or [])
     if model_type in SUPPORTED_MODEL_TYPES:
         return model_type
-    if os.environ.get(ALLOW_UNTESTED_ARCH_ENV, "0") == "1":
-        logger.warning("qerl_nvfp4: model_type %r (%s) is untested; %s=1 so going ahead", model_type, archs,
+    from verl_qerl.kernels.build import SettingError, env_flag
+
+    try:  # a switch like the others (1/true/yes/on): "true" was read as off, and refused with "set it to 1"
+        allowed = env_flag(ALLOW_UNTESTED_ARCH_ENV)
+    except SettingError as err:
+        raise QeRLNvFp4Error(str(err)) from err
+    if allowed:
+        logger.warning("qerl_nvfp4: model_type %r (%s) is untested; %s is on, so going ahead", model_type, archs,
                        ALLOW_UNTESTED_ARCH_ENV)
         return model_type
     raise QeRLNvFp4Error(f"qerl_nvfp4 does not support model_type={model_type!r} (architectures {archs}); "

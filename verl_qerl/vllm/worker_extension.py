@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from verl_qerl.aqn import DEFAULT_TARGETS, AQNConfig, NormNoiser
+from verl_qerl.aqn._checks import check_sigma, check_step
 
 from . import compat
 
@@ -53,7 +54,8 @@ class QeRLWorkerExtension:
         ``targets``: RMSNorm module names (``input_layernorm``, ``post_attention_layernorm``: the
         norms feeding q/k/v and gate/up, as in the paper). Returns the names and the clean checksum.
         """
-        cfg = AQNConfig(seed=seed, targets=tuple(targets), include_final_norm=include_final_norm, rounding=rounding)
+        # targets as given: AQNConfig refuses a bare string by name (a tuple of it would be its characters)
+        cfg = AQNConfig(seed=seed, targets=targets, include_final_norm=include_final_norm, rounding=rounding)
         key = (cfg.seed, cfg.targets, cfg.include_final_norm, cfg.rounding)
         noiser = getattr(self, "_qerl_noiser", None)
         if noiser is None or getattr(self, "_qerl_noiser_key", None) != key:
@@ -79,10 +81,11 @@ class QeRLWorkerExtension:
         clean weights. ``seed`` (optional) re-targets the noiser with that seed. Returns the checksum
         now held and what landed (``qerl/aqn_sigma_effective``, ``qerl/aqn_changed_frac``).
         """
+        step, sigma = check_step(step), check_sigma(sigma)  # named errors, not int(7.5) == 7 or float(None)
         noiser = self._qerl_require_noiser(seed)
-        noiser.apply(int(step), float(sigma))
+        noiser.apply(step, sigma)
         _sync(self)
-        return {"checksum": noiser.checksum(), "step": int(step), "sigma": float(sigma), **noiser.metrics()}
+        return {"checksum": noiser.checksum(), "step": step, "sigma": sigma, **noiser.metrics()}
 
     def qerl_aqn_restore(self) -> dict[str, Any]:
         """Write the clean snapshot back, bit-exactly; returns the checksum (equal to the clean one)."""
