@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from results_format import positive_ints, target_met, target_status  # benchmarks/: this script's own folder
+from results_format import positive_ints, target_met, target_status, write_json  # benchmarks/: this script's own folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -402,7 +402,7 @@ def sweep_splits_run(models: dict, ms: list[int], swept: list[int], out_arg: str
     path = result_path(out_arg, os.environ.get("OUT"), name, Path(__file__).parent / "results")
     path = path.with_name(path.name.replace("kernel-", "split-sweep-"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    write_json(path, out)
     print(f"# wrote {path}")
     for t in out["targets"]:
         print(f"#  {target_status(t):6} {t['name']}: {t['measured']} {t['op']} {t['target']}")
@@ -548,12 +548,12 @@ def main() -> int:
 
     path = result_path(args.out, os.environ.get("OUT"), name, Path(__file__).parent / "results")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    write_json(path, out)
     print(f"# wrote {path}")
     # the measured winners per GEMM shape and M: auto mode's calibration (verl_qerl/kernels/dispatch.py)
     table = dispatch.table_from_rows(rows, name, tuple(torch.cuda.get_device_capability()), out["command"])
     table_path = path.with_name(path.name.replace("kernel-", "gemm_dispatch-"))
-    table_path.write_text(json.dumps(table))
+    write_json(table_path, table, indent=None)
     print(f"# wrote the measured dispatch table {table_path} ({len(table['points'])} points)")
 
     print()
@@ -584,7 +584,7 @@ def main() -> int:
                   and r["kernel_splitk_graph_ms"] < r["dequant_cublas_graph_ms"]]
         rec_thr[mname] = max(faster) if faster else 0
     out["recommended_gemm_max_m"] = rec_thr
-    path.write_text(json.dumps(out, indent=1))
+    write_json(path, out)
     print(f"# fused kernel faster than dequant+cuBLAS up to M = {rec_thr} (dispatch threshold now "
           f"{out['tuning']['gemm_max_m']:.0f})")
     met = sum(bool(target_met(t)) for t in targets)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from kernel import MODELS, ROT, capture_graph, interleaved_graph_ms, layer_shapes, run_header  # noqa: E402
 from kernel_common import random_nvfp4  # noqa: E402
-from results_format import report_and_write  # noqa: E402
+from results_format import report_and_write, write_json  # noqa: E402
 
 from verl_qerl import kernels  # noqa: E402
 from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> int:
         path = Path(args.retarget)
         data = json.loads(path.read_text())
         data["targets"] = build_targets(data["rows"])
-        path.write_text(json.dumps(data, indent=1))
+        write_json(path, data)
         print(f"# {path}: {len(data['targets'])} targets")
         return 0
     if not kernels.load_extension(verbose=False):

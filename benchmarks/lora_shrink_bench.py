@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 
 import rollout  # noqa: E402  (device and version helpers shared by the benchmarks)
-from results_format import target_status  # noqa: E402
+from results_format import target_status, write_json  # noqa: E402
 
 from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
 
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"lora-shrink-{device.replace(' ', '-').lower()}.json"
-    path.write_text(json.dumps(result, indent=1))
+    write_json(path, result)
     print(f"[lora_shrink] wrote {path}", flush=True)
     return 0
 
