@@ -9,10 +9,9 @@ from an older file meant) are read in one place, apart from launching ``main_ppo
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from results_format import read_earlier  # benchmarks/: this module's own folder
+from results_format import read_earlier, read_json  # benchmarks/: this module's own folder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,9 +77,9 @@ def baseline_origin(paths: list[str]) -> tuple[str, dict]:
     found = []
     for path in paths:
         try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise StepBenchError(f"--baseline {path}: cannot read it ({exc})") from exc
+            res = read_json(path, "--baseline")
+        except ValueError as exc:
+            raise StepBenchError(str(exc)) from exc
         if not isinstance(res, dict):
             raise StepBenchError(f"--baseline {path}: not a grpo_step.py results JSON (a JSON "
                                  f"{type(res).__name__}, not an object)")

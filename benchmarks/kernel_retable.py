@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from results_format import write_json  # noqa: E402 - benchmarks/: this script's own folder
+from results_format import read_json, write_json  # noqa: E402 - benchmarks/: this script's own folder
 
 from verl_qerl.kernels.dispatch import ROW_KEYS  # noqa: E402
 
@@ -67,13 +67,10 @@ def retable(result: dict, table: dict) -> dict:
     return out
 
 
-def read_json(path: str, what: str, key: str) -> dict:
+def read_input(path: str, what: str, key: str) -> dict:
     """The JSON object at ``path`` with a list under ``key`` (``rows`` of a kernel.py results file, ``points`` of a
     dispatch table); anything else raises ValueError naming the argument (``what``) and the file."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{what} {path}: cannot read it ({exc})") from exc
+    data = read_json(path, what)
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
         kind = "a benchmarks/kernel.py results JSON" if key == "rows" else "a gemm_dispatch-*.json table"
         raise ValueError(f"{what} {path}: not {kind} (no '{key}' list)")
@@ -91,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.out).resolve() == Path(args.table).resolve():
         ap.error(f"--out {args.out}: that is the dispatch table given as input, which it would overwrite")
     try:
-        result = read_json(args.results, "results", "rows")
-        table = read_json(args.table, "table", "points")
+        result = read_input(args.results, "results", "rows")
+        table = read_input(args.table, "table", "points")
         out = retable(result, table)
     except ValueError as exc:
         ap.error(str(exc))

@@ -54,6 +54,15 @@ def write_json(path: Path, obj, *, indent: int = 1, default=None, end: str = "")
     return path
 
 
+def read_json(path: str | Path, flag: str):  # noqa: ANN201 - any JSON value
+    """The JSON value in ``path``; a file that cannot be read or is not JSON raises ValueError naming ``flag`` (the
+    argument that gave the path) and the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} {path}: cannot read it ({exc})") from exc
+
+
 def read_earlier(path: str, *, flag: str, script: str, section: str, device: str, keys: tuple[str, ...],
                  here: dict, defaults: dict | None = None) -> dict:
     """An earlier results JSON of ``script`` that a later call extends (``--baseline``, ``--merge``): one remote
@@ -61,10 +70,7 @@ def read_earlier(path: str, *, flag: str, script: str, section: str, device: str
     ``flag`` and the file when it cannot be read, is not such a JSON (``rows`` and ``section``), or was measured
     on another device or with other ``keys`` of ``section`` than ``here`` (each difference with both values).
     ``defaults``: what a key that an older file lacks meant when that file was written."""
-    try:
-        res = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{flag} {path}: cannot read it ({exc})") from exc
+    res = read_json(path, flag)
     if not (isinstance(res, dict) and isinstance(res.get("rows"), list) and isinstance(res.get(section), dict)):
         raise ValueError(f"{flag} {path}: not a {script} results JSON (needs 'rows' and '{section}')")
     diff = [f"device {res.get('device')!r} there, {device!r} here"] if res.get("device") != device else []
