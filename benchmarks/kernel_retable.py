@@ -22,10 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from results_format import read_json, write_json  # noqa: E402 - benchmarks/: this script's own folder
 
-from verl_qerl.kernels.dispatch import ROW_KEYS  # noqa: E402
-
-#: kernel name -> the row key of its CUDA-graph time (the current keys of dispatch.ROW_KEYS)
-KERNEL_KEYS = {name: key for key, name in reversed(list(ROW_KEYS.items()))}
+from verl_qerl.kernels.dispatch import row_times  # noqa: E402
 
 
 def table_layer_sums(rows: list[dict], points: list[list]) -> dict[tuple[str, int], float]:
@@ -40,10 +37,10 @@ def table_layer_sums(rows: list[dict], points: list[list]) -> dict[tuple[str, in
         name = pick.get(key)
         if name is None:
             raise ValueError(f"{r['model']} {r['layer']} M={r['M']}: the table has no point for (N, K, M) = {key}")
-        t = r.get(KERNEL_KEYS.get(name, ""))
+        t = row_times(r).get(name)
         if not t:
             raise ValueError(f"{r['model']} {r['layer']} M={r['M']}: the table picks {name}, which the row did not "
-                             f"time ({KERNEL_KEYS.get(name)})")
+                             f"time (no kernel_{name}_graph_ms, and the op ran {r.get('ours_runs')})")
         sums[(r["model"], int(r["M"]))] = sums.get((r["model"], int(r["M"])), 0.0) + t
     return sums
 

@@ -40,6 +40,25 @@ def test_table_from_rows_picks_fastest_graph_time() -> None:
     assert t["capability"] == [9, 0]
 
 
+def test_table_from_rows_keeps_the_ops_kernel_where_variants_were_not_timed() -> None:
+    """Before: a prefill-size row (kernel.py times no forced kernel variant above 1,024 tokens there) gave the only
+    timed column, dequantize + cuBLAS, although the op's own column ran wgmma_rs faster (7B at M = 2,048: 1.43 vs
+    1.60 ms per layer on an H200): the table would have moved prefill onto the slower kernel."""
+    rows = [
+        {"layer": "qkv", "N": 4608, "K": 3584, "M": 2048, "ours_runs": "wgmma_rs", "ours_graph_ms": 0.0948,
+         "dequant_cublas_graph_ms": 0.1021},
+        {"layer": "qkv", "N": 7168, "K": 5120, "M": 2048, "ours_runs": "wgmma_rs", "ours_graph_ms": 0.21,
+         "dequant_cublas_graph_ms": 0.20},  # measured slower there: the table takes dequantize + cuBLAS
+        {"layer": "o", "N": 3584, "K": 3584, "M": 64, "ours_runs": "wgmma_rs", "ours_graph_ms": 0.001,
+         "kernel_wgmma_rs_graph_ms": 0.02, "kernel_splitk_graph_ms": 0.015},  # a forced column wins over `ours`
+        {"layer": "o", "N": 3584, "K": 3584, "M": 32, "ours_runs": "not_a_kernel", "ours_graph_ms": 0.001,
+         "kernel_splitk_graph_ms": 0.015},
+    ]
+    assert [p[3] for p in dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")["points"]] == [
+        "wgmma_rs", "dequant_cublas", "splitk", "splitk"]
+    assert dispatch.row_times(rows[0]) == {"dequant_cublas": 0.1021, "wgmma_rs": 0.0948}
+
+
 def test_table_from_rows_reads_former_row_keys() -> None:
     """Result files written before the names by role (kernel = v5, kernel_wgmma, dqmm) give current names."""
     rows = [{"layer": "qkv", "N": 1, "K": 128, "M": 1, "kernel_graph_ms": 0.01, "dqmm_graph_ms": 0.02},
@@ -95,11 +114,12 @@ def test_shipped_table_is_valid() -> None:
     assert {p[3] for p in raw["points"]} <= set(NAMES)  # written with the current names, not the former ones
     t = dispatch.load_table(dispatch.DEFAULT_TABLE, NAMES)
     # a full grid: every GEMM shape of the two benchmark models (8) at every measured M (1, 8, 16, 64, 96 .. 1024, the
-    # wide kernel's 192-token tiles 129, 160, 192 and 320, 384: 14)
+    # wide kernel's fitted tiles 129, 160, 192, 320, 384, the band after the 256 multiple 257, 288, prefill 2048, 4096:
+    # 18)
     shapes = {(p[0], p[1]) for p in t["points"]}
     ms = {p[2] for p in t["points"]}
-    assert tuple(t["capability"]) == (9, 0) and len(t["points"]) == len(shapes) * len(ms) == 8 * 14
-    assert ms == {1, 8, 16, 64, 96, 128, 129, 160, 192, 256, 320, 384, 512, 1024}
+    assert tuple(t["capability"]) == (9, 0) and len(t["points"]) == len(shapes) * len(ms) == 8 * 18
+    assert ms == {1, 8, 16, 64, 96, 128, 129, 160, 192, 256, 257, 288, 320, 384, 512, 1024, 2048, 4096}
     # the wide kernel's 128-token tiles were measured fastest somewhere at 65-128 tokens, and only there
     assert any(p[3] == "wgmma_wide" for p in t["points"])
     assert all(65 <= p[2] <= 128 for p in t["points"] if p[3] == "wgmma_wide")

@@ -607,6 +607,12 @@ def test_retable_sums_the_tables_picks_and_rebuilds_targets(tmp_path):
     assert len(t) == 1 and t[0]["measured"] == pytest.approx(round(0.085 / 0.076, 3))
     assert out["targets_auto_as_run"] == result["targets"] and rows[2]["ours_graph_ms"] == 0.080  # input untouched
     # a pick the row did not time, or a GEMM the table lacks, is named
+    # a row without the pick's forced column uses the op's own time where the op ran that kernel (prefill sizes)
+    pre = [{"model": "qwen2.5-7b", "layer": "qkv", "N": 4608, "K": 3584, "M": 2048, "bf16_graph_ms": 0.088,
+            "ours_runs": "wgmma_rs", "ours_graph_ms": 0.095, "dequant_cublas_graph_ms": 0.102}]
+    assert kr.table_layer_sums(pre, [[4608, 3584, 2048, "wgmma_rs"]]) == {("qwen2.5-7b", 2048): 0.095}
+    with pytest.raises(ValueError, match="picks wgmma_wide.*the op ran wgmma_rs"):
+        kr.table_layer_sums(pre, [[4608, 3584, 2048, "wgmma_wide"]])
     with pytest.raises(ValueError, match="picks decode_tma"):
         kr.table_layer_sums(rows, [[4608, 3584, 128, "decode_tma"], [37888, 3584, 128, "wgmma_rs"]])
     with pytest.raises(ValueError, match="no point"):

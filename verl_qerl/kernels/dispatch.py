@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .modes import GEMM_KERNEL_NAMES
+
 #: Environment variable naming a table file to use instead of the shipped one ("off": no table).
 TABLE_ENV = "QERL_GEMM_DISPATCH_TABLE"
 #: The table measured on one H200 (benchmarks/NOTES.md, "v6 wgmma").
@@ -42,17 +44,28 @@ class DispatchTableError(ValueError):
     """A calibration table that cannot be used; the message names the file and the problem."""
 
 
+def row_times(row: dict[str, Any]) -> dict[str, float]:
+    """Kernel name -> CUDA-graph ms of one GEMM row of ``benchmarks/kernel.py``: its forced-kernel columns, and the
+    op's own column (``ours``) as a time of the kernel it ran (``ours_runs``) where the row has no column of that
+    kernel, so that a size whose variants were not timed one by one still has its measured kernel."""
+    timed: dict[str, float] = {}
+    for key, name in ROW_KEYS.items():  # a current key wins over a former one for the same kernel
+        if row.get(key) and name not in timed:
+            timed[name] = row[key]
+    ran = row.get("ours_runs")
+    if ran in GEMM_KERNEL_NAMES and row.get("ours_graph_ms") and ran not in timed:
+        timed[ran] = row["ours_graph_ms"]
+    return timed
+
+
 def table_from_rows(rows: list[dict[str, Any]], device: str, capability: tuple[int, int], command: str) -> dict:
     """Per (N, K, M) GEMM row of ``benchmarks/kernel.py``, the kernel with the smallest CUDA-graph time among those
-    the row measured (rows of the per-layer sums are skipped)."""
+    the row measured (:func:`row_times`; rows of the per-layer sums are skipped)."""
     points = []
     for r in rows:
         if r.get("layer") == "sum" or "N" not in r:
             continue
-        timed: dict[str, float] = {}
-        for key, name in ROW_KEYS.items():  # a current key wins over a former one for the same kernel
-            if r.get(key) and name not in timed:
-                timed[name] = r[key]
+        timed = row_times(r)
         if timed:
             points.append([int(r["N"]), int(r["K"]), int(r["M"]), min(timed, key=timed.get)])
     return {"device": device, "capability": list(capability), "command": command, "points": points}
