@@ -14,7 +14,8 @@ rule), times in one run:
   shape) forced, where it applies (M >= 17), next to ``kernel_splitk``, with the per-GEMM and per-layer ratio
   ``streamk/splitk`` = split-K time / stream-K time (> 1: stream-K faster);
 * ``kernel_wgmma_rs`` / ``kernel_wgmma_ss`` -- with ``--variants splitk,streamk,wgmma_rs,wgmma_ss``: the Hopper
-  wgmma kernels (cuda/nvfp4_gemm_wgmma.cu, cuda/nvfp4_gemm_wgmma_ss.cu) forced at every M <= 1024 on sm_90;
+  wgmma kernels (cuda/nvfp4_gemm_wgmma.cu, cuda/nvfp4_gemm_wgmma_ss.cu) forced on sm_90 (the register-A ones at
+  every M, ``wgmma_ss`` up to M = 1024: ``kernel_variants.timed_at``);
   the run also writes ``gemm_dispatch-<gpu>.json``, the fastest
   measured kernel per GEMM shape and M, which auto mode reads as its calibration (verl_qerl/kernels/dispatch.py;
   copy it to verl_qerl/kernels/gemm_dispatch_h200.json to ship it);
@@ -88,6 +89,7 @@ from kernel_variants import (  # noqa: E402
     add_variant_ratios,
     parse_variants,
     tile_variant,
+    timed_at,
     variant_applies,
     variant_lines,
 )
@@ -105,10 +107,6 @@ MODELS = {
     "qwen2.5-14b": dict(h=5120, i=13824, q=5120, kv=1024),
 }
 MS = [1, 4, 16, 64, 128, 256, 1024, 4096]
-#: Variants not timed above 1,024 tokens: the mma.sync split-K / stream-K kernels and the M <= 16 decode kernel (the
-#: Hopper wgmma kernels are timed at every M: at prefill sizes they are the dispatch's pick, 1.0x BF16 per 7B layer
-#: at M = 2,048 / 4,096 on an H200).
-SMALL_M_KERNELS = frozenset({"kernel_splitk", "kernel_streamk", "kernel_decode_tma"})
 ROT = 4
 
 
@@ -350,8 +348,8 @@ def measure_shape(mname: str, lname: str, n: int, k: int, ms: list[int], iters: 
             rec["streamk_tiles"] = int(ext.streamk_tiles(m, n))
         graphs = {}
         for key, fn in fns.items():
-            if key in SMALL_M_KERNELS and m > 1024:
-                continue  # the mma.sync kernels are built for decode sizes (7B gate_up at 1,024: 3.5x the wgmma time)
+            if key.startswith("kernel_") and not timed_at(key[len("kernel_"):], m):
+                continue  # (kernel_variants.timed_at: the decode-size kernels only up to 1,024 tokens)
             rec[f"{key}_eager_ms"] = round(bench_eager(fn, iters), 5)
             graphs[key] = capture_graph(fn)
         for key, g in interleaved_graph_ms(graphs, reps=iters).items():

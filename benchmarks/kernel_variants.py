@@ -47,10 +47,24 @@ def parse_variants(text: str | None) -> list[str]:
     return [BASELINE] + [v for v in dict.fromkeys(names) if v != BASELINE]
 
 
+#: Largest M at which the decode-size kernels are timed: the mma.sync split-K / stream-K kernels, ``decode_tma`` and
+#: the experimental ``wgmma_ss`` (7B gate_up split-K at M = 1,024: 3.5x the register-A wgmma kernel's time).
+SMALL_KERNELS_MAX_M = 1024
+#: Variants timed at every M: the register-A wgmma kernels (and their tile variants), which the dispatch runs at
+#: prefill sizes (7B layer 1.01x BF16 at M = 2,048 on an H200); a table run without them above 1,024 tokens had only
+#: dequantize + cuBLAS to compare the op with there.
+EVERY_M_VARIANTS = frozenset({"wgmma_rs", "wgmma_wide"})
+
+
+def timed_at(variant: str, m: int) -> bool:
+    """Whether ``variant`` (a kernel name; a tile variant counts as its kernel) is timed at ``m`` tokens at all."""
+    return m <= SMALL_KERNELS_MAX_M or TILE_VARIANTS.get(variant, variant) in EVERY_M_VARIANTS
+
+
 def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa: ANN001 - the extension module
     """Whether timing ``variant`` at (M, N, K) measures anything but split-K again: the extension says which fused
     kernel the variant's forced mode runs on this device (stream-K: block_m 32 / 64 where the device grants its
-    ring, split-K elsewhere); the fused kernels are not timed above M = 1024."""
+    ring, split-K elsewhere); above M = 1,024 only the register-A wgmma kernels are timed (:func:`timed_at`)."""
     if variant == BASELINE:
         return True
     if variant in TILE_VARIANTS:  # only where the tile choice differs from the kernel's own variant
@@ -58,7 +72,7 @@ def variant_applies(ext, variant: str, m: int, n: int, k: int) -> bool:  # noqa:
         moved = wide_tile(m) != 256 if variant == "wgmma_rs_t256" else True
         moved = moved and m >= WIDE_MIN_M
         return moved and variant_applies(ext, kernel, m, n, k)
-    return m <= 1024 and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
+    return timed_at(variant, m) and ext.gemm_choice(m, n, k, int(VARIANT_KERNEL_MODES[variant])) == variant
 
 
 def _under_knob(setter, value, fn):  # noqa: ANN001, ANN202 - an extension knob, its value, a timed callable

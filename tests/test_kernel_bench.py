@@ -336,6 +336,11 @@ def test_variant_applies_and_profile_modes(kb_diag, kb_variants):
     assert kb_variants.variant_applies(ext, "splitk", 4096, 512, 256)
     ms = (1, 4, 16, 17, 64, 256, 1024, 4096)
     assert [m for m in ms if kb_variants.variant_applies(ext, "streamk", m, 512, 256)] == [17, 64, 256, 1024]
+    # the register-A wgmma kernels are timed at prefill sizes too (the dispatch runs them there); the decode-size
+    # kernels and wgmma_ss only up to 1,024 tokens
+    assert [v for v in ("splitk", "streamk", "decode_tma", "wgmma_ss", "wgmma_rs", "wgmma_wide", "wgmma_rs_t256")
+            if kb_variants.timed_at(v, 4096)] == ["wgmma_rs", "wgmma_wide", "wgmma_rs_t256"]
+    assert all(kb_variants.timed_at(v, 1024) for v in ("splitk", "streamk", "decode_tma", "wgmma_ss"))
     assert {a[3] for a in ext.asked} == {M["streamk"]} and (64, 512, 256, M["streamk"]) in ext.asked
     # --profile follows $QERL_GEMM_KERNEL unless --variants is given
     assert kb_diag.profile_modes(None, "splitk") == [("splitk", M["splitk"])]
@@ -370,7 +375,7 @@ def test_tile_variant_times_narrow_tiles_and_restores(kb_diag, kb_variants):
     assert kb_variants.parse_variants("wgmma_rs,wgmma_rs_t128") == ["splitk", "wgmma_rs", "wgmma_rs_t128"]
     # only where the op would run 256-token tiles (M >= 129) and the wgmma kernel runs at all
     ms = (1, 64, 128, 129, 256, 1024, 4096)
-    assert [m for m in ms if kb_variants.variant_applies(ext, "wgmma_rs_t128", m, 512, 256)] == [129, 256, 1024]
+    assert [m for m in ms if kb_variants.variant_applies(ext, "wgmma_rs_t128", m, 512, 256)] == [129, 256, 1024, 4096]
     seen = []
     run = kb_variants.narrow_wgmma_tiles(ext, lambda r: seen.append((r, ext.wide_min_m)))
     run(3)

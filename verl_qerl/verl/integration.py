@@ -59,17 +59,17 @@ def _register_trainer(module: ModuleType) -> None:
 
 
 def _qerl_of(model_config):
-    from .config import QeRLConfig, _plain
+    from .qerl_block import QeRLConfig, to_plain
 
-    block = (_plain(getattr(model_config, "lora", None)) or {}).get("qerl")
+    block = (to_plain(getattr(model_config, "lora", None)) or {}).get("qerl")
     return QeRLConfig.from_dict(block) if block else None
 
 
 def nvfp4_actor_source(model_config, qerl=None):
     """The checkpoint folder the nvfp4 actor is built from without a dense copy, or None (verl loads
-    ``model.path`` in BF16 and hook 3 quantizes it): :func:`~verl_qerl.verl.config.nvfp4_base_source`
+    ``model.path`` in BF16 and hook 3 quantizes it): :func:`~verl_qerl.verl.model_path_checks.nvfp4_base_source`
     of the worker's local copy of ``model.path``."""
-    from .config import nvfp4_base_source
+    from .model_path_checks import nvfp4_base_source
 
     qerl = qerl if qerl is not None else _qerl_of(model_config)
     if qerl is None or qerl.mode != "nvfp4":
@@ -139,7 +139,7 @@ def convert_for_lora(module, model_config):
 
     import torch
 
-    from .config import check_ignore_matches
+    from .model_path_checks import check_ignore_matches
 
     check_ignore_matches([n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)], qerl)
     # verl builds the actor on the CPU; quantizing 7B of weights there took ~280 s of a GRPO run's start-up (the
