@@ -12,9 +12,9 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DQERL_HAVE_SM90A=1 -I cuda \
 //        benchmarks/dsmem_probe.cu -o /tmp/dsmem_probe && /tmp/dsmem_probe > $OUT/dsmem-probe.tsv
 //
-// (benchmarks/gpu/dsmem_probe.sh does that and writes the results JSON.) Each CTA holds kSliceFloats x s floats of
-// its own "partial" (a 96 KB tile at s = 3, like the wide kernel's 128-row x 256-token tile less the padding) and a
-// receive area for (s - 1) shares. One round = every CTA moves (s - 1) shares of kSliceFloats floats, then a cluster
+// (benchmarks/dsmem_probe.py does that and writes the results JSON.) Each CTA holds s shares of `slice` floats of its
+// own "partial" (96 KB: the wide kernel's 128-row x 192-token tile; its 256-token tile is 128 KB) and a receive area
+// for (s - 1) shares. One round = every CTA moves (s - 1) shares of kSliceFloats floats, then a cluster
 // barrier; `reps` rounds run inside one launch, timed with CUDA events, after a warm-up launch. A "barrier only" mode
 // gives the rounds' fixed cost. Every mode checks the data it moved against the sender's pattern (the pull mode as
 // it loads, the push modes after the last round) and counts mismatches: a wrong figure is not printed as a rate.
@@ -32,6 +32,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTileBytes = 96 * 1024;  // one CTA's partial (all s shares)
+constexpr int kMaxRanks = 8;           // the largest cluster probed (the portable limit, cluster_splitk::kMaxCtas)
 
 enum Mode : int { kBarrierOnly = 0, kPull = 1, kPushStAsync = 2, kPushBulk = 3 };
 const char* const kModeNames[] = {"barrier_only", "pull_ld_v4", "push_st_async", "push_bulk"};
@@ -81,32 +82,39 @@ __global__ void __launch_bounds__(kThreads, 1) probe(int mode, int reps, int sli
   const uint32_t share_bytes = uint32_t(slice) * 4u;
   for (int r = 0; r < reps; ++r) {
     if (mode == kPull) {
-      // rank's share of every other CTA's partial: floats [rank * slice, (rank + 1) * slice) of CTA q
-      for (int q = 0; q < s; ++q) {
-        if (q == rank) continue;
-        const uint32_t src = qerl::mapa_cluster(own_addr, q) + uint32_t(rank) * share_bytes;
-        for (int v = tid; v < slice / 4; v += 4 * kThreads) {  // 4 loads in flight per thread
-          float4 x[4];
+      // rank's share of every other CTA's partial (floats [rank * slice, (rank + 1) * slice) of CTA q), loaded as
+      // cluster_splitk::reduce_store loads its sums: kBatch vectors x every source in flight before any is used
+      constexpr int kBatch = 4;
+      uint32_t src[kMaxRanks];
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const int vv = min(v + b * kThreads, slice / 4 - 1);
-            asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=f"(x[b].x), "=f"(x[b].y), "=f"(x[b].z), "=f"(x[b].w)
-                         : "r"(src + uint32_t(vv) * 16u)
-                         : "memory");
+      for (int q = 0; q < kMaxRanks; ++q) src[q] = qerl::mapa_cluster(own_addr, q < s ? q : 0) + uint32_t(rank) * share_bytes;
+      const int nvec = slice / 4;
+      for (int v0 = tid; v0 < nvec; v0 += kBatch * kThreads) {
+        float4 x[kBatch][kMaxRanks];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+          for (int q = 0; q < kMaxRanks; ++q) {
+            const int v = v0 + b * kThreads;
+            if (q < s && q != rank && v < nvec)  // (only real loads: the rate counts exactly the bytes moved)
+              asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                           : "=f"(x[b][q].x), "=f"(x[b][q].y), "=f"(x[b][q].z), "=f"(x[b][q].w)
+                           : "r"(src[q] + uint32_t(v) * 16u)
+                           : "memory");
           }
 #pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const int vv = v + b * kThreads;
-            if (vv >= slice / 4) continue;
-            acc += x[b].x + x[b].y + x[b].z + x[b].w;
+        for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+          for (int q = 0; q < kMaxRanks; ++q) {
+            const int v = v0 + b * kThreads;
+            if (!(q < s && q != rank && v < nvec)) continue;
+            acc += x[b][q].x + x[b][q].y + x[b][q].z + x[b][q].w;
             if (r == 0) {
-              const int i = rank * slice + 4 * vv;
-              wrong += (x[b].x != pattern(cl, q, i)) + (x[b].y != pattern(cl, q, i + 1)) +
-                       (x[b].z != pattern(cl, q, i + 2)) + (x[b].w != pattern(cl, q, i + 3));
+              const int i = rank * slice + 4 * v;
+              wrong += (x[b][q].x != pattern(cl, q, i)) + (x[b][q].y != pattern(cl, q, i + 1)) +
+                       (x[b][q].z != pattern(cl, q, i + 2)) + (x[b][q].w != pattern(cl, q, i + 3));
             }
           }
-        }
       }
     } else if (mode == kPushStAsync || mode == kPushBulk) {
       // every other rank q gets share q of this CTA's partial, in its receive slot (rank < q ? rank : rank - 1)
@@ -181,7 +189,11 @@ int main(int argc, char** argv) {
     cfg.numAttrs = 1;
     cfg.gridDim = dim3(unsigned(s));
     int clusters = 0;
-    CK(cudaOccupancyMaxActiveClusters(&clusters, probe, &cfg));
+    if (cudaOccupancyMaxActiveClusters(&clusters, probe, &cfg) != cudaSuccess || clusters <= 0) {
+      (void)cudaGetLastError();
+      printf("# cluster size %d: no cluster of it fits this device, skipped\n", s);
+      continue;
+    }
     cfg.gridDim = dim3(unsigned(s * clusters));  // every resident cluster at once: the whole GPU moving bytes
     for (int mode = kBarrierOnly; mode <= kPushBulk; ++mode) {
       CK(cudaMemset(bad, 0, sizeof(int)));

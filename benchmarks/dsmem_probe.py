@@ -70,7 +70,12 @@ def decision_targets(rows: list[dict]) -> list[dict]:
     cluster barrier (the ``barrier_only`` row: the reduction pays its barriers whichever way the bytes move); None
     where a mode is missing, moved wrong data (a wrong transfer is no rate) or did not outlast the barrier."""
     at = {r["mode"]: r for r in rows if r["cluster"] == DECISION_CLUSTER}
-    barrier_us = at["barrier_only"]["us_per_round"] if "barrier_only" in at else 0.0
+    name = (f"best push / pull per-SM rate at cluster size {DECISION_CLUSTER}, net of the round's cluster barrier "
+            "(every SM moving partials)")
+    if "barrier_only" not in at:
+        return [{"name": name, "measured": None, "op": ">=", "target": DECISION_SPEEDUP,
+                 "note": "no barrier_only row at this cluster size: no net rate"}]
+    barrier_us = at["barrier_only"]["us_per_round"]
 
     def net_rate(mode: str) -> float | None:
         r = at.get(mode)
@@ -81,34 +86,42 @@ def decision_targets(rows: list[dict]) -> list[dict]:
     pull = net_rate("pull_ld_v4")
     pushes = [v for v in (net_rate("push_st_async"), net_rate("push_bulk")) if v is not None]
     measured = round(max(pushes) / pull, 3) if pull and pushes else None
-    return [{"name": f"best push / pull per-SM rate at cluster size {DECISION_CLUSTER}, net of the round's cluster "
-             "barrier (every SM moving partials)", "measured": measured, "op": ">=", "target": DECISION_SPEEDUP}]
+    return [{"name": name, "measured": measured, "op": ">=", "target": DECISION_SPEEDUP}]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for dsmem-probe-<gpu>.json")
     ap.add_argument("--rounds", type=int, default=200, help="rounds per timed launch (default 200)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds the probe may run (default 120)")
     args = ap.parse_args(argv)
-    if args.rounds <= 0:
-        ap.error(f"--rounds {args.rounds}: must be positive")
+    if args.rounds <= 0 or args.timeout <= 0:
+        ap.error(f"--rounds {args.rounds} / --timeout {args.timeout}: must be positive")
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         ap.error("nvcc is not on PATH: the probe is built here (CUDA 12.3+ for sm_90a)")
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "dsmem_probe"
         subprocess.run([nvcc, *NVCC_FLAGS, str(SOURCE), "-o", str(exe)], check=True)
-        run = subprocess.run([str(exe), str(args.rounds)], check=True, capture_output=True, text=True)
-    print(run.stdout, end="")
-    device, rows = parse_tsv(run.stdout)
+        try:  # (a probe that hangs on an mbarrier must not take the whole device call with it)
+            run = subprocess.run([str(exe), str(args.rounds)], capture_output=True, text=True, timeout=args.timeout)
+            stdout, stderr, rc = run.stdout, run.stderr, run.returncode
+        except subprocess.TimeoutExpired as ex:
+            stdout = ex.stdout.decode() if isinstance(ex.stdout, bytes) else (ex.stdout or "")
+            stderr, rc = f"timed out after {args.timeout} s", 124
+    print(stdout, end="")
+    if rc != 0:  # the rows measured before the failure are kept, the error is printed and recorded
+        print(f"# dsmem_probe exited {rc}: {stderr.strip()}", file=sys.stderr)
+    device, rows = parse_tsv(stdout)
     nvcc_version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     result = {"device": device, "versions": {"nvcc": nvcc_version, "python": platform.python_version()},
               "command": "python3 " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
               "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "rows": rows,
+              "errors": [f"probe exited {rc}: {stderr.strip()}"] if rc != 0 else [],
               "targets": decision_targets(rows)}
     name = device.lower().replace(" ", "-") or "gpu"
     report_and_write(Path(args.out) / f"dsmem-probe-{name}.json", result)
-    return 0
+    return 0 if rc == 0 else 1
 
 
 if __name__ == "__main__":

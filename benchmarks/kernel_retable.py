@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from results_format import read_json, write_json  # noqa: E402 - benchmarks/: this script's own folder
 
-from verl_qerl.kernels.dispatch import row_times  # noqa: E402
+from verl_qerl.kernels.dispatch import ROW_KEYS, row_times  # noqa: E402
 
 
 def table_layer_sums(rows: list[dict], points: list[list]) -> dict[tuple[str, int], float]:
@@ -39,8 +39,9 @@ def table_layer_sums(rows: list[dict], points: list[list]) -> dict[tuple[str, in
             raise ValueError(f"{r['model']} {r['layer']} M={r['M']}: the table has no point for (N, K, M) = {key}")
         t = row_times(r).get(name)
         if not t:
+            column = next((k for k, v in ROW_KEYS.items() if v == name), f"kernel_{name}_graph_ms")
             raise ValueError(f"{r['model']} {r['layer']} M={r['M']}: the table picks {name}, which the row did not "
-                             f"time (no kernel_{name}_graph_ms, and the op ran {r.get('ours_runs')})")
+                             f"time (no {column}, and the op ran {r.get('ours_runs')})")
         sums[(r["model"], int(r["M"]))] = sums.get((r["model"], int(r["M"])), 0.0) + t
     return sums
 

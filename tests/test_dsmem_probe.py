@@ -47,6 +47,12 @@ def test_a_wrong_transfer_is_no_rate(probe):
     assert probe.decision_targets(rows)[0]["measured"] is None
 
 
+def test_without_the_barrier_row_no_net_rate_is_claimed(probe):
+    _, rows = probe.parse_tsv(OUTPUT)
+    (t,) = probe.decision_targets([r for r in rows if r["mode"] != "barrier_only"])
+    assert t["measured"] is None and "barrier_only" in t["note"]
+
+
 def test_malformed_output_is_named(probe):
     with pytest.raises(ValueError, match="no header"):
         probe.parse_tsv("# device\tX\n")

@@ -57,6 +57,11 @@ def test_table_from_rows_keeps_the_ops_kernel_where_variants_were_not_timed() ->
     assert [p[3] for p in dispatch.table_from_rows(rows, "GPU", (9, 0), "cmd")["points"]] == [
         "wgmma_rs", "dequant_cublas", "splitk", "splitk"]
     assert dispatch.row_times(rows[0]) == {"dequant_cublas": 0.1021, "wgmma_rs": 0.0948}
+    # a former kernel name in ours_runs (rows written before the names by role) counts as the current one
+    assert dispatch.row_times({"ours_runs": "wgmma", "ours_graph_ms": 0.2}) == {"wgmma_rs": 0.2}
+    # under kernel.py --pdl the forced columns ran without PDL: the op's column without it is the comparable one
+    assert dispatch.row_times({"ours_runs": "splitk", "ours_graph_ms": 0.009, "ours_nopdl_graph_ms": 0.010}) == {
+        "splitk": 0.010}
 
 
 def test_table_from_rows_reads_former_row_keys() -> None:

@@ -46,15 +46,18 @@ class DispatchTableError(ValueError):
 
 def row_times(row: dict[str, Any]) -> dict[str, float]:
     """Kernel name -> CUDA-graph ms of one GEMM row of ``benchmarks/kernel.py``: its forced-kernel columns, and the
-    op's own column (``ours``) as a time of the kernel it ran (``ours_runs``) where the row has no column of that
-    kernel, so that a size whose variants were not timed one by one still has its measured kernel."""
+    op's own column as a time of the kernel it ran (``ours_runs``, a former name mapped) where the row has no column
+    of that kernel, so that a size whose variants were not timed one by one still has its measured kernel. Under
+    ``kernel.py --pdl`` the op's column without PDL (``ours_nopdl``) is the one taken: the forced columns run
+    without it."""
     timed: dict[str, float] = {}
     for key, name in ROW_KEYS.items():  # a current key wins over a former one for the same kernel
         if row.get(key) and name not in timed:
             timed[name] = row[key]
-    ran = row.get("ours_runs")
-    if ran in GEMM_KERNEL_NAMES and row.get("ours_graph_ms") and ran not in timed:
-        timed[ran] = row["ours_graph_ms"]
+    ran = FORMER_NAMES.get(row.get("ours_runs"), row.get("ours_runs"))
+    ours = row.get("ours_nopdl_graph_ms") or row.get("ours_graph_ms")
+    if ran in GEMM_KERNEL_NAMES and ours and ran not in timed:
+        timed[ran] = ours
     return timed
 
 

@@ -245,7 +245,7 @@ def apply_qerl(config: Any) -> QeRLConfig | None:
                               f"needs {VERL_WORKER_EXTENSION} (a subclass of verl's extension)")
     if ext is None:
         set_key(config, "actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls", VERL_WORKER_EXTENSION,
-             changes)
+                changes)
 
     set_key(config, ".".join(CARRIER_PATH), qerl.to_dict(), changes[:0])  # the carrier is not a user setting
     if changes:
