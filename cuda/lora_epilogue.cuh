@@ -6,8 +6,8 @@
 // tile adds the tile's LoRA term in FP32 before the one bf16 rounding, so the base output is never rounded on its own
 // (the separate expand rounds it once more) and no extra kernel runs.
 //
-// Work split: 128 threads build the tile's LoRA term in shared memory, one column each (all of the tile's tokens),
-// while the other 128 threads sum the split-K partials; then the threads holding the accumulators add it as they
+// Work split: 128 threads (4 warps) build the tile's LoRA term in shared memory with mma.sync (lora_tile), while the
+// other 128 threads sum the split-K partials; then the threads holding the accumulators add it as they
 // store. The B rows are prefetched into L2 when the kernel starts, so the epilogue's loads are L2 hits. Operands (QerlLoraEpilogue, cuda/qerl_nvfp4.h): shrunk [M, S*r] = x @ A_cat^T, lora_b [N, S*r] with only the
 // diagonal blocks read (row n, columns s(n) * r ..), a bf16 token mask.
 #pragma once
@@ -33,16 +33,6 @@ constexpr int lora_tile_bytes() {
 // Slice of output column n (< N): slice_end holds the slices' exclusive ends, padded with N past n_slices.
 __device__ __forceinline__ int lora_slice(const QerlLoraEpilogue& p, int n) {
   return (n >= p.slice_end[0]) + (n >= p.slice_end[1]);
-}
-
-// 8 bf16 (one 16-byte load) -> 8 floats, exactly.
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float f[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-  }
 }
 
 // Pull the B rows of output columns [n0, n0 + BN) into L2 at the start of the kernel, so that the epilogue's loads,
@@ -77,91 +67,115 @@ __device__ __forceinline__ void lora_stage_shrunk(__nv_bfloat16* s_sm, const Qer
   }
 }
 
-// The first kPreChunks 16-byte chunks (rank 32) of column c's B row, loaded into registers before the tile's shrunk
-// rows are staged, so the two L2 round trips overlap instead of following each other (the split-K kernel's last CTA;
-// NOTES "Seventh round").
-struct LoraBRow {
-  static constexpr int kPreChunks = 4;
-  uint4 v[kPreChunks];
+// The LoRA term runs on the tensor cores (mma.sync m16n8k16, FP32 accumulators): per 16 output columns and 8 tokens
+// D[col, tok] = sum_j B[col, s(col) r + j] shrunk[tok, s r + j]. Why not one FMA chain per column: at 8 tokens that
+// chain is ~550 instructions per thread (each token's shrunk piece converted and multiplied per column), ~1 us on the
+// tile's serial tail (lora_gemm_bench: the epilogue +2.3-2.7 us per split-K GEMM at M = 8 against +1.4-1.6 at M = 1);
+// here a warp's 32 columns are 2 MMAs per 32 ranks and 8 tokens.
+//   The K order of the MMA is permuted so that every operand is one 16-byte load: the lane (g = lane / 4,
+// t = lane % 4) holds ranks [8 t, 8 t + 8) of a 32-rank chunk of its rows (A: columns g and g + 8 of the group; B:
+// token g), words w0..w3 = rank pairs (8t, 8t+1), (8t+2, 8t+3), ...; MMA k index 2t + e of the first k16 step is rank
+// 8t + e, 2t + 8 + e is 8t + 2 + e, and the second step takes w2 / w3 the same way. A sum over k does not depend on
+// which k a rank sits at, and A and B use one map, so D is the same dot product (in the tensor core's FP32 order).
+//   Slices: a 16-column group whose columns span slices is run once per slice with the other slices' rows zeroed.
+
+// The A operand (B rows) of the thread's two 16-column groups for the first 32 ranks, loaded before the tile's shrunk
+// rows are staged so the two L2 round trips overlap (the split-K kernel's last CTA; NOTES "Seventh round").
+struct LoraBFrags {
+  uint4 v[2][2];  // [group of the warp][column g, column g + 8]
 };
-__device__ __forceinline__ void lora_load_b_row(LoraBRow& r, const QerlLoraEpilogue& p, int n0, int N, int c) {
-  const int n = n0 + c;
-  const int off = n < N ? lora_slice(p, n) * p.rank : 0;
-  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
-                                                     size_t(n < N ? n : 0) * p.ld_b + off);
-  const int chunks = p.rank / 8;
-#pragma unroll
-  for (int j = 0; j < LoraBRow::kPreChunks; ++j)
-    if (j < chunks) r.v[j] = __ldg(brow + j);
+
+// Column `col`'s 8 ranks [ch * 32 + 8 t, + 8) of its slice's B row; zero past N or past the rank.
+__device__ __forceinline__ uint4 lora_b_piece(const QerlLoraEpilogue& p, int col, int N, int ch, int t) {
+  const int j = ch * 32 + t * 8;
+  if (col >= N || j >= p.rank) return make_uint4(0u, 0u, 0u, 0u);
+  return __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) + size_t(col) * p.ld_b +
+                                              size_t(lora_slice(p, col)) * p.rank + j));
 }
 
-// lt[t * pitch + c] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + c, s * r + j] (s: column n0 + c's
-// slice) for the tile's tokens t with m0 + t < M; column c is this thread's (0 .. BN - 1), FP32 sums in j order.
-// Columns >= N get 0; rows >= M are not written (the store skips them). Run by BN threads (warps 4 .. 7 of the CTA)
-// after lora_stage_shrunk and a CTA barrier; the B row of each column is read once per 8 tokens (from L1 after the
-// first). `pre` (kPre): the row's first chunks, already loaded by lora_load_b_row.
+// Thread c (0 .. BN - 1; warp c / 32 holds the tile's columns [32 (c / 32), + 32)) of the tile at n0: its first chunk.
+__device__ __forceinline__ void lora_load_b_frags(LoraBFrags& f, const QerlLoraEpilogue& p, int n0, int N, int c) {
+  const int lane = c & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int col = n0 + (c >> 5) * 32 + q * 16 + g;
+    f.v[q][0] = lora_b_piece(p, col, N, 0, t);
+    f.v[q][1] = lora_b_piece(p, col + 8, N, 0, t);
+  }
+}
+
+// lt[t * pitch + col] = mask[m0 + t] * sum_j shrunk[m0 + t, s * r + j] * lora_b[n0 + col, s * r + j] (s: column
+// n0 + col's slice) for the tile's tokens t with m0 + t < M. Columns >= N get 0; rows >= M are not written (the store
+// skips them). Run by BN threads (BN / 32 whole warps; c = 0 .. BN - 1) after lora_stage_shrunk and a CTA barrier.
+// `pre` (kPre): the first chunk, already loaded by lora_load_b_frags.
 template <int BM, int BN, bool kPre = false>
 __device__ __forceinline__ void lora_tile(float* lt, const __nv_bfloat16* s_sm, const QerlLoraEpilogue& p, int n0,
-                                          int m0, int M, int N, int c, const LoraBRow* pre = nullptr) {
+                                          int m0, int M, int N, int c, const LoraBFrags* pre = nullptr) {
+  static_assert(BN % 32 == 0 && BM % 8 == 0, "whole warps of 32 columns, 8-token MMA tiles");
   constexpr int PITCH = lora_tile_pitch<BN>();
+  constexpr int NT = BM / 8;
   const int ranks = p.n_slices * p.rank;
   const int rows = min(BM, M - m0);
-  const int n = n0 + c;
-  const bool col_ok = n < N;
-  const int off = col_ok ? lora_slice(p, n) * p.rank : 0;
-  const uint4* brow = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.lora_b) +
-                                                     size_t(col_ok ? n : 0) * p.ld_b + off);
+  const int lane = c & 31, g = lane >> 2, t = lane & 3;
+  const int wcol = (c >> 5) * 32;  // the warp's first column in the tile
+  const int chunks = (p.rank + 31) / 32;
   const __nv_bfloat16* mask = static_cast<const __nv_bfloat16*>(p.mask);
-  const int chunks = p.rank / 8;
+  // One 16-column group at a time (registers: the decode_tma kernels run LoRA at a 72-register cap).
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int first = n0 + wcol + q * 16;  // the group's first column
+    const int col = first + g;
+    const int s_row0 = col < N ? lora_slice(p, col) : -1;
+    const int s_row1 = col + 8 < N ? lora_slice(p, col + 8) : -1;
+    const int s_lo = first < N ? lora_slice(p, first) : 3;  // a group past N: no pass
+    const int s_hi = first < N ? lora_slice(p, min(first + 15, N - 1)) : -1;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
 #pragma unroll 1
-  for (int t0 = 0; t0 < rows; t0 += 8) {
-    float sum[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-    auto accumulate = [&](const uint4& bv, int j) {
-      float b[8];
-      bf16x8_to_float(bv, b);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (t0 + i < rows) {
-          float s[8];
-          bf16x8_to_float(reinterpret_cast<const uint4*>(s_sm + (t0 + i) * ranks + off)[j], s);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) sum[i] = fmaf(s[e], b[e], sum[i]);
-        }
+    for (int ch = 0; ch < chunks; ++ch) {
+      uint4 ar0, ar1;
+      if (kPre && ch == 0) {
+        ar0 = pre->v[q][0];
+        ar1 = pre->v[q][1];
+      } else {
+        ar0 = lora_b_piece(p, col, N, ch, t);
+        ar1 = lora_b_piece(p, col + 8, N, ch, t);
       }
-    };
-    // (Two spellings of one loop: the plain one is instruction for instruction what decode_tma's kernels ran before
-    // the preloaded variant existed, sass_census.py --against.)
-    if constexpr (kPre) {
+      const bool piece_ok = ch * 32 + t * 8 < p.rank;
+#pragma unroll 1
+      for (int s = s_lo; s <= s_hi; ++s) {
+        const uint4 a0 = s_row0 == s ? ar0 : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 a1 = s_row1 == s ? ar1 : make_uint4(0u, 0u, 0u, 0u);
+        const uint32_t af0[4] = {a0.x, a1.x, a0.y, a1.y};
+        const uint32_t af1[4] = {a0.z, a1.z, a0.w, a1.w};
 #pragma unroll
-      for (int j = 0; j < LoraBRow::kPreChunks; ++j)
-        if (j < chunks) accumulate(pre->v[j], j);
-#pragma unroll 2
-      for (int j = LoraBRow::kPreChunks; j < chunks; ++j) accumulate(__ldg(brow + j), j);
-    } else {
-#pragma unroll 2
-      for (int j = 0; j < chunks; ++j) {
-        float b[8];
-        bf16x8_to_float(__ldg(brow + j), b);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (t0 + i < rows) {
-            float s[8];
-            bf16x8_to_float(reinterpret_cast<const uint4*>(s_sm + (t0 + i) * ranks + off)[j], s);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sum[i] = fmaf(s[e], b[e], sum[i]);
-          }
+        for (int nt = 0; nt < NT; ++nt) {
+          const int tok = nt * 8 + g;
+          const uint4 b = (tok < rows && piece_ok)
+                              ? *reinterpret_cast<const uint4*>(s_sm + tok * ranks + s * p.rank + ch * 32 + t * 8)
+                              : make_uint4(0u, 0u, 0u, 0u);
+          const uint32_t bf0[2] = {b.x, b.y};
+          const uint32_t bf1[2] = {b.z, b.w};
+          mma_bf16(acc[nt], af0, bf0);
+          mma_bf16(acc[nt], af1, bf1);
         }
       }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (t0 + i < rows) {
-        const float mk = __bfloat162float(mask[size_t(m0 + t0 + i) * p.mask_stride]);
-        lt[(t0 + i) * PITCH + c] = col_ok ? sum[i] * mk : 0.0f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = nt * 8 + 2 * t + e;
+        if (tok < rows) {
+          const float mk = __bfloat162float(mask[size_t(m0 + tok) * p.mask_stride]);
+          const int lc = col - n0;  // the tile's column of c0 / c1 (c2 / c3: + 8)
+          lt[tok * PITCH + lc] = col < N ? acc[nt][e] * mk : 0.0f;
+          lt[tok * PITCH + lc + 8] = col + 8 < N ? acc[nt][2 + e] * mk : 0.0f;
+        }
       }
-    }
   }
 }
 

@@ -340,9 +340,9 @@ __global__ void __launch_bounds__(THREADS, Cfg<BM>::MIN_BLOCKS)
   // above without loads, so this overlaps the kh = 0 warps' partial loads), in the drained ring behind the
   // reduction buffer.
   // The B rows' first chunks go into registers before the shrunk rows are staged (two L2 round trips in parallel).
-  [[maybe_unused]] LoraBRow b_pre;
+  [[maybe_unused]] LoraBFrags b_pre;
   if constexpr (LORA != kNoLora) {
-    if (kh == 1) lora_load_b_row(b_pre, lora, nb0 * 16, N, rt);
+    if (kh == 1) lora_load_b_frags(b_pre, lora, nb0 * 16, N, rt);
   }
   if constexpr (LORA == kLoraShrunk) {
     __nv_bfloat16* s_sm = reinterpret_cast<__nv_bfloat16*>(smem + C::S_OFFSET);
