@@ -42,6 +42,11 @@ TRITON = "_lora_expand_kernel"
 #: with odd slice bounds (the kernel layout needs N % 16 == 0)
 SHAPES = [(512, [0, 512], 32), (768, [0, 512, 640, 768], 32), (304, [0, 17, 24, 304], 8)]
 TOKENS = [CUBLAS_MIN_TOKENS - 1, CUBLAS_MIN_TOKENS, 300]
+#: The GEMM the expand follows: dequantize + cuBLAS, which has no LoRA epilogue at any M. Under ``auto`` the shipped
+#: dispatch table puts these token counts on the register-A wgmma kernels, whose epilogue adds the LoRA term itself, so
+#: the expand routes under test would not run at all (this file asserted ``auto`` and failed 10 of 15 on an H200 once
+#: the table moved, 2026-11-29).
+MODE = Mode.DEQUANT_CUBLAS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,17 +76,17 @@ def test_fused_op_equals_gemm_then_expand_around_the_threshold(m: int, n: int, b
     rw = kernels.repack(packed, scale)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     shrunk, lora_b, mask = operands(m, n, bounds, rank, torch.bfloat16, seed=m)
-    assert not kernels.extension().lora_epilogue_runs(m, n, k, int(Mode.AUTO))
+    assert not kernels.extension().lora_epilogue_runs(m, n, k, int(MODE))
 
     def fused() -> torch.Tensor:
         return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
-                                              int(Mode.AUTO), 0)
+                                              int(MODE), 0)
 
     triton_launches = sum(TRITON in nm for nm in kernels_launched(fused))
     assert triton_launches == (0 if m >= CUBLAS_MIN_TOKENS else 1)
     poison((m, n), torch.bfloat16)
     got = fused()
-    base = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(Mode.AUTO), 0)
+    base = torch.ops.qerl.nvfp4_gemm(x, rw.qweight, rw.qscale, gs, None, n, int(MODE), 0)
     assert not torch.isnan(got).any()
     assert torch.equal(got[3::4], base[3::4])  # tokens without the adapter: the GEMM's output, bit for bit
     assert torch.equal(got, lora_expand(base, shrunk, lora_b.t(), mask))  # the Python op's route, bit for bit
@@ -129,7 +134,7 @@ def test_graph_capture_from_the_threshold(m: int) -> None:
 
     def f(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, s, lora_b, mask, bounds,
-                                              int(Mode.AUTO), 0)
+                                              int(MODE), 0)
 
     f(x_static, s_static)
     graph, y_static = capture(lambda: f(x_static, s_static))
@@ -141,7 +146,7 @@ def test_graph_capture_from_the_threshold(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         if m <= TRITON_CAPTURED_MAX_TOKENS:
-            base = torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, None, n, int(Mode.AUTO), 0)
+            base = torch.ops.qerl.nvfp4_gemm(x_new, rw.qweight, rw.qscale, gs, None, n, int(MODE), 0)
             assert torch.equal(y_static, lora_expand_triton(base, s_new, lora_b.t(), mask)), i
         else:
             assert torch.equal(y_static, f(x_new, s_new)), i
@@ -175,8 +180,9 @@ def test_first_eager_call_through_the_python_op_gives_the_same_bits() -> None:
 
     def fused() -> torch.Tensor:
         return torch.ops.qerl.nvfp4_gemm_lora(x, rw.qweight, rw.qscale, gs, None, n, shrunk, lora_b, mask, bounds,
-                                              int(Mode.AUTO), 0)
+                                              int(MODE), 0)
 
+    assert not kernels.extension().lora_epilogue_runs(m, n, k, int(MODE))
     first = fused()
     assert torch.equal(first, fused()) and torch.equal(first, fused())
     assert not any(TRITON in nm for nm in kernels_launched(fused))
