@@ -49,9 +49,10 @@ __device__ __forceinline__ void lora_prefetch_b(const QerlLoraEpilogue& p, int n
 }
 
 // The tile's rows of `shrunk` (m0 + t < M) -> s_sm, row t at t * n_slices * rank: one round of 16-byte loads by BN
-// threads (c = 0 .. BN - 1), so that every column then reads them from shared memory. The caller's CTA barrier
-// orders these writes before lora_tile's reads (a CTA-wide barrier, not a named one over the BN threads: with the
-// named barrier compute-sanitizer's racecheck reports hazards on correct code, benchmarks/NOTES.md).
+// threads (c = 0 .. BN - 1), so that every column then reads them from shared memory. The caller's barrier orders
+// these writes before lora_tile's reads: one over every thread of the epilogue (the CTA in the split-K kernel, all
+// consumer warps in decode_tma's), not a named one over only the BN staging threads (with that, compute-sanitizer's
+// racecheck reports hazards on correct code, benchmarks/NOTES.md).
 // kWrittenByThisGrid: `shrunk` was written by other CTAs of this launch (the split-K kernel's in-launch shrink), so it is
 // read through L2 (ld.cg) rather than the read-only path, which is only defined for data no CTA of the grid writes.
 template <int BM, int BN, bool kWrittenByThisGrid = false>
