@@ -3,7 +3,8 @@
 #   OUT=$OUT [AB_MS=64,128,256,512,1024] [AB_ROUNDS=2] [AB_STAMPS_MS=256] \
 #     bash benchmarks/gpu/candidate_ab.sh .xfer-cand/<head> .xfer-cand/<cand>
 # Both folders come from benchmarks/gpu/stage_candidates.sh (HEAD and a patch). Steps: candidates_check.sh on both
-# (HEAD: build + timing; the candidate: build, the wgmma GPU tests, tests/test_lora_fused_gpu.py, compute-sanitizer
+# (HEAD: build + timing; the candidate: build, the wgmma GPU tests, tests/test_lora_fused_gpu.py and
+# tests/test_lora_expand_gpu.py (~10 s: a GPU test file no run exercised went stale once), compute-sanitizer
 # memcheck + racecheck with the cluster split on and off, timing), then the timing once more in the other order
 # (candidate, HEAD), so each tree is timed twice in the order H, C, C, H (drift shows as a difference between a
 # tree's two runs); AB_ROUNDS=n (default 2) times each tree n times, the order alternating (H C, C H, H C, ...): at
@@ -23,7 +24,7 @@ MS=${AB_MS:-64,128,256,512,1024}
 ROUNDS=${AB_ROUNDS:-2}
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "candidate_ab: AB_ROUNDS=$ROUNDS is not a positive integer" >&2; exit 2; }
 work=${AB_WORK:-/tmp/candidate-ab}; rm -rf "$work"; mkdir -p "$work" "$OUT"
-OUT="$work" CAND_SKIP_TESTS="$head" CAND_SANITIZE="$cand" CAND_TESTS=tests/test_lora_fused_gpu.py \
+OUT="$work" CAND_SKIP_TESTS="$head" CAND_SANITIZE="$cand" CAND_TESTS="tests/test_lora_fused_gpu.py tests/test_lora_expand_gpu.py" \
   CAND_VARIANTS=splitk,wgmma_rs CAND_MS="$MS" bash benchmarks/gpu/candidates_check.sh "$head_dir" "$cand_dir"
 rc=$?
 if [ $rc -eq 0 ]; then
