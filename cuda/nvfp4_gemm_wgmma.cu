@@ -324,6 +324,7 @@ __device__ __forceinline__ void wgmma_body(const CUtensorMap& x_map, const uint4
               uint32_t f[4];
 #pragma unroll
               for (int e = 0; e < 4; ++e) f[e] = b_frag(h, j, e);
+              wgmma_fence();  // f's registers were written since the last wgmma (PTX ISA, wgmma.fence)
               wgmma_m64k16_rs<T>(acc[h], f, k_desc(j));
               // retired before the next step's loads write f's registers (a wgmma reads its A registers
               // asynchronously: PTX ISA, wgmma.mma_async; cuda/nvfp4_gemm_wgmma_wide.cu's LoRA loop says more)

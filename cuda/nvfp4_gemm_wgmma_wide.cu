@@ -158,6 +158,7 @@ __device__ __forceinline__ void wide_lora_start(float (&acc)[T / 2], const QerlL
     uint32_t f[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) f[e] = b_frag(j, e);
+    wgmma_fence();  // f's registers were written since the last wgmma (PTX ISA, wgmma.fence)
     wgmma_m64k16_rs<T>(acc, f, k_desc(j));
     // f is the same registers every step and a wgmma reads its A registers asynchronously: they may not be written
     // before a wait_group has retired it (PTX ISA, wgmma.mma_async). Without this wait the next step's loads (and
