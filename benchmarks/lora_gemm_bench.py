@@ -1,8 +1,8 @@
 """What the single-adapter LoRA path costs per decode GEMM, on one GPU, kernel by kernel.
 
 For the 7B (and 32B) layer shapes with their LoRA slices (qkv: 3, gate_up: 2, o / down: 1; rank 32) and decode
-token counts, each method is captured ``ROT`` times into one CUDA graph (weights cycling over ``ROT`` sets, as
-``kernel.py`` does) and replayed in round-robin rounds:
+token counts, each method is captured ``ROT`` times into one CUDA graph (weights, LoRA A and LoRA B cycling over
+``ROT`` sets, as ``kernel.py`` does with the weights) and replayed in round-robin rounds:
 
 * ``gemm``: ``qerl::nvfp4_gemm`` (auto dispatch), the base alone;
 * ``gemm_lora``: ``qerl::nvfp4_gemm_lora`` with a ready ``shrunk`` (the expand in the GEMM's epilogue where it runs);
@@ -96,22 +96,26 @@ def measure(name: str, n: int, k: int, m: int, cfg: dict, iters: int) -> dict:
     gs = random_nvfp4(16, 128)[2]
     a_cat = [(torch.randn(s * RANK, k, device=DEV) / k**0.5).to(torch.bfloat16) for _ in range(ROT)]
     bounds = slice_bounds(name, n, cfg)
-    lora_b = torch.zeros(n, s * RANK, device=DEV, dtype=torch.bfloat16)
-    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        lora_b[lo:hi, i * RANK:(i + 1) * RANK] = (torch.randn(hi - lo, RANK, device=DEV) * 0.02).to(torch.bfloat16)
+    # lora_b cycles over ROT sets with the weights and A: in an engine each layer's B comes from DRAM. With one B,
+    # L2-resident, this bench read +9.7 us per 7B layer at M = 8 where the engine's kernels took +12.7 (NOTES, "Outcome
+    # of the B = 8 decode profile"); how much of that gap the cold B explains is the next run's to say.
+    lora_bs = [torch.zeros(n, s * RANK, device=DEV, dtype=torch.bfloat16) for _ in range(ROT)]
+    for lora_b in lora_bs:
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            lora_b[lo:hi, i * RANK:(i + 1) * RANK] = (torch.randn(hi - lo, RANK, device=DEV) * 0.02).to(torch.bfloat16)
     mask = torch.ones(m, 1, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     shrunk = torch.ops.qerl.lora_shrink(x, a_cat[0])
 
     def gemm_lora(r: int, sh: torch.Tensor, pdl: bool) -> torch.Tensor:
         w = ws[r % ROT]
-        return torch.ops.qerl.nvfp4_gemm_lora(x, w.qweight, w.qscale, gs, None, n, sh, lora_b, mask, bounds, 0, 0,
-                                              pdl)
+        return torch.ops.qerl.nvfp4_gemm_lora(x, w.qweight, w.qscale, gs, None, n, sh, lora_bs[r % ROT], mask, bounds,
+                                              0, 0, pdl)
 
     def linear(r: int, pdl: bool, mode: int = 0) -> torch.Tensor:
         w = ws[r % ROT]
-        return torch.ops.qerl.nvfp4_lora_linear(x, w.qweight, w.qscale, gs, None, n, a_cat[r % ROT], lora_b, mask,
-                                                bounds, mode, 0, pdl)
+        return torch.ops.qerl.nvfp4_lora_linear(x, w.qweight, w.qscale, gs, None, n, a_cat[r % ROT], lora_bs[r % ROT],
+                                                mask, bounds, mode, 0, pdl)
 
     fns = {
         "gemm": lambda r: torch.ops.qerl.nvfp4_gemm(x, ws[r % ROT].qweight, ws[r % ROT].qscale, gs, None, n, 0),
