@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 
-import rollout  # noqa: E402  (device and version helpers shared by the benchmarks)
+from kernel import run_header  # noqa: E402  (device, versions, command, env, date of every kernel benchmark)
 from lora_shrink_bench import graph_us  # noqa: E402
 from results_format import report_and_write  # noqa: E402
 
@@ -76,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                         "measured": round(tri_sum / cub_sum, 3), "op": "<=", "target": 1.0})
         print(f"T={t}: per 7B layer set Triton {tri_sum:.1f} us, cuBLAS (mask multiply + addmm) {cub_sum:.1f} us",
               flush=True)
-    name = rollout.device_name()
-    res = {"device": name, "versions": {**rollout.versions(), "triton": getattr(le.triton, "__version__", None)},
-           "command": "python " + " ".join(sys.argv),
-           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QERL_")},
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cublas_min_tokens": le.CUBLAS_MIN_TOKENS,
+    name = torch.cuda.get_device_name()
+    header = run_header(name)
+    header["versions"]["triton"] = getattr(le.triton, "__version__", None)
+    res = {**header, "cublas_min_tokens": le.CUBLAS_MIN_TOKENS,
            "triton_captured_max_tokens": le.TRITON_CAPTURED_MAX_TOKENS, "rows": rows, "targets": targets}
     report_and_write(Path(args.out) / f"lora-expand-{name.replace(' ', '-').lower()}.json", res)
     return 0

@@ -15,7 +15,6 @@ import itertools
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 
-import rollout  # noqa: E402  (device and version helpers shared by the benchmarks)
+from kernel import run_header  # noqa: E402  (device, versions, command, env, date of every kernel benchmark)
 from results_format import target_status, write_json  # noqa: E402
 
 from verl_qerl.kernels import lora_shrink as ls  # noqa: E402
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time forced tiles (slower)")
     p.add_argument("--out", default=os.environ.get("OUT", "results"))
     args = p.parse_args(argv)
-    device = rollout.device_name()
+    device = torch.cuda.get_device_name()
     rows = []
     for name, (r, k) in SHAPES.items():
         a = torch.randn(r, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -119,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     max_t = triton_wins_up_to(rows)
     print(f"[lora_shrink] Triton beats cuBLAS on every shape up to T={max_t} "
           f"(TRITON_MAX_TOKENS is {ls.TRITON_MAX_TOKENS})", flush=True)
-    result = {"benchmark": "lora_shrink", "device": device,
-              "versions": {**rollout.versions(), "triton": triton_version()},
-              "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "triton_max_tokens": ls.TRITON_MAX_TOKENS,
+    header = run_header(device)
+    header["versions"]["triton"] = triton_version()
+    header["command"] = "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:]))
+    result = {"benchmark": "lora_shrink", **header, "triton_max_tokens": ls.TRITON_MAX_TOKENS,
               "triton_wins_up_to": max_t, "rows": rows, "targets": targets(rows, ls.TRITON_MAX_TOKENS)}
     for t in result["targets"]:
         print(f"[lora_shrink] target {t['name']}: {t['measured']} {t['op']} {t['target']} {target_status(t)}",

@@ -266,3 +266,20 @@ def test_per_gpu_lanes_run_each_lane_and_archive_them(staged, tmp_path):
         assert f"g0/{a.name}.log" in names and f"g1/{b.name}.log" in names
         log = tar.extractfile(f"g1/{b.name}.log").read().decode()
     assert f"[{b.name}] build rc=1" in log
+
+
+def test_staged_benchmarks_import_only_staged_modules():
+    """The benchmark scripts staging carries (stage_candidates.sh: benchmarks/kernel*.py, lora_*bench.py,
+    results_format.py) import no benchmark module it leaves out: `lora_shrink_bench.py` once imported `rollout` and
+    failed on the GPU machine at its first line (NOTES, "Outcome of `shrink-splitk`")."""
+    import re
+
+    staged_re = re.compile(r"^(kernel[a-z_]*|lora_[a-z_]*bench|results_format)$")
+    bench = REPO / "benchmarks"
+    local = {p.stem for p in bench.glob("*.py")}
+    for script in sorted(bench.glob("*.py")):
+        if not staged_re.match(script.stem):
+            continue
+        imported = set(re.findall(r"^(?:from|import)\s+([A-Za-z_]\w*)", script.read_text(), flags=re.M))
+        missing = sorted(m for m in imported & local if not staged_re.match(m))
+        assert missing == [], f"{script.name} imports {missing}, which stage_candidates.sh does not carry"
